@@ -1,0 +1,30 @@
+// Read-only memory map of a whole file. Checkpoints are mapped, never copied.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace gemstage {
+
+class MappedFile {
+ public:
+  explicit MappedFile(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+
+  const uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+  const uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Whole small file into memory (config.json, tokenizer.json, .npy). Refuses files over max_bytes.
+std::string read_text_file(const std::string& path, size_t max_bytes = size_t{1} << 30);
+
+}  // namespace gemstage

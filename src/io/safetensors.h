@@ -1,0 +1,58 @@
+// Safetensors checkpoints: one file or shards listed in model.safetensors.index.json.
+// Every header is validated before any tensor data is touched; tensors stay in the mmap.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "io/mapped_file.h"
+
+namespace gemstage {
+
+struct SafetensorsEntry {
+  std::string key;
+  DType dtype;
+  Shape shape;
+  size_t begin = 0, end = 0;  // byte offsets into the data section
+};
+
+class SafetensorsFile {
+ public:
+  // Maps and validates: header length within the file, JSON well formed, known dtypes,
+  // integer shapes, offsets inside the data section, sizes equal to numel * dtype size,
+  // no two tensors overlapping.
+  explicit SafetensorsFile(const std::string& path);
+
+  const std::string& path() const { return file_.path(); }
+  const std::map<std::string, SafetensorsEntry>& entries() const { return entries_; }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  WeightView view(const std::string& key) const;
+
+ private:
+  MappedFile file_;
+  size_t data_start_ = 0;
+  std::map<std::string, SafetensorsEntry> entries_;
+  std::map<std::string, std::string> metadata_;
+};
+
+// All tensors of a checkpoint directory, across shards.
+class TensorStore {
+ public:
+  static TensorStore open_dir(const std::string& dir);
+
+  bool has(const std::string& key) const { return where_.count(key) != 0; }
+  const SafetensorsEntry* entry(const std::string& key) const;
+  WeightView view(const std::string& key) const;
+  std::string file_of(const std::string& key) const;
+  std::vector<std::string> keys() const;
+  size_t total_bytes() const;
+
+ private:
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> where_;
+};
+
+}  // namespace gemstage
