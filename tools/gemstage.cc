@@ -1,18 +1,30 @@
-// gemstage: one CLI, subcommands in the llama.cpp style.
+// gemstage: one CLI, subcommands in the llama.cpp style. Each lives in tools/cmd_<name>.cc.
 #include <CLI/CLI.hpp>
 #include <iostream>
 
 #include "core/error.h"
+#include "tools/commands.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"gemstage: Gemma 4 E-series as a pipeline of checked stages"};
   app.require_subcommand(1);
+  gemstage::cli::Registry reg;
+  gemstage::cli::add_info_command(app, reg);
+  gemstage::cli::add_dump_command(app, reg);
+  gemstage::cli::add_make_random_command(app, reg);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  try {
+    for (auto& [sub, action] : reg.commands)
+      if (sub->parsed()) return action();
   } catch (const gemstage::Error& e) {
     std::cerr << "error: " << e.what() << "\n";
+    return 1;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "error: out of memory\n";
     return 1;
   }
   return 0;
