@@ -1,8 +1,158 @@
+// gemstage dump: run a prompt (token ids from .npy) and write the requested taps as .npy files,
+// named and shaped as the golden fixtures. Optional greedy decode with the KV cache.
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+
+#include "core/error.h"
+#include "io/npy.h"
+#include "tools/cli_common.h"
 #include "tools/commands.h"
 
 namespace gemstage::cli {
-void add_dump_command(CLI::App& app, Registry& reg) {
-  auto* sub = app.add_subcommand("dump", "(not yet implemented)");
-  reg.add(sub, [] { return 2; });
+
+namespace {
+
+struct DumpArgs {
+  std::string model, ids, out, taps = "logits";
+  int decode = 0;
+  int chunk = 0;  // 0: whole prompt in one pass
+  int threads = 0;
+  int64_t ctx = 0;
+  std::string ple_identity = "pad", embed_scale = "f32";
+  bool verbose = false;
+};
+
+std::vector<std::string> split_list(const std::string& s) {
+  std::vector<std::string> out;
+  size_t b = 0;
+  while (b <= s.size()) {
+    const size_t e = s.find(',', b);
+    const std::string part = s.substr(b, e == std::string::npos ? std::string::npos : e - b);
+    if (!part.empty()) out.push_back(part);
+    if (e == std::string::npos) break;
+    b = e + 1;
+  }
+  return out;
 }
+
+int run_dump(const DumpArgs& a) {
+  const double t0 = now_seconds();
+  auto model = Gemma4Model::open(a.model);
+  print_model_notes(*model, a.verbose);
+  const TextModel& text = model->text();
+  const TextConfig& tc = text.config();
+  const double t_load = now_seconds() - t0;
+
+  const NpyArray ids_npy = load_npy(a.ids);
+  if (ids_npy.shape.size() != 1 && !(ids_npy.shape.size() == 2 && ids_npy.shape[0] == 1))
+    fail(a.ids, ": expected a 1-D array of token ids (or [1, S]), found shape ",
+         shape_str(ids_npy.shape));
+  std::vector<int32_t> ids;
+  for (int64_t v : ids_npy.to_i64()) {
+    if (v < 0 || v > INT32_MAX) fail(a.ids, ": token id ", v, " is out of range");
+    ids.push_back(static_cast<int32_t>(v));
+  }
+  if (ids.empty()) fail(a.ids, ": no token ids");
+
+  TextRunOptions opt;
+  if (a.ple_identity == "raw") {
+    opt.ple_identity = PleIdentity::Raw;
+    std::cerr << "warning: --ple-identity raw is a DIAGNOSTIC that reproduces the known "
+                 "staged-export bug "
+                 "(raw placeholder ids feed the PLE lookup); outputs are wrong on purpose\n";
+  } else if (a.ple_identity != "pad") {
+    fail("--ple-identity must be pad or raw");
+  }
+  opt.embed_scale = a.embed_scale == "bf16" ? EmbedScaleMode::BF16 : EmbedScaleMode::F32;
+
+  TapRecorder taps(split_list(a.taps));
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  const int64_t S = static_cast<int64_t>(ids.size());
+  const int64_t ctx =
+      a.ctx > 0 ? a.ctx
+                : std::min<int64_t>(tc.max_position_embeddings, S + std::max(0, a.decode) + 1);
+  KvCache cache(tc, ctx);
+  const bool all_logits = taps.wants("logits");
+  const int64_t chunk = a.chunk > 0 ? a.chunk : S;
+
+  const double t1 = now_seconds();
+  FloatTensor last;
+  for (int64_t b = 0; b < S; b += chunk) {
+    const int64_t n = std::min(chunk, S - b);
+    last = text.forward(
+        pool, std::span<const int32_t>(ids).subspan(static_cast<size_t>(b), static_cast<size_t>(n)),
+        nullptr, cache, opt, all_logits, &taps);
+  }
+  const double t_prefill = now_seconds() - t1;
+
+  const int64_t V = tc.vocab_size;
+  std::vector<int64_t> decode_ids;
+  std::vector<float> decode_logits, margins;
+  double t_decode = 0;
+  if (a.decode > 0) {
+    std::vector<float> row(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
+    const double t2 = now_seconds();
+    for (int step = 0; step < a.decode; ++step) {
+      const int64_t best = argmax_first(row.data(), V);
+      float second = -INFINITY;
+      for (int64_t i = 0; i < V; ++i)
+        if (i != best) second = std::max(second, row[static_cast<size_t>(i)]);
+      decode_ids.push_back(best);
+      margins.push_back(row[static_cast<size_t>(best)] - second);
+      decode_logits.insert(decode_logits.end(), row.begin(), row.end());
+      if (step + 1 == a.decode) break;
+      const int32_t next = static_cast<int32_t>(best);
+      FloatTensor l = text.forward(pool, std::span<const int32_t>(&next, 1), nullptr, cache, opt,
+                                   false, nullptr);
+      row.assign(l.row(0), l.row(0) + V);
+    }
+    t_decode = now_seconds() - t2;
+    taps.append_ids("decode_ids", decode_ids);
+    taps.append("decode_logits", {V}, decode_logits.data(), a.decode);
+    taps.append("decode_top2_margin", {}, margins.data(), a.decode);
+    std::vector<int64_t> seq(ids.begin(), ids.end());
+    seq.insert(seq.end(), decode_ids.begin(), decode_ids.end());
+    taps.append_ids("sequence_ids", seq);
+  }
+  taps.write_dir(a.out);
+
+  std::cerr << "load " << t_load << " s; prefill " << S << " tokens in " << t_prefill << " s ("
+            << (t_prefill > 0 ? static_cast<double>(S) / t_prefill : 0.0) << " t/s)";
+  if (a.decode > 1)
+    std::cerr << "; decode " << a.decode - 1 << " tokens in " << t_decode << " s ("
+              << static_cast<double>(a.decode - 1) / t_decode << " t/s)";
+  std::cerr << "; " << pool.size() << " threads; wrote " << taps.recorded().size() << " taps to "
+            << a.out << "\n";
+  return 0;
+}
+
+}  // namespace
+
+void add_dump_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<DumpArgs>();
+  auto* sub = app.add_subcommand(
+      "dump", "Run token ids through the model and write named taps as .npy files");
+  sub->add_option("-m,--model", a->model, "Hugging Face checkpoint directory or gemstage bundle")
+      ->required();
+  sub->add_option("--ids", a->ids, ".npy file of prompt token ids (int64 or int32, shape [S])")
+      ->required();
+  sub->add_option("--out", a->out, "output directory for <tap>.npy files")->required();
+  sub->add_option("--taps", a->taps, "comma-separated tap names, or 'all'")->capture_default_str();
+  sub->add_option("--decode", a->decode,
+                  "greedy decode N tokens with the KV cache (decode_ids, decode_logits)");
+  sub->add_option("--chunk", a->chunk, "prefill chunk size (0 = whole prompt in one pass)");
+  sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  sub->add_option("-c,--ctx-size", a->ctx, "KV cache context size (default: prompt + decode)");
+  sub->add_option("--ple-identity", a->ple_identity,
+                  "pad (HF, default) or raw (DIAGNOSTIC: reproduce the raw-placeholder-id PLE bug)")
+      ->check(CLI::IsMember({"pad", "raw"}));
+  sub->add_option(
+         "--embed-scale", a->embed_scale,
+         "f32 (HF in float32, default) or bf16 (sqrt(D) rounded to bf16, as HF running in bf16)")
+      ->check(CLI::IsMember({"f32", "bf16"}));
+  sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
+  reg.add(sub, [a] { return run_dump(*a); });
+}
+
 }  // namespace gemstage::cli

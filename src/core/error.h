@@ -29,8 +29,8 @@ template <typename... Parts>
   throw Error(detail::concat(std::forward<Parts>(parts)...));
 }
 
-#define GEMSTAGE_CHECK(cond, ...)         \
-  do {                                    \
+#define GEMSTAGE_CHECK(cond, ...)               \
+  do {                                          \
     if (!(cond)) ::gemstage::fail(__VA_ARGS__); \
   } while (0)
 

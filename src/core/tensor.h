@@ -21,7 +21,8 @@ struct FloatTensor {
   std::vector<float> data;
 
   FloatTensor() = default;
-  explicit FloatTensor(Shape s) : shape(std::move(s)), data(static_cast<size_t>(shape_numel(shape)), 0.0f) {}
+  explicit FloatTensor(Shape s)
+      : shape(std::move(s)), data(static_cast<size_t>(shape_numel(shape)), 0.0f) {}
   int64_t numel() const { return static_cast<int64_t>(data.size()); }
   int64_t dim(size_t i) const { return shape.at(i); }
   float* row(int64_t r) { return data.data() + r * shape.back(); }

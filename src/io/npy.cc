@@ -19,7 +19,8 @@ constexpr Descr kDescrs[] = {{"<f4", DType::F32}, {"<f8", DType::F64}, {"<f2", D
                              {"<i8", DType::I64}, {"<i4", DType::I32}, {"|i1", DType::I8},
                              {"|u1", DType::U8},  {"|b1", DType::BOOL}};
 
-// Value of 'key': in a numpy header dict, up to the next ',' or '}' (or the closing ')' of a tuple).
+// Value of 'key': in a numpy header dict, up to the next ',' or '}' (or the closing ')' of a
+// tuple).
 std::string header_value(const std::string& h, const std::string& key, const std::string& what) {
   const std::string k = "'" + key + "'";
   const size_t p = h.find(k);
@@ -69,8 +70,11 @@ NpyArray parse_npy(const uint8_t* data, size_t size, const std::string& what) {
       a.dtype = d.dtype;
       found = true;
     }
-  if (!found) fail(what, ": unsupported npy dtype '", descr, "' (need little-endian f4/f8/f2/i8/i4/i1/u1/b1)");
-  if (header_value(h, "fortran_order", what) != "False") fail(what, ": Fortran-order arrays are not supported");
+  if (!found)
+    fail(what, ": unsupported npy dtype '", descr,
+         "' (need little-endian f4/f8/f2/i8/i4/i1/u1/b1)");
+  if (header_value(h, "fortran_order", what) != "False")
+    fail(what, ": Fortran-order arrays are not supported");
   const std::string shape = header_value(h, "shape", what);
   size_t i = 1;
   while (i < shape.size()) {
@@ -110,14 +114,42 @@ std::vector<float> NpyArray::to_f32() const {
   for (size_t i = 0; i < n; ++i) {
     const uint8_t* p = bytes.data() + i * dtype_size(dtype);
     switch (dtype) {
-      case DType::F32: std::memcpy(&out[i], p, 4); break;
-      case DType::F64: { double d; std::memcpy(&d, p, 8); out[i] = static_cast<float>(d); break; }
-      case DType::F16: { uint16_t h; std::memcpy(&h, p, 2); out[i] = f16_to_f32(h); break; }
-      case DType::I64: { int64_t v; std::memcpy(&v, p, 8); out[i] = static_cast<float>(v); break; }
-      case DType::I32: { int32_t v; std::memcpy(&v, p, 4); out[i] = static_cast<float>(v); break; }
-      case DType::I8: out[i] = static_cast<float>(static_cast<int8_t>(*p)); break;
-      case DType::U8: case DType::BOOL: out[i] = static_cast<float>(*p); break;
-      default: fail("npy: cannot convert ", dtype_name(dtype), " to f32");
+      case DType::F32:
+        std::memcpy(&out[i], p, 4);
+        break;
+      case DType::F64: {
+        double d;
+        std::memcpy(&d, p, 8);
+        out[i] = static_cast<float>(d);
+        break;
+      }
+      case DType::F16: {
+        uint16_t h;
+        std::memcpy(&h, p, 2);
+        out[i] = f16_to_f32(h);
+        break;
+      }
+      case DType::I64: {
+        int64_t v;
+        std::memcpy(&v, p, 8);
+        out[i] = static_cast<float>(v);
+        break;
+      }
+      case DType::I32: {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        out[i] = static_cast<float>(v);
+        break;
+      }
+      case DType::I8:
+        out[i] = static_cast<float>(static_cast<int8_t>(*p));
+        break;
+      case DType::U8:
+      case DType::BOOL:
+        out[i] = static_cast<float>(*p);
+        break;
+      default:
+        fail("npy: cannot convert ", dtype_name(dtype), " to f32");
     }
   }
   return out;
@@ -129,11 +161,24 @@ std::vector<int64_t> NpyArray::to_i64() const {
   for (size_t i = 0; i < n; ++i) {
     const uint8_t* p = bytes.data() + i * dtype_size(dtype);
     switch (dtype) {
-      case DType::I64: std::memcpy(&out[i], p, 8); break;
-      case DType::I32: { int32_t v; std::memcpy(&v, p, 4); out[i] = v; break; }
-      case DType::I8: out[i] = static_cast<int8_t>(*p); break;
-      case DType::U8: case DType::BOOL: out[i] = *p; break;
-      default: fail("npy: expected an integer array, found ", dtype_name(dtype));
+      case DType::I64:
+        std::memcpy(&out[i], p, 8);
+        break;
+      case DType::I32: {
+        int32_t v;
+        std::memcpy(&v, p, 4);
+        out[i] = v;
+        break;
+      }
+      case DType::I8:
+        out[i] = static_cast<int8_t>(*p);
+        break;
+      case DType::U8:
+      case DType::BOOL:
+        out[i] = *p;
+        break;
+      default:
+        fail("npy: expected an integer array, found ", dtype_name(dtype));
     }
   }
   return out;
@@ -145,30 +190,43 @@ void save_npy(const std::string& path, DType dtype, const Shape& shape, const vo
     if (d.dtype == dtype) descr = d.text;
   if (!descr) fail(path, ": cannot write dtype ", dtype_name(dtype), " to .npy");
   std::string sh = "(";
-  for (size_t i = 0; i < shape.size(); ++i) sh += std::to_string(shape[i]) + (shape.size() == 1 ? "," : (i + 1 < shape.size() ? ", " : ""));
+  for (size_t i = 0; i < shape.size(); ++i)
+    sh += std::to_string(shape[i]) + (shape.size() == 1 ? "," : (i + 1 < shape.size() ? ", " : ""));
   sh += ")";
-  std::string header = std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + sh + ", }";
+  std::string header =
+      std::string("{'descr': '") + descr + "', 'fortran_order': False, 'shape': " + sh + ", }";
   const size_t total = 10 + header.size() + 1;
   header.append((64 - total % 64) % 64, ' ');
   header.push_back('\n');
   std::ofstream out(path, std::ios::binary);
   if (!out) fail(path, ": cannot open for writing");
-  const uint8_t pre[10] = {0x93, 'N', 'U', 'M', 'P', 'Y', 1, 0,
+  const uint8_t pre[10] = {0x93,
+                           'N',
+                           'U',
+                           'M',
+                           'P',
+                           'Y',
+                           1,
+                           0,
                            static_cast<uint8_t>(header.size() & 0xff),
                            static_cast<uint8_t>(header.size() >> 8)};
   out.write(reinterpret_cast<const char*>(pre), 10);
   out.write(header.data(), static_cast<std::streamsize>(header.size()));
-  out.write(static_cast<const char*>(data), static_cast<std::streamsize>(shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype))));
+  out.write(
+      static_cast<const char*>(data),
+      static_cast<std::streamsize>(shape_numel(shape) * static_cast<int64_t>(dtype_size(dtype))));
   if (!out) fail(path, ": write failed");
 }
 
 void save_npy_f32(const std::string& path, const Shape& shape, const std::vector<float>& v) {
-  GEMSTAGE_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), path, ": size/shape mismatch");
+  GEMSTAGE_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), path,
+                 ": size/shape mismatch");
   save_npy(path, DType::F32, shape, v.data());
 }
 
 void save_npy_i64(const std::string& path, const Shape& shape, const std::vector<int64_t>& v) {
-  GEMSTAGE_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), path, ": size/shape mismatch");
+  GEMSTAGE_CHECK(static_cast<int64_t>(v.size()) == shape_numel(shape), path,
+                 ": size/shape mismatch");
   save_npy(path, DType::I64, shape, v.data());
 }
 

@@ -16,8 +16,8 @@ struct NpyArray {
   std::vector<uint8_t> bytes;
 
   int64_t numel() const { return shape_numel(shape); }
-  std::vector<float> to_f32() const;      // any float or int dtype
-  std::vector<int64_t> to_i64() const;    // integer dtypes only
+  std::vector<float> to_f32() const;    // any float or int dtype
+  std::vector<int64_t> to_i64() const;  // integer dtypes only
 };
 
 NpyArray load_npy(const std::string& path);

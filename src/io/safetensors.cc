@@ -25,7 +25,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
   uint64_t hlen = 0;
   for (int i = 7; i >= 0; --i) hlen = (hlen << 8) | file_.data()[i];
   if (hlen > size - 8)
-    fail(path, ": header length ", hlen, " runs past the end of the file (", size, " bytes); the file is truncated or not safetensors");
+    fail(path, ": header length ", hlen, " runs past the end of the file (", size,
+         " bytes); the file is truncated or not safetensors");
   if (hlen > kMaxHeaderBytes) fail(path, ": header length ", hlen, " exceeds the 100 MB limit");
   data_start_ = 8 + static_cast<size_t>(hlen);
   const size_t data_size = size - data_start_;
@@ -46,7 +47,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
       continue;
     }
     const std::string where = path + ": tensor " + key;
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets"))
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") ||
+        !v.contains("data_offsets"))
       fail(where, ": entry needs dtype, shape and data_offsets");
     SafetensorsEntry e;
     e.key = key;
@@ -56,7 +58,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
     size_t numel = 1;
     for (const auto& d : v["shape"]) {
       const size_t n = checked_u64(d, where + " shape entry");
-      if (n != 0 && numel > std::numeric_limits<size_t>::max() / n) fail(where, ": shape overflows");
+      if (n != 0 && numel > std::numeric_limits<size_t>::max() / n)
+        fail(where, ": shape overflows");
       numel *= n;
       e.shape.push_back(static_cast<int64_t>(n));
     }
@@ -66,7 +69,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
     e.end = checked_u64(off[1], where + " data_offsets[1]");
     if (e.begin > e.end) fail(where, ": data_offsets begin ", e.begin, " > end ", e.end);
     if (e.end > data_size)
-      fail(where, ": data_offsets end ", e.end, " is past the data section (", data_size, " bytes); the file is truncated");
+      fail(where, ": data_offsets end ", e.end, " is past the data section (", data_size,
+           " bytes); the file is truncated");
     const size_t es = dtype_size(e.dtype);
     if (numel > std::numeric_limits<size_t>::max() / es) fail(where, ": byte size overflows");
     if (numel * es != e.end - e.begin)
@@ -80,7 +84,8 @@ SafetensorsFile::SafetensorsFile(const std::string& path) : file_(path) {
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < sorted.size(); ++i)
     if (sorted[i]->begin < sorted[i - 1]->end)
-      fail(path, ": tensors ", sorted[i - 1]->key, " and ", sorted[i]->key, " overlap in the data section");
+      fail(path, ": tensors ", sorted[i - 1]->key, " and ", sorted[i]->key,
+           " overlap in the data section");
 }
 
 WeightView SafetensorsFile::view(const std::string& key) const {
@@ -112,31 +117,42 @@ TensorStore TensorStore::open_dir(const std::string& dir) {
       fail(index.string(), ": missing the weight_map object");
     std::map<std::string, std::string> wanted;
     for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) fail(index.string(), ": weight_map[", it.key(), "] is not a file name");
+      if (!it.value().is_string())
+        fail(index.string(), ": weight_map[", it.key(), "] is not a file name");
       const std::string f = it.value().get<std::string>();
-      if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos || f == "." || f == "..")
-        fail(index.string(), ": shard name '", f, "' must be a plain file name in the checkpoint directory");
+      if (f.empty() || f.find('/') != std::string::npos || f.find('\\') != std::string::npos ||
+          f == "." || f == "..")
+        fail(index.string(), ": shard name '", f,
+             "' must be a plain file name in the checkpoint directory");
       wanted[it.key()] = f;
       if (std::find(shards.begin(), shards.end(), f) == shards.end()) shards.push_back(f);
     }
     for (const auto& f : shards)
       if (!fs::exists(fs::path(dir) / f))
-        fail(index.string(), " lists shard ", f, " but ", (fs::path(dir) / f).string(), " does not exist; download every shard");
-    for (const auto& f : shards) s.files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / f).string()));
+        fail(index.string(), " lists shard ", f, " but ", (fs::path(dir) / f).string(),
+             " does not exist; download every shard");
+    for (const auto& f : shards)
+      s.files_.push_back(std::make_unique<SafetensorsFile>((fs::path(dir) / f).string()));
     for (size_t i = 0; i < s.files_.size(); ++i)
       for (const auto& [k, e] : s.files_[i]->entries()) {
-        if (s.where_.count(k)) fail(s.files_[i]->path(), ": tensor ", k, " also appears in ", s.files_[s.where_[k]]->path());
+        if (s.where_.count(k))
+          fail(s.files_[i]->path(), ": tensor ", k, " also appears in ",
+               s.files_[s.where_[k]]->path());
         s.where_[k] = i;
       }
     for (const auto& [k, f] : wanted) {
       auto it = s.where_.find(k);
-      if (it == s.where_.end()) fail(index.string(), ": tensor ", k, " is listed in shard ", f, " but that shard does not contain it");
+      if (it == s.where_.end())
+        fail(index.string(), ": tensor ", k, " is listed in shard ", f,
+             " but that shard does not contain it");
     }
     return s;
   }
   const fs::path single = fs::path(dir) / "model.safetensors";
   if (!fs::exists(single))
-    fail(dir, ": no model.safetensors or model.safetensors.index.json; point --model at a Hugging Face checkpoint directory");
+    fail(dir,
+         ": no model.safetensors or model.safetensors.index.json; point --model at a Hugging Face "
+         "checkpoint directory");
   s.files_.push_back(std::make_unique<SafetensorsFile>(single.string()));
   for (const auto& [k, e] : s.files_[0]->entries()) s.where_[k] = 0;
   return s;

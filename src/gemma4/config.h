@@ -1,0 +1,105 @@
+// Gemma 4 configuration as read from a Hugging Face checkpoint's config.json, plus the per-layer
+// facts derived from it (layer type, head dim, KV donor, MLP width). Everything downstream asks
+// LayerSpec instead of re-deriving these rules.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace gemstage {
+
+enum class LayerType { Sliding, Full };
+const char* layer_type_name(LayerType t);
+
+struct RopeParams {
+  std::string type = "default";  // "default" or "proportional"
+  double theta = 10000.0;
+  double partial_rotary_factor = 1.0;
+};
+
+struct LayerSpec {
+  LayerType type = LayerType::Sliding;
+  int head_dim = 0;
+  int num_kv_heads = 0;
+  int mlp_width = 0;
+  bool kv_shared = false;  // reads K/V produced by kv_donor, stores nothing
+  int kv_donor = -1;       // for shared layers: the layer whose K/V it reads
+  bool is_donor = false;   // some shared layer reads this layer's K/V
+};
+
+struct TextConfig {
+  int vocab_size = 262144;
+  int hidden_size = 2304;
+  int intermediate_size = 9216;
+  int num_hidden_layers = 30;
+  int num_attention_heads = 8;
+  int num_key_value_heads = 4;
+  int head_dim = 256;
+  int global_head_dim = 512;
+  int num_global_key_value_heads = -1;  // -1: null in config.json
+  double rms_norm_eps = 1e-6;
+  int sliding_window = 512;
+  int max_position_embeddings = 131072;
+  double final_logit_softcapping = 0.0;  // 0: none
+  int vocab_size_per_layer_input = 262144;
+  int hidden_size_per_layer_input = 256;
+  bool attention_k_eq_v = false;
+  int num_kv_shared_layers = 0;
+  bool use_double_wide_mlp = false;
+  bool tie_word_embeddings = true;
+  int pad_token_id = 0, bos_token_id = 2;
+  std::vector<int> eos_token_ids = {1};
+  RopeParams rope_sliding{"default", 10000.0, 1.0};
+  RopeParams rope_full{"proportional", 1e6, 0.25};
+  std::vector<LayerType> layer_types;
+  std::vector<LayerSpec> layers;  // derived
+
+  int first_kv_shared_layer() const { return num_hidden_layers - num_kv_shared_layers; }
+  int ple_dim() const { return hidden_size_per_layer_input; }
+  bool has_ple() const { return hidden_size_per_layer_input > 0; }
+};
+
+struct VisionConfig {
+  int hidden_size = 768;
+  int intermediate_size = 3072;
+  int num_hidden_layers = 16;
+  int num_attention_heads = 12;
+  int num_key_value_heads = 12;
+  int head_dim = 64;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 100.0;
+  int pooling_kernel_size = 3;
+  int patch_size = 16;
+  int position_embedding_size = 10240;
+  bool use_clipped_linears = false;
+  bool standardize = false;
+  int default_output_length = 280;
+};
+
+struct ModelConfig {
+  std::string source;        // path of config.json, for messages
+  std::string architecture;  // Gemma4ForConditionalGeneration / Gemma4ForCausalLM
+  bool multimodal = true;    // text weights under model.language_model. (else model.)
+  TextConfig text;
+  std::optional<VisionConfig> vision;
+  bool has_audio = false;
+  int image_token_id = 258880, video_token_id = 258884, audio_token_id = 258881;
+  int boi_token_id = 255999, eoi_token_id = 258882, boa_token_id = 256000, eoa_token_id = 258883;
+  std::vector<std::string> warnings;  // unknown fields and the like, for the CLI to print
+
+  std::string text_prefix() const { return multimodal ? "model.language_model." : "model."; }
+  // Token ids whose rows are filled by a tower: their PLE/embedding identity becomes pad.
+  std::vector<int> placeholder_token_ids() const {
+    return {image_token_id, video_token_id, audio_token_id};
+  }
+};
+
+// Reads DIR/config.json (both the flat global_head_dim layout and the per_layer_config layout).
+ModelConfig load_model_config(const std::string& dir);
+ModelConfig parse_model_config(const std::string& json_text, const std::string& source);
+
+// Fills TextConfig::layers from the raw fields; throws if the fields are inconsistent.
+void derive_layer_specs(TextConfig& t, const std::string& source);
+
+}  // namespace gemstage

@@ -1,0 +1,57 @@
+// The declarative tensor registry: every checkpoint tensor gemstage reads, named once with its
+// HF key, expected shape and role. Loading validates the whole list against the safetensors
+// headers and reports every problem at once (file, key, expected vs found).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "gemma4/config.h"
+#include "io/safetensors.h"
+
+namespace gemstage {
+
+enum class TensorRole {
+  Required,  // must be present with this shape
+  Ignored,   // may be present (HF skips it: KV-shared layers' k/v/k_norm); never read
+};
+
+struct TensorSpec {
+  std::string key;
+  Shape shape;
+  TensorRole role = TensorRole::Required;
+};
+
+std::vector<TensorSpec> text_tensor_specs(const ModelConfig& c);
+std::vector<TensorSpec> vision_tensor_specs(const ModelConfig& c);
+
+// Throws one Error listing every missing tensor, wrong shape and unsupported dtype.
+// Tensors of parts gemstage does not run (audio) are accepted; other unknown keys are returned.
+std::vector<std::string> validate_tensors(const std::vector<TensorSpec>& specs,
+                                          const TensorStore& store, const ModelConfig& c);
+
+// Views of the text decoder's weights. Small vectors (norms, scalars) are widened to f32 once.
+struct TextLayerWeights {
+  WeightView q_proj, k_proj, v_proj, o_proj;
+  WeightView gate_proj, up_proj, down_proj;
+  WeightView per_layer_input_gate, per_layer_projection;
+  std::vector<float> input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
+      post_feedforward_layernorm, q_norm, k_norm, post_per_layer_input_norm;
+  float layer_scalar = 1.0f;
+};
+
+struct TextWeights {
+  WeightView embed_tokens;            // [V, D]; also the tied LM head
+  WeightView embed_tokens_per_layer;  // [V_ple, L*P]
+  WeightView per_layer_model_projection;
+  std::vector<float> per_layer_projection_norm, final_norm;
+  std::vector<TextLayerWeights> layers;
+};
+
+// Binds views over the store; call validate_tensors first.
+TextWeights bind_text_weights(const ModelConfig& c, const TensorStore& store);
+
+std::vector<float> vector_to_f32(const WeightView& w);
+
+}  // namespace gemstage

@@ -1,0 +1,275 @@
+#include "gemma4/text_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "core/error.h"
+#include "kernels/matmul.h"
+
+namespace gemstage {
+
+namespace {
+
+// Gathers rows of a [V, n] table (any float dtype) into out[rows, n], times `scale`.
+void gather_rows(const WeightView& table, std::span<const int32_t> ids, float scale, float* out) {
+  const int64_t n = table.cols();
+  for (size_t r = 0; r < ids.size(); ++r) {
+    float* o = out + static_cast<int64_t>(r) * n;
+    weight_row_to_f32(table, ids[r], o);
+    for (int64_t i = 0; i < n; ++i) o[i] *= scale;
+  }
+}
+
+}  // namespace
+
+TextModel::TextModel(const ModelConfig& config, TextWeights weights)
+    : model_cfg_(config), cfg_(config.text), w_(std::move(weights)) {
+  int sliding_hd = cfg_.head_dim, full_hd = cfg_.global_head_dim;
+  for (const LayerSpec& s : cfg_.layers)
+    (s.type == LayerType::Full ? full_hd : sliding_hd) = s.head_dim;
+  auto table = [](const RopeParams& p, int hd) {
+    return p.type == "proportional" ? RopeTable::proportional(hd, p.theta, p.partial_rotary_factor)
+                                    : RopeTable::standard(hd, p.theta);
+  };
+  rope_sliding_ = table(cfg_.rope_sliding, sliding_hd);
+  rope_full_ = table(cfg_.rope_full, full_hd);
+}
+
+EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> input_ids,
+                                  const FloatTensor* soft_tokens, const TextRunOptions& opt,
+                                  TapRecorder* taps) const {
+  const int64_t S = static_cast<int64_t>(input_ids.size());
+  const int64_t D = cfg_.hidden_size, L = cfg_.num_hidden_layers, P = cfg_.ple_dim();
+  const std::vector<int> placeholders = model_cfg_.placeholder_token_ids();
+  const TokenIdentity ident = resolve_token_identity(
+      input_ids, placeholders, cfg_.pad_token_id, cfg_.vocab_size,
+      cfg_.has_ple() ? cfg_.vocab_size_per_layer_input : 0, opt.ple_identity);
+  if (taps) {
+    taps->append_ids("input_ids", std::vector<int64_t>(input_ids.begin(), input_ids.end()));
+    taps->append_ids("llm_input_ids",
+                     std::vector<int64_t>(ident.embed_ids.begin(), ident.embed_ids.end()));
+    taps->append_ids("ple_ids", std::vector<int64_t>(ident.ple_ids.begin(), ident.ple_ids.end()));
+  }
+
+  EmbeddingsOutput out;
+  // Gemma4TextScaledWordEmbedding casts its f32 scale to the compute dtype before multiplying.
+  float scale = std::sqrt(static_cast<float>(D));
+  if (opt.embed_scale == EmbedScaleMode::BF16) scale = round_to_bf16(scale);
+  out.hidden_states = FloatTensor({S, D});
+  gather_rows(w_.embed_tokens, ident.embed_ids, scale, out.hidden_states.data.data());
+  if (taps) taps->append("embeds_scaled", {D}, out.hidden_states.data.data(), S);
+
+  // Splice: the k-th placeholder row gets the k-th soft token (HF masked_scatter order).
+  int64_t n_ph = 0;
+  for (uint8_t p : ident.is_placeholder) n_ph += p;
+  const int64_t n_soft = soft_tokens ? soft_tokens->dim(0) : 0;
+  if (n_ph != n_soft)
+    fail("the prompt has ", n_ph, " image/audio/video placeholder tokens but ", n_soft,
+         " soft tokens were provided; each image needs exactly as many placeholders as it yields "
+         "soft tokens");
+  if (n_soft) {
+    if (soft_tokens->dim(1) != D)
+      fail("soft tokens have width ", soft_tokens->dim(1), ", expected ", D);
+    int64_t k = 0;
+    for (int64_t r = 0; r < S; ++r)
+      if (ident.is_placeholder[static_cast<size_t>(r)])
+        std::memcpy(out.hidden_states.row(r), soft_tokens->row(k++),
+                    static_cast<size_t>(D) * sizeof(float));
+  }
+  if (taps) taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
+
+  if (!cfg_.has_ple()) return out;
+  PerLayerInputs& pli = out.per_layer_inputs;
+  pli.rows = S;
+  pli.num_layers = L;
+  pli.dim = P;
+  // Identity half: E_ple[ple_ids] * sqrt(P).
+  std::vector<float> token_part(static_cast<size_t>(S * L * P));
+  gather_rows(w_.embed_tokens_per_layer, ident.ple_ids, std::sqrt(static_cast<float>(P)),
+              token_part.data());
+  if (taps) taps->append("ple_token_embeds", {L, P}, token_part.data(), S);
+  // Context half: RMSNorm_P(proj(spliced embeddings) * D^-1/2), one norm weight for all layers.
+  pli.data.resize(static_cast<size_t>(S * L * P));
+  matmul(pool, out.hidden_states.data.data(), S, w_.per_layer_model_projection, pli.data.data());
+  const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+  for (float& v : pli.data) v *= inv_sqrt_d;
+  rmsnorm_rows(pli.data.data(), S * L, P, w_.per_layer_projection_norm.data(),
+               static_cast<float>(cfg_.rms_norm_eps), pli.data.data());
+  const float inv_sqrt2 = static_cast<float>(1.0 / std::sqrt(2.0));
+  for (size_t i = 0; i < pli.data.size(); ++i)
+    pli.data[i] = (pli.data[i] + token_part[i]) * inv_sqrt2;
+  if (taps) taps->append("per_layer_inputs", {L, P}, pli.data.data(), S);
+  return out;
+}
+
+void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
+                              const PerLayerInputs& pli, KvCache& cache,
+                              std::vector<std::vector<float>>& chunk_k,
+                              std::vector<std::vector<float>>& chunk_v, TapRecorder* taps) const {
+  const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
+  const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
+  const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
+  const int64_t H = cfg_.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
+  const int64_t G = H / Hkv, kvw = Hkv * hd;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const int L = cfg_.num_hidden_layers;
+  const int64_t start = cache.n_past();
+  const RopeTable& rope = ls.type == LayerType::Full ? rope_full_ : rope_sliding_;
+
+  // ---- attention ----
+  std::vector<float> x(static_cast<size_t>(S * D));
+  rmsnorm_rows(hidden.data.data(), S, D, lw.input_layernorm.data(), eps, x.data());
+  std::vector<float> q(static_cast<size_t>(S * H * hd));
+  matmul(pool, x.data(), S, lw.q_proj, q.data());
+  rmsnorm_rows(q.data(), S * H, hd, lw.q_norm.data(), eps, q.data());
+  for (int64_t r = 0; r < S; ++r)
+    apply_rope(rope, start + r, q.data() + r * H * hd, static_cast<int>(H));
+
+  if (!ls.kv_shared) {
+    auto& k = chunk_k[static_cast<size_t>(li)];
+    auto& v = chunk_v[static_cast<size_t>(li)];
+    k.resize(static_cast<size_t>(S * kvw));
+    v.resize(static_cast<size_t>(S * kvw));
+    matmul(pool, x.data(), S, lw.k_proj, k.data());
+    matmul(pool, x.data(), S, lw.v_proj, v.data());
+    rmsnorm_rows(k.data(), S * Hkv, hd, lw.k_norm.data(), eps, k.data());
+    for (int64_t r = 0; r < S; ++r)
+      apply_rope(rope, start + r, k.data() + r * kvw, static_cast<int>(Hkv));
+    rmsnorm_rows(v.data(), S * Hkv, hd, nullptr, eps, v.data());
+  }
+  const int src = ls.kv_shared ? ls.kv_donor : li;
+  const auto& ck = chunk_k[static_cast<size_t>(src)];
+  const auto& cv = chunk_v[static_cast<size_t>(src)];
+  if (static_cast<int64_t>(ck.size()) != S * kvw)
+    fail("layer ", li, " reads the K/V of layer ", src,
+         ", which did not run in this pass; a stage must hold each KV-shared layer together with "
+         "its donor");
+  const LayerKvCache* past = cache.own(src);
+  if (!past) fail("layer ", li, ": no KV cache for layer ", src);
+  const int64_t window = cfg_.sliding_window;
+
+  std::vector<float> attn(static_cast<size_t>(S * H * hd), 0.0f);
+  pool.parallel_for(static_cast<size_t>(S * H), [&](size_t b, size_t e) {
+    std::vector<float> scores;
+    for (size_t task = b; task < e; ++task) {
+      const int64_t r = static_cast<int64_t>(task) / H, h = static_cast<int64_t>(task) % H;
+      const int64_t pos = start + r, kvh = h / G;
+      // Sliding: keys in (pos - W, pos]; full: [0, pos].
+      const int64_t lo = ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
+      const int64_t n = pos - lo + 1;
+      scores.resize(static_cast<size_t>(n));
+      const float* qv = q.data() + (r * H + h) * hd;
+      auto key = [&](int64_t p) {
+        return (p < start ? past->k_at(p) : ck.data() + (p - start) * kvw) + kvh * hd;
+      };
+      auto val = [&](int64_t p) {
+        return (p < start ? past->v_at(p) : cv.data() + (p - start) * kvw) + kvh * hd;
+      };
+      for (int64_t j = 0; j < n; ++j) {
+        const float* kv = key(lo + j);
+        float dot = 0.0f;
+        for (int64_t d = 0; d < hd; ++d) dot += qv[d] * kv[d];
+        scores[static_cast<size_t>(j)] = dot;  // attention scaling is 1.0 in Gemma 4
+      }
+      softmax_inplace(scores.data(), n);
+      float* o = attn.data() + (r * H + h) * hd;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = scores[static_cast<size_t>(j)];
+        const float* vv = val(lo + j);
+        for (int64_t d = 0; d < hd; ++d) o[d] += p * vv[d];
+      }
+    }
+  });
+  std::vector<float> branch(static_cast<size_t>(S * D));
+  matmul(pool, attn.data(), S, lw.o_proj, branch.data());
+  rmsnorm_rows(branch.data(), S, D, lw.post_attention_layernorm.data(), eps, branch.data());
+  for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
+  if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, hidden.data.data(), S);
+
+  // ---- MLP ----
+  const int64_t I = ls.mlp_width;
+  rmsnorm_rows(hidden.data.data(), S, D, lw.pre_feedforward_layernorm.data(), eps, x.data());
+  std::vector<float> gate(static_cast<size_t>(S * I)), up(static_cast<size_t>(S * I));
+  matmul(pool, x.data(), S, lw.gate_proj, gate.data());
+  matmul(pool, x.data(), S, lw.up_proj, up.data());
+  gelu_tanh_mul(gate.data(), up.data(), S * I, gate.data());
+  matmul(pool, gate.data(), S, lw.down_proj, branch.data());
+  rmsnorm_rows(branch.data(), S, D, lw.post_feedforward_layernorm.data(), eps, branch.data());
+  for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
+  if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, hidden.data.data(), S);
+
+  // ---- per-layer input: gate from the un-normalized stream, times this layer's PLE slice ----
+  if (cfg_.has_ple()) {
+    const int64_t P = cfg_.ple_dim();
+    if (pli.rows != S || pli.dim != P || pli.num_layers <= li)
+      fail("layer ", li, ": per_layer_inputs has shape [", pli.rows, ", ", pli.num_layers, ", ",
+           pli.dim, "], expected [", S, ", >", li, ", ", P, "]");
+    std::vector<float> g(static_cast<size_t>(S * P));
+    matmul(pool, hidden.data.data(), S, lw.per_layer_input_gate, g.data());
+    for (int64_t r = 0; r < S; ++r) {
+      const float* p = pli.at(r, li);
+      float* gr = g.data() + r * P;
+      for (int64_t j = 0; j < P; ++j) gr[j] = gelu_tanh(gr[j]) * p[j];
+    }
+    matmul(pool, g.data(), S, lw.per_layer_projection, branch.data());
+    rmsnorm_rows(branch.data(), S, D, lw.post_per_layer_input_norm.data(), eps, branch.data());
+    for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
+  }
+  // layer_scalar scales the whole residual stream, as the layer's last op.
+  for (float& v : hidden.data) v *= lw.layer_scalar;
+  if (taps) taps->append_layer("hidden_states", li, L, {D}, hidden.data.data(), S);
+}
+
+void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hidden,
+                           const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const {
+  const int L = cfg_.num_hidden_layers;
+  if (begin < 0 || end > L || begin >= end)
+    fail("layer range [", begin, ", ", end, ") is not inside [0, ", L, ")");
+  if (hidden.shape.size() != 2 || hidden.dim(1) != cfg_.hidden_size)
+    fail("hidden_states must be [S, ", cfg_.hidden_size, "], got ", shape_str(hidden.shape));
+  const int64_t S = hidden.dim(0);
+  if (cache.n_past() + S > cache.max_context())
+    fail("context limit reached: ", cache.n_past() + S, " tokens exceed the context size of ",
+         cache.max_context(),
+         " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
+         cfg_.max_position_embeddings, ")");
+  std::vector<std::vector<float>> chunk_k(static_cast<size_t>(L)), chunk_v(static_cast<size_t>(L));
+  for (int li = begin; li < end; ++li)
+    layer_forward(pool, li, hidden, pli, cache, chunk_k, chunk_v, taps);
+  for (int li = begin; li < end; ++li)
+    if (!cfg_.layers[static_cast<size_t>(li)].kv_shared)
+      cache.own(li)->append(chunk_k[static_cast<size_t>(li)].data(),
+                            chunk_v[static_cast<size_t>(li)].data(), S);
+}
+
+FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,
+                            int64_t n_rows, TapRecorder* taps) const {
+  const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
+  if (first_row < 0 || n_rows < 0 || first_row + n_rows > hidden.dim(0))
+    fail("head: row range out of bounds");
+  std::vector<float> normed(static_cast<size_t>(n_rows * D));
+  rmsnorm_rows(hidden.row(first_row), n_rows, D, w_.final_norm.data(),
+               static_cast<float>(cfg_.rms_norm_eps), normed.data());
+  if (taps) taps->append("final_hidden", {D}, normed.data(), n_rows);
+  FloatTensor logits({n_rows, V});
+  matmul(pool, normed.data(), n_rows, w_.embed_tokens, logits.data.data());
+  if (cfg_.final_logit_softcapping > 0)
+    softcap(logits.data.data(), logits.numel(), static_cast<float>(cfg_.final_logit_softcapping));
+  if (taps) taps->append("logits", {V}, logits.data.data(), n_rows);
+  return logits;
+}
+
+FloatTensor TextModel::forward(ThreadPool& pool, std::span<const int32_t> input_ids,
+                               const FloatTensor* soft_tokens, KvCache& cache,
+                               const TextRunOptions& opt, bool all_logits,
+                               TapRecorder* taps) const {
+  EmbeddingsOutput e = embed(pool, input_ids, soft_tokens, opt, taps);
+  run_layers(pool, 0, cfg_.num_hidden_layers, e.hidden_states, e.per_layer_inputs, cache, taps);
+  cache.set_n_past(cache.n_past() + static_cast<int64_t>(input_ids.size()));
+  const int64_t S = e.hidden_states.dim(0);
+  return all_logits ? head(pool, e.hidden_states, 0, S, taps)
+                    : head(pool, e.hidden_states, S - 1, 1, taps);
+}
+
+}  // namespace gemstage

@@ -1,0 +1,86 @@
+// The Gemma 4 E-series text decoder, split the way stages split it:
+//   embed()      token identity (placeholder policy), scaled embedding, splice, and the whole
+//                per-layer-input (PLE) computation;
+//   run_layers() decoder layers [begin, end) over hidden states + their PLE slice;
+//   head()       final norm, tied LM head, final logit soft-cap.
+// No layer function ever sees token ids: PLE identity is resolved once, in embed().
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "core/tensor.h"
+#include "core/thread_pool.h"
+#include "gemma4/config.h"
+#include "gemma4/placeholder_policy.h"
+#include "gemma4/registry.h"
+#include "kernels/ops.h"
+#include "parity/taps.h"
+#include "runtime/kv_cache.h"
+
+namespace gemstage {
+
+enum class EmbedScaleMode {
+  F32,   // float32(sqrt(D)): HF with dtype=float32 (also on bf16 weights) — our compute dtype
+  BF16,  // sqrt(D) rounded to bf16 first: what HF does when the model runs in bf16
+};
+
+struct TextRunOptions {
+  PleIdentity ple_identity = PleIdentity::Pad;
+  EmbedScaleMode embed_scale = EmbedScaleMode::F32;
+};
+
+// Boundary tensors between the embeddings stage and the transformer stages.
+struct PerLayerInputs {
+  int64_t rows = 0, num_layers = 0, dim = 0;
+  std::vector<float> data;  // [rows, num_layers, dim]
+  const float* at(int64_t row, int64_t layer) const {
+    return data.data() + (row * num_layers + layer) * dim;
+  }
+};
+
+struct EmbeddingsOutput {
+  FloatTensor hidden_states;  // [S, D] spliced inputs_embeds
+  PerLayerInputs per_layer_inputs;
+};
+
+class TextModel {
+ public:
+  TextModel(const ModelConfig& config, TextWeights weights);
+
+  const TextConfig& config() const { return cfg_; }
+  const TextWeights& weights() const { return w_; }
+
+  // soft_tokens: [N, D] tower features for the placeholder rows, in order (may be empty).
+  EmbeddingsOutput embed(ThreadPool& pool, std::span<const int32_t> input_ids,
+                         const FloatTensor* soft_tokens, const TextRunOptions& opt,
+                         TapRecorder* taps) const;
+
+  // Runs layers [begin, end) on hidden [S, D] at positions cache.n_past() .. +S-1 and appends
+  // their K/V to the cache. Does not advance cache.n_past() (the caller does, once per chunk).
+  void run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hidden,
+                  const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const;
+
+  // Final norm + tied head + soft-cap for the given rows of hidden ([S, D]) -> [rows, V].
+  FloatTensor head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row, int64_t n_rows,
+                   TapRecorder* taps) const;
+
+  // Convenience: one whole chunk through every layer; returns logits of the rows asked for
+  // (all rows if all_logits, else only the last).
+  FloatTensor forward(ThreadPool& pool, std::span<const int32_t> input_ids,
+                      const FloatTensor* soft_tokens, KvCache& cache, const TextRunOptions& opt,
+                      bool all_logits, TapRecorder* taps) const;
+
+ private:
+  void layer_forward(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
+                     KvCache& cache, std::vector<std::vector<float>>& chunk_k,
+                     std::vector<std::vector<float>>& chunk_v, TapRecorder* taps) const;
+
+  const ModelConfig& model_cfg_;
+  const TextConfig& cfg_;
+  TextWeights w_;
+  RopeTable rope_sliding_, rope_full_;
+};
+
+}  // namespace gemstage

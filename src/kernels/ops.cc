@@ -1,0 +1,99 @@
+#include "kernels/ops.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace gemstage {
+
+void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * n;
+    float* yr = y + r * n;
+    float ss = 0.0f;
+    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    // HF: pow(mean + eps, -0.5), not rsqrt.
+    const float inv = std::pow(ss / static_cast<float>(n) + eps, -0.5f);
+    if (w) {
+      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
+    } else {
+      for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv;
+    }
+  }
+}
+
+float gelu_tanh(float x) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
+}
+
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
+}
+
+void softcap(float* x, int64_t n, float cap) {
+  for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
+}
+
+RopeTable RopeTable::standard(int head_dim, double theta) {
+  RopeTable t;
+  t.head_dim = head_dim;
+  t.n_rotated = head_dim / 2;
+  t.inv_freq.resize(static_cast<size_t>(head_dim / 2));
+  for (int i = 0; i < head_dim / 2; ++i)
+    t.inv_freq[static_cast<size_t>(i)] =
+        static_cast<float>(1.0 / std::pow(theta, (2.0 * i) / head_dim));
+  return t;
+}
+
+RopeTable RopeTable::proportional(int head_dim, double theta, double partial_rotary_factor) {
+  RopeTable t;
+  t.head_dim = head_dim;
+  // HF: rope_angles = int(partial * head_dim // 2); exponent divides by the full head_dim.
+  t.n_rotated = static_cast<int>(partial_rotary_factor * head_dim / 2.0);
+  t.inv_freq.assign(static_cast<size_t>(head_dim / 2), 0.0f);
+  for (int i = 0; i < t.n_rotated; ++i)
+    t.inv_freq[static_cast<size_t>(i)] =
+        static_cast<float>(1.0 / std::pow(theta, (2.0 * i) / head_dim));
+  return t;
+}
+
+void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
+  const int half = table.head_dim / 2;
+  float cs[512], sn[512];
+  float* c = cs;
+  float* s = sn;
+  std::vector<float> big;
+  if (table.n_rotated > 512) {
+    big.resize(static_cast<size_t>(2 * table.n_rotated));
+    c = big.data();
+    s = big.data() + table.n_rotated;
+  }
+  // Angles in f32 as HF computes them (inv_freq @ position in float32).
+  for (int i = 0; i < table.n_rotated; ++i) {
+    const float a = static_cast<float>(pos) * table.inv_freq[static_cast<size_t>(i)];
+    c[i] = std::cos(a);
+    s[i] = std::sin(a);
+  }
+  for (int h = 0; h < n_heads; ++h) {
+    float* x = v + static_cast<int64_t>(h) * table.head_dim;
+    for (int i = 0; i < table.n_rotated; ++i) {
+      const float x1 = x[i], x2 = x[i + half];
+      x[i] = x1 * c[i] - x2 * s[i];
+      x[i + half] = x2 * c[i] + x1 * s[i];
+    }
+  }
+}
+
+void softmax_inplace(float* s, int64_t n) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    s[i] = std::exp(s[i] - m);
+    sum += s[i];
+  }
+  const float inv = 1.0f / sum;
+  for (int64_t i = 0; i < n; ++i) s[i] *= inv;
+}
+
+}  // namespace gemstage

@@ -1,0 +1,41 @@
+// Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
+// formula it implements; the scalar code here *is* the reference until a SIMD twin is added.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace gemstage {
+
+// Gemma4RMSNorm: y = x * (mean(x^2) + eps)^(-1/2) * w. The weight is used as-is (not 1 + w).
+// w == nullptr is the scale-free variant (attention V, the multimodal embedders).
+void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y);
+
+// gelu_pytorch_tanh: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))).
+float gelu_tanh(float x);
+// out[i] = gelu_tanh(gate[i]) * up[i]
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out);
+
+// cap * tanh(x / cap), in place.
+void softcap(float* x, int64_t n, float cap);
+
+// Rotate-half RoPE tables for one layer type. inv_freq has head_dim/2 slots; slots past
+// n_rotated are zero (proportional RoPE), so those channel pairs pass through unchanged.
+struct RopeTable {
+  int head_dim = 0;
+  int n_rotated = 0;  // leading frequency slots that are non-zero
+  std::vector<float> inv_freq;
+
+  // default RoPE: every pair rotates, inv_freq[i] = theta^(-2i/d).
+  static RopeTable standard(int head_dim, double theta);
+  // proportional RoPE: the first partial*d/2 slots of a full-width table, the rest zero.
+  static RopeTable proportional(int head_dim, double theta, double partial_rotary_factor);
+};
+
+// Applies RoPE at `pos` to n_heads consecutive vectors of table.head_dim floats.
+void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads);
+
+// Softmax over n scores in place (max-subtracted, f32).
+void softmax_inplace(float* s, int64_t n);
+
+}  // namespace gemstage

@@ -1,0 +1,66 @@
+#include "runtime/kv_cache.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+
+namespace gemstage {
+
+LayerKvCache::LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context)
+    : type_(type), width_(width), window_(window), max_context_(max_context) {
+  if (type_ == LayerType::Sliding) {
+    k_.assign(static_cast<size_t>(window_ * width_), 0.0f);
+    v_.assign(static_cast<size_t>(window_ * width_), 0.0f);
+  }
+}
+
+int64_t LayerKvCache::first_held() const {
+  return type_ == LayerType::Sliding ? std::max<int64_t>(0, n_ - window_) : 0;
+}
+
+void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
+  if (n_ + rows > max_context_)
+    fail("context limit reached: ", n_ + rows, " tokens exceed the cache size of ", max_context_,
+         " (raise --ctx-size / -c, up to the model's max_position_embeddings)");
+  if (type_ == LayerType::Full) {
+    // Grow geometrically so long prefills stay linear; never beyond max_context.
+    const size_t need = static_cast<size_t>((n_ + rows) * width_);
+    if (need > k_.size()) {
+      const size_t cap =
+          std::min(static_cast<size_t>(max_context_ * width_), std::max(need, k_.size() * 2));
+      k_.resize(cap);
+      v_.resize(cap);
+    }
+  }
+  // Only the last `window` rows of a long chunk survive in a ring.
+  const int64_t skip = type_ == LayerType::Sliding ? std::max<int64_t>(0, rows - window_) : 0;
+  for (int64_t r = skip; r < rows; ++r) {
+    const int64_t s = slot(n_ + r);
+    std::memcpy(k_.data() + s * width_, k + r * width_,
+                static_cast<size_t>(width_) * sizeof(float));
+    std::memcpy(v_.data() + s * width_, v + r * width_,
+                static_cast<size_t>(width_) * sizeof(float));
+  }
+  n_ += rows;
+}
+
+KvCache::KvCache(const TextConfig& t, int64_t max_context) : max_context_(max_context) {
+  if (max_context <= 0) fail("context size must be positive");
+  layers_.resize(t.layers.size());
+  for (size_t i = 0; i < t.layers.size(); ++i) {
+    const LayerSpec& s = t.layers[i];
+    if (s.kv_shared) continue;
+    layers_[i] = std::make_unique<LayerKvCache>(s.type, int64_t{s.num_kv_heads} * s.head_dim,
+                                                t.sliding_window, max_context);
+  }
+}
+
+size_t KvCache::bytes() const {
+  size_t n = 0;
+  for (const auto& l : layers_)
+    if (l) n += l->bytes();
+  return n;
+}
+
+}  // namespace gemstage
