@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/attention.h"
 #include "kernels/matmul.h"
 
 namespace gemstage {
@@ -64,7 +65,9 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   int64_t n_ph = 0;
   for (uint8_t p : ident.is_placeholder) n_ph += p;
   const int64_t n_soft = soft_tokens ? soft_tokens->dim(0) : 0;
-  if (n_ph != n_soft)
+  // Without any tower features HF leaves placeholder rows at the PAD embedding (e.g. a generated
+  // placeholder id fed back during decode); once features are given the counts must agree.
+  if (n_soft > 0 && n_ph != n_soft)
     fail("the prompt has ", n_ph, " image/audio/video placeholder tokens but ", n_soft,
          " soft tokens were provided; each image needs exactly as many placeholders as it yields "
          "soft tokens");
@@ -160,25 +163,16 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
       const int64_t n = pos - lo + 1;
       scores.resize(static_cast<size_t>(n));
       const float* qv = q.data() + (r * H + h) * hd;
-      auto key = [&](int64_t p) {
+      // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
+      auto key = [&](int64_t j) {
+        const int64_t p = lo + j;
         return (p < start ? past->k_at(p) : ck.data() + (p - start) * kvw) + kvh * hd;
       };
-      auto val = [&](int64_t p) {
+      auto val = [&](int64_t j) {
+        const int64_t p = lo + j;
         return (p < start ? past->v_at(p) : cv.data() + (p - start) * kvw) + kvh * hd;
       };
-      for (int64_t j = 0; j < n; ++j) {
-        const float* kv = key(lo + j);
-        float dot = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) dot += qv[d] * kv[d];
-        scores[static_cast<size_t>(j)] = dot;  // attention scaling is 1.0 in Gemma 4
-      }
-      softmax_inplace(scores.data(), n);
-      float* o = attn.data() + (r * H + h) * hd;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores[static_cast<size_t>(j)];
-        const float* vv = val(lo + j);
-        for (int64_t d = 0; d < hd; ++d) o[d] += p * vv[d];
-      }
+      attend_head(qv, hd, n, key, val, scores.data(), attn.data() + (r * H + h) * hd);
     }
   });
   std::vector<float> branch(static_cast<size_t>(S * D));

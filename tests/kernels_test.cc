@@ -1,0 +1,203 @@
+// Every kernel against a plain reference on odd sizes (tails, unaligned rows).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+#include "kernels/attention.h"
+#include "kernels/matmul.h"
+#include "kernels/ops.h"
+
+using namespace gemstage;
+
+namespace {
+
+std::vector<float> randn(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+struct Stored {
+  std::vector<uint8_t> bytes;
+  WeightView view;
+};
+
+Stored store_as(const std::vector<float>& f, int64_t rows, int64_t cols, DType t) {
+  Stored s;
+  const size_t es = dtype_size(t);
+  s.bytes.resize(f.size() * es);
+  for (size_t i = 0; i < f.size(); ++i) {
+    if (t == DType::F32) std::memcpy(&s.bytes[i * 4], &f[i], 4);
+    if (t == DType::BF16) {
+      const uint16_t h = f32_to_bf16(f[i]);
+      std::memcpy(&s.bytes[i * 2], &h, 2);
+    }
+    if (t == DType::F16) {
+      const uint16_t h = f32_to_f16(f[i]);
+      std::memcpy(&s.bytes[i * 2], &h, 2);
+    }
+  }
+  s.view = WeightView{"w", t, {rows, cols}, s.bytes.data(), s.bytes.size()};
+  return s;
+}
+
+class MatmulOdd : public ::testing::TestWithParam<std::tuple<DType, int, int, int>> {};
+
+TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
+  const auto [t, S, K, N] = GetParam();
+  const auto x = randn(static_cast<size_t>(S * K), 1);
+  const auto wf = randn(static_cast<size_t>(N * K), 2, 0.1f);
+  const Stored w = store_as(wf, N, K, t);
+  std::vector<float> ref(static_cast<size_t>(S * N)), got(ref.size()), scalar(ref.size());
+  matmul_reference(x.data(), S, w.view, ref.data());
+  ThreadPool pool(2);
+  matmul(pool, x.data(), S, w.view, got.data());
+  matmul_force_scalar(true);
+  matmul(pool, x.data(), S, w.view, scalar.data());
+  matmul_force_scalar(false);
+  const double tol = 1e-5 * std::sqrt(static_cast<double>(K)) * 4;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    ASSERT_NEAR(got[i], ref[i], tol) << matmul_isa() << " at " << i;
+    ASSERT_NEAR(scalar[i], ref[i], tol) << "scalar at " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Sizes, MatmulOdd,
+                         ::testing::Combine(::testing::Values(DType::F32, DType::BF16, DType::F16),
+                                            ::testing::Values(1, 3, 5, 9),
+                                            ::testing::Values(1, 7, 16, 37, 131),
+                                            ::testing::Values(1, 5, 13, 33)));
+
+TEST(Dtype, Bf16RoundsToNearestEven) {
+  EXPECT_EQ(f32_to_bf16(1.0f), 0x3f80);
+  // 1 + 2^-8 is exactly half-way between bf16 1.0 and 1.0078125: ties to even (1.0).
+  EXPECT_EQ(f32_to_bf16(1.0f + 1.0f / 256), 0x3f80);
+  EXPECT_EQ(f32_to_bf16(1.0f + 3.0f / 256), 0x3f82);
+  EXPECT_EQ(round_to_bf16(std::sqrt(1536.0f)), 39.25f);  // spec: E2B embed scale in bf16
+  EXPECT_EQ(round_to_bf16(std::sqrt(2560.0f)), 50.5f);   // E4B
+}
+
+TEST(Dtype, F16RoundTripsRepresentableValues) {
+  for (float v :
+       {0.0f, 1.0f, -2.5f, 65504.0f, 6.103515625e-05f, 5.960464477539063e-08f, 0.333251953125f})
+    EXPECT_EQ(f16_to_f32(f32_to_f16(v)), v) << v;
+  EXPECT_TRUE(std::isinf(f16_to_f32(f32_to_f16(1e6f))));
+}
+
+TEST(RmsNorm, MatchesDoubleReferenceWithAndWithoutWeight) {
+  for (int n : {1, 7, 33, 257}) {
+    const auto x = randn(static_cast<size_t>(3 * n), 3, 2.0f);
+    const auto w = randn(static_cast<size_t>(n), 4);
+    std::vector<float> y(x.size()), y0(x.size());
+    rmsnorm_rows(x.data(), 3, n, w.data(), 1e-6f, y.data());
+    rmsnorm_rows(x.data(), 3, n, nullptr, 1e-6f, y0.data());
+    for (int r = 0; r < 3; ++r) {
+      double ss = 0;
+      for (int i = 0; i < n; ++i) ss += static_cast<double>(x[r * n + i]) * x[r * n + i];
+      const double inv = 1.0 / std::sqrt(ss / n + 1e-6);
+      for (int i = 0; i < n; ++i) {
+        EXPECT_NEAR(y0[r * n + i], x[r * n + i] * inv, 1e-5);
+        EXPECT_NEAR(y[r * n + i], x[r * n + i] * inv * w[i], 1e-5);  // w as-is, not 1 + w
+      }
+    }
+  }
+}
+
+TEST(Gelu, TanhFormMatchesFormula) {
+  for (double x : {-6.0, -1.5, -0.3, 0.0, 0.2, 1.0, 3.7, 10.0}) {
+    const double want = 0.5 * x * (1 + std::tanh(std::sqrt(2 / M_PI) * (x + 0.044715 * x * x * x)));
+    EXPECT_NEAR(gelu_tanh(static_cast<float>(x)), want, 1e-6) << x;
+  }
+  const auto g = randn(37, 5), u = randn(37, 6);
+  std::vector<float> out(37);
+  gelu_tanh_mul(g.data(), u.data(), 37, out.data());
+  for (int i = 0; i < 37; ++i) EXPECT_FLOAT_EQ(out[i], gelu_tanh(g[i]) * u[i]);
+}
+
+TEST(Softcap, IsCapTimesTanh) {
+  std::vector<float> v = {-100.0f, -1.0f, 0.0f, 5.0f, 90.0f};
+  const auto orig = v;
+  softcap(v.data(), 5, 30.0f);
+  for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], 30.0 * std::tanh(orig[i] / 30.0), 1e-5);
+}
+
+TEST(Rope, StandardRotatesEveryPairLikeRotateHalf) {
+  const int hd = 32;
+  const RopeTable t = RopeTable::standard(hd, 10000.0);
+  auto v = randn(2 * hd, 7);
+  const auto orig = v;
+  apply_rope(t, 13, v.data(), 2);
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < hd / 2; ++i) {
+      const double a = 13.0 * std::pow(10000.0, -2.0 * i / hd);
+      const double x1 = orig[h * hd + i], x2 = orig[h * hd + i + hd / 2];
+      EXPECT_NEAR(v[h * hd + i], x1 * std::cos(a) - x2 * std::sin(a), 1e-5);
+      EXPECT_NEAR(v[h * hd + i + hd / 2], x2 * std::cos(a) + x1 * std::sin(a), 1e-5);
+    }
+}
+
+TEST(Rope, ProportionalRotatesOnlyLeadingPairsWithFullWidthFrequencies) {
+  const int hd = 512;  // E-series full layers: 64 rotated pairs (0..63 with 256..319)
+  const RopeTable t = RopeTable::proportional(hd, 1e6, 0.25);
+  EXPECT_EQ(t.n_rotated, 64);
+  auto v = randn(hd, 8);
+  const auto orig = v;
+  apply_rope(t, 1000, v.data(), 1);
+  for (int i = 0; i < hd / 2; ++i) {
+    if (i < 64) {
+      const double a = 1000.0 * std::pow(1e6, -2.0 * i / hd);  // divides by 512, not 128
+      EXPECT_NEAR(v[i], orig[i] * std::cos(a) - orig[i + 256] * std::sin(a), 1e-4);
+    } else {
+      EXPECT_EQ(v[i], orig[i]);
+      EXPECT_EQ(v[i + 256], orig[i + 256]);
+    }
+  }
+}
+
+TEST(Rope, RelativePositionInvariance) {
+  const RopeTable t = RopeTable::standard(64, 10000.0);
+  auto q = randn(64, 9), k = randn(64, 10);
+  auto dot_at = [&](int pq, int pk) {
+    auto a = q, b = k;
+    apply_rope(t, pq, a.data(), 1);
+    apply_rope(t, pk, b.data(), 1);
+    return dot_f32(a.data(), b.data(), 64);
+  };
+  EXPECT_NEAR(dot_at(10, 3), dot_at(107, 100), 1e-4);
+}
+
+TEST(Attention, HeadMatchesDoubleReferenceOnOddSizes) {
+  for (auto [hd, n] : {std::pair{37, 13}, std::pair{64, 1}, std::pair{5, 129}}) {
+    const auto q = randn(static_cast<size_t>(hd), 11), k = randn(static_cast<size_t>(n * hd), 12),
+               v = randn(static_cast<size_t>(n * hd), 13);
+    std::vector<float> scores(static_cast<size_t>(n)), out(static_cast<size_t>(hd)),
+        ref(static_cast<size_t>(hd));
+    attend_head(
+        q.data(), hd, n, [&](int64_t j) { return k.data() + j * hd; },
+        [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
+    attention_reference(q.data(), k.data(), v.data(), hd, n, ref.data());
+    for (int i = 0; i < hd; ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << "hd " << hd << " n " << n;
+  }
+}
+
+TEST(ThreadPool, CoversEveryIndexOnce) {
+  ThreadPool pool(3);
+  for (size_t n : {size_t{1}, size_t{7}, size_t{1000}}) {
+    std::vector<int> hits(n, 0);
+    pool.parallel_for(
+        n,
+        [&](size_t b, size_t e) {
+          for (size_t i = b; i < e; ++i) ++hits[i];
+        },
+        4);
+    for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1);
+  }
+}
+
+}  // namespace

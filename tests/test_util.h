@@ -1,0 +1,49 @@
+// Shared helpers for tests: fixture paths, loading, and tolerance comparisons.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "io/npy.h"
+
+namespace gemstage::testing {
+
+inline std::string fixture(const std::string& rel) {
+  return std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny/" + rel;
+}
+
+inline std::vector<int32_t> load_ids(const std::string& path) {
+  std::vector<int32_t> out;
+  for (int64_t v : load_npy(path).to_i64()) out.push_back(static_cast<int32_t>(v));
+  return out;
+}
+
+inline std::string temp_dir(const std::string& name) {
+  const auto p = std::filesystem::temp_directory_path() / ("gemstage_test_" + name);
+  std::filesystem::remove_all(p);
+  std::filesystem::create_directories(p);
+  return p.string();
+}
+
+inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+    m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
+  return m;
+}
+
+// Expects `got` to match the reference .npy in shape and within atol.
+inline void expect_close(const FloatTensor& got, const std::string& ref_path, double atol,
+                         const std::string& what) {
+  const NpyArray ref = load_npy(ref_path);
+  ASSERT_EQ(got.shape, ref.shape) << what << ": shape mismatch vs " << ref_path;
+  const double d = max_abs_diff(got.data, ref.to_f32());
+  EXPECT_LE(d, atol) << what << ": max-abs " << d << " exceeds " << atol << " (" << ref_path << ")";
+}
+
+}  // namespace gemstage::testing
