@@ -1,0 +1,124 @@
+#include "gemma4/presets.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace gemstage {
+
+using nlohmann::json;
+
+namespace {
+
+json vision_config(bool tiny) {
+  json v = {{"model_type", "gemma4_vision"},
+            {"hidden_size", tiny ? 64 : 768},
+            {"intermediate_size", tiny ? 128 : 3072},
+            {"num_hidden_layers", tiny ? 2 : 16},
+            {"num_attention_heads", tiny ? 2 : 12},
+            {"num_key_value_heads", tiny ? 2 : 12},
+            {"head_dim", tiny ? 32 : 64},
+            {"hidden_activation", "gelu_pytorch_tanh"},
+            {"rms_norm_eps", 1e-6},
+            {"max_position_embeddings", 131072},
+            {"attention_bias", false},
+            {"attention_dropout", 0.0},
+            {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", 100.0}}},
+            {"pooling_kernel_size", 3},
+            {"patch_size", 16},
+            {"position_embedding_size", tiny ? 32 : 10240},
+            {"use_clipped_linears", true},
+            {"standardize", false},
+            {"initializer_range", 0.02}};
+  if (!tiny) v["default_output_length"] = 280;
+  return v;
+}
+
+}  // namespace
+
+json preset_config(const std::string& preset, int num_layers, const std::string& dtype) {
+  struct Dims {
+    int D, L, H, Hkv, hd, ghd, I, shared, period, vocab, ple, window;
+    bool wide;
+  };
+  Dims d{};
+  if (preset == "tiny") d = {128, 6, 4, 1, 32, 64, 256, 2, 3, 2048, 32, 8, true};
+  else if (preset == "e2b") d = {1536, 35, 8, 1, 256, 512, 6144, 20, 5, 262144, 256, 512, true};
+  else if (preset == "e4b") d = {2560, 42, 8, 2, 256, 512, 10240, 18, 6, 262144, 256, 512, false};
+  else fail("unknown preset '", preset, "' (use tiny, e2b or e4b)");
+  const int full_L = d.L;
+  if (num_layers > 0) {
+    if (num_layers < 2) fail("--layers must be at least 2 (one own-KV layer of each type is needed before sharing)");
+    d.shared = std::min(num_layers - 2, static_cast<int>(static_cast<long>(d.shared) * num_layers / full_L));
+    d.L = num_layers;
+  }
+  std::vector<std::string> types;
+  for (int i = 0; i < d.L; ++i) types.push_back((i % d.period) == d.period - 1 ? "full_attention" : "sliding_attention");
+  types.back() = "full_attention";
+  // A short stack must still have a full layer before the shared block to act as donor.
+  const int first_shared = d.L - d.shared;
+  bool has_full_donor = false;
+  for (int i = 0; i < first_shared; ++i) has_full_donor = has_full_donor || types[static_cast<size_t>(i)] == "full_attention";
+  if (!has_full_donor && first_shared > 1) types[static_cast<size_t>(first_shared - 1)] = "full_attention";
+  if (!has_full_donor && first_shared <= 1) d.shared = 0;
+
+  json t = {{"model_type", "gemma4_text"},
+            {"vocab_size", d.vocab},
+            {"hidden_size", d.D},
+            {"intermediate_size", d.I},
+            {"num_hidden_layers", d.L},
+            {"num_attention_heads", d.H},
+            {"num_key_value_heads", d.Hkv},
+            {"head_dim", d.hd},
+            {"hidden_activation", "gelu_pytorch_tanh"},
+            {"max_position_embeddings", 131072},
+            {"initializer_range", 0.02},
+            {"rms_norm_eps", 1e-6},
+            {"use_cache", true},
+            {"pad_token_id", 0},
+            {"eos_token_id", 1},
+            {"bos_token_id", 2},
+            {"tie_word_embeddings", true},
+            {"rope_parameters",
+             {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
+              {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}}}}},
+            {"attention_bias", false},
+            {"attention_dropout", 0.0},
+            {"sliding_window", d.window},
+            {"layer_types", types},
+            {"final_logit_softcapping", 30.0},
+            {"use_bidirectional_attention", nullptr},
+            {"vocab_size_per_layer_input", d.vocab},
+            {"hidden_size_per_layer_input", d.ple},
+            {"num_global_key_value_heads", nullptr},
+            {"global_head_dim", d.ghd},
+            {"attention_k_eq_v", false},
+            {"num_kv_shared_layers", d.shared},
+            {"enable_moe_block", false},
+            {"use_double_wide_mlp", d.wide},
+            {"num_experts", nullptr},
+            {"top_k_experts", nullptr},
+            {"moe_intermediate_size", nullptr},
+            {"dtype", dtype}};
+  const bool tiny = preset == "tiny";
+  json c = {{"architectures", {"Gemma4ForConditionalGeneration"}},
+            {"model_type", "gemma4"},
+            {"text_config", t},
+            {"vision_config", vision_config(tiny)},
+            {"audio_config", nullptr},
+            {"initializer_range", 0.02},
+            {"tie_word_embeddings", true},
+            {"dtype", dtype},
+            {"boi_token_id", tiny ? 2000 : 255999},
+            {"boa_token_id", tiny ? 2001 : 256000},
+            {"image_token_id", tiny ? 2040 : 258880},
+            {"audio_token_id", tiny ? 2041 : 258881},
+            {"eoi_token_id", tiny ? 2042 : 258882},
+            {"eoa_token_index", tiny ? 2043 : 258883},
+            {"video_token_id", tiny ? 2044 : 258884},
+            {"eos_token_id", {1, 106}}};
+  if (!tiny) c["vision_soft_tokens_per_image"] = 280;
+  return c;
+}
+
+}  // namespace gemstage

@@ -1,0 +1,14 @@
+// Architecture presets with the real E2B / E4B dimensions (spec §2.3, §7), written as the hub's
+// config.json so random checkpoints load through exactly the same path as real ones.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+namespace gemstage {
+
+// preset: "tiny" (the fixture's shape), "e2b" or "e4b". num_layers > 0 shortens the text stack
+// (keeping the sliding/full pattern and the share of KV-shared layers) for tests.
+nlohmann::json preset_config(const std::string& preset, int num_layers = 0, const std::string& dtype = "bfloat16");
+
+}  // namespace gemstage
