@@ -1,0 +1,99 @@
+// The CLI contract later work relies on: dump's file names, shapes and dtypes equal the fixture
+// manifest's; make-random presets load through info and dump.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "io/npy.h"
+#include "test_util.h"
+
+using namespace gemstage;
+using namespace gemstage::testing;
+
+namespace {
+
+int run(const std::string& args, const std::string& log) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + log + " 2>&1";
+  return std::system(cmd.c_str());
+}
+
+std::string slurp(const std::string& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+TEST(Cli, DumpWritesEveryFixtureTapWithManifestNamesShapesAndDtypes) {
+  const std::string out = temp_dir("cli_dump");
+  ASSERT_EQ(run("dump --model " + fixture("model") + " --ids " + fixture("text/input_ids.npy") +
+                    " --decode 8 --taps all --chunk 5 --out " + out,
+                out + "/log"),
+            0)
+      << slurp(out + "/log");
+  const auto manifest = nlohmann::json::parse(std::ifstream(fixture("text/manifest.json")));
+  int checked = 0;
+  for (const auto& [file, meta] : manifest["files"].items()) {
+    const std::string ours = out + "/" + file;
+    ASSERT_TRUE(std::filesystem::exists(ours)) << "dump did not write " << file;
+    const NpyArray a = load_npy(ours);
+    EXPECT_EQ(a.shape, meta["shape"].get<Shape>()) << file;
+    const std::string dt = meta["dtype"];
+    EXPECT_EQ(a.dtype, dt == "int64" ? DType::I64 : DType::F32) << file;
+    ++checked;
+  }
+  EXPECT_GE(checked, 15);
+  EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(), load_npy(fixture("text/decode_ids.npy")).to_i64());
+}
+
+TEST(Cli, BadInputsExitNonZeroWithAMessage) {
+  const std::string out = temp_dir("cli_bad");
+  EXPECT_NE(run("dump --model /nonexistent --ids x.npy --out " + out, out + "/log1"), 0);
+  EXPECT_NE(slurp(out + "/log1").find("config.json"), std::string::npos) << slurp(out + "/log1");
+  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/logits.npy") + " --out " + out, out + "/log2"), 0);
+  EXPECT_NE(slurp(out + "/log2").find("1-D array of token ids"), std::string::npos) << slurp(out + "/log2");
+  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/input_ids.npy") + " --taps nonsense --out " + out,
+                out + "/log3"),
+            0);
+  EXPECT_NE(slurp(out + "/log3").find("unknown tap 'nonsense'"), std::string::npos) << slurp(out + "/log3");
+}
+
+// The E2B preset at full width (262144 vocab, 1536 hidden, PLE 256) on a shortened stack.
+TEST(Cli, MakeRandomE2BLoadsInInfoAndDump) {
+  const std::string dir = temp_dir("cli_e2b");
+  ASSERT_EQ(run("make-random --preset e2b --layers 3 --seed 7 --out " + dir + "/model --force", dir + "/log"), 0)
+      << slurp(dir + "/log");
+  ASSERT_EQ(run("info --model " + dir + "/model", dir + "/info"), 0) << slurp(dir + "/info");
+  const std::string info = slurp(dir + "/info");
+  EXPECT_NE(info.find("D=1536"), std::string::npos) << info;
+  EXPECT_NE(info.find("vocab=262144"), std::string::npos) << info;
+  EXPECT_NE(info.find("shared <- layer 1"), std::string::npos) << info;
+  const auto cfg = nlohmann::json::parse(std::ifstream(dir + "/model/config.json"));
+  EXPECT_EQ(cfg["text_config"]["hidden_size_per_layer_input"], 256);
+  save_npy_i64(dir + "/ids.npy", {5}, {2, 105, 2364, 107, 9259});
+  ASSERT_EQ(run("dump --model " + dir + "/model --ids " + dir + "/ids.npy --decode 2 --taps logits,per_layer_inputs --out " +
+                    dir + "/out",
+                dir + "/dump"),
+            0)
+      << slurp(dir + "/dump");
+  EXPECT_EQ(load_npy(dir + "/out/logits.npy").shape, (Shape{5, 262144}));
+  EXPECT_EQ(load_npy(dir + "/out/per_layer_inputs.npy").shape, (Shape{5, 3, 256}));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Cli, MakeRandomShardsLoadLikeOneFile) {
+  const std::string dir = temp_dir("cli_shards");
+  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --out " + dir + "/one", dir + "/l1"), 0) << slurp(dir + "/l1");
+  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --shard-gb 0.002 --out " + dir + "/many", dir + "/l2"), 0)
+      << slurp(dir + "/l2");
+  EXPECT_TRUE(std::filesystem::exists(dir + "/many/model.safetensors.index.json"));
+  for (const char* m : {"one", "many"})
+    ASSERT_EQ(run(std::string("dump --model ") + dir + "/" + m + " --ids " + fixture("text/input_ids.npy") +
+                      " --taps logits --out " + dir + "/out_" + m,
+                  dir + "/d"),
+              0)
+        << slurp(dir + "/d");
+  EXPECT_EQ(load_npy(dir + "/out_one/logits.npy").to_f32(), load_npy(dir + "/out_many/logits.npy").to_f32());
+}
+
+}  // namespace
