@@ -94,8 +94,7 @@ std::vector<std::string> validate_tensors(const std::vector<TensorSpec>& specs,
   std::set<std::string> known;
   for (const TensorSpec& sp : specs) {
     known.insert(sp.key);
-    const SafetensorsEntry* e = store.entry(sp.key);
-    if (!e) {
+    if (!store.has(sp.key)) {
       if (sp.role == TensorRole::Required) {
         problems << "\n  missing tensor " << sp.key << " (expected shape " << shape_str(sp.shape)
                  << ")";
@@ -104,14 +103,17 @@ std::vector<std::string> validate_tensors(const std::vector<TensorSpec>& specs,
       continue;
     }
     if (sp.role == TensorRole::Ignored) continue;
+    const WeightView v = store.view(sp.key);
+    const WeightView* e = &v;
     if (e->shape != sp.shape) {
       problems << "\n  " << store.file_of(sp.key) << ": tensor " << sp.key << ": expected shape "
                << shape_str(sp.shape) << ", found " << shape_str(e->shape);
       ++n_problems;
     }
-    if (e->dtype != DType::F32 && e->dtype != DType::BF16 && e->dtype != DType::F16) {
+    if (e->dtype != DType::F32 && e->dtype != DType::BF16 && e->dtype != DType::F16 && e->dtype != DType::Q8_0 &&
+        e->dtype != DType::Q4_0) {
       problems << "\n  " << store.file_of(sp.key) << ": tensor " << sp.key << ": dtype "
-               << dtype_name(e->dtype) << " is not supported (expected F32, BF16 or F16)";
+               << dtype_name(e->dtype) << " is not supported (expected F32, BF16, F16, Q8_0 or Q4_0)";
       ++n_problems;
     }
   }
@@ -133,28 +135,27 @@ std::vector<float> vector_to_f32(const WeightView& w) {
   return v;
 }
 
-TextWeights bind_text_weights(const ModelConfig& c, const TensorStore& store) {
+TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, const TextParts& parts) {
   const TextConfig& t = c.text;
   const std::string p = c.text_prefix();
   TextWeights w;
-  w.embed_tokens = store.view(p + "embed_tokens.weight");
-  w.final_norm = vector_to_f32(store.view(p + "norm.weight"));
-  if (t.has_ple()) {
+  if (parts.embeddings || parts.head) w.embed_tokens = store.view(p + "embed_tokens.weight");
+  if (parts.head) w.final_norm = vector_to_f32(store.view(p + "norm.weight"));
+  if (parts.embeddings && t.has_ple()) {
     w.embed_tokens_per_layer = store.view(p + "embed_tokens_per_layer.weight");
     w.per_layer_model_projection = store.view(p + "per_layer_model_projection.weight");
     w.per_layer_projection_norm = vector_to_f32(store.view(p + "per_layer_projection_norm.weight"));
   }
   w.layers.resize(static_cast<size_t>(t.num_hidden_layers));
-  for (int i = 0; i < t.num_hidden_layers; ++i) {
+  const int end = parts.layer_end < 0 ? t.num_hidden_layers : parts.layer_end;
+  for (int i = parts.layer_begin; i < end; ++i) {
     const LayerSpec& ls = t.layers[static_cast<size_t>(i)];
     TextLayerWeights& lw = w.layers[static_cast<size_t>(i)];
     const std::string l = p + "layers." + std::to_string(i) + ".";
     lw.input_layernorm = vector_to_f32(store.view(l + "input_layernorm.weight"));
     lw.post_attention_layernorm = vector_to_f32(store.view(l + "post_attention_layernorm.weight"));
-    lw.pre_feedforward_layernorm =
-        vector_to_f32(store.view(l + "pre_feedforward_layernorm.weight"));
-    lw.post_feedforward_layernorm =
-        vector_to_f32(store.view(l + "post_feedforward_layernorm.weight"));
+    lw.pre_feedforward_layernorm = vector_to_f32(store.view(l + "pre_feedforward_layernorm.weight"));
+    lw.post_feedforward_layernorm = vector_to_f32(store.view(l + "post_feedforward_layernorm.weight"));
     lw.q_proj = store.view(l + "self_attn.q_proj.weight");
     lw.o_proj = store.view(l + "self_attn.o_proj.weight");
     lw.q_norm = vector_to_f32(store.view(l + "self_attn.q_norm.weight"));
@@ -169,10 +170,10 @@ TextWeights bind_text_weights(const ModelConfig& c, const TensorStore& store) {
     if (t.has_ple()) {
       lw.per_layer_input_gate = store.view(l + "per_layer_input_gate.weight");
       lw.per_layer_projection = store.view(l + "per_layer_projection.weight");
-      lw.post_per_layer_input_norm =
-          vector_to_f32(store.view(l + "post_per_layer_input_norm.weight"));
+      lw.post_per_layer_input_norm = vector_to_f32(store.view(l + "post_per_layer_input_norm.weight"));
     }
     lw.layer_scalar = weight_at(store.view(l + "layer_scalar"), 0);
+    lw.bound = true;
   }
   return w;
 }

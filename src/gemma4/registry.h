@@ -39,6 +39,7 @@ struct TextLayerWeights {
   std::vector<float> input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
       post_feedforward_layernorm, q_norm, k_norm, post_per_layer_input_norm;
   float layer_scalar = 1.0f;
+  bool bound = false;  // false for layers another stage holds
 };
 
 struct TextWeights {
@@ -49,8 +50,17 @@ struct TextWeights {
   std::vector<TextLayerWeights> layers;
 };
 
-// Binds views over the store; call validate_tensors first.
-TextWeights bind_text_weights(const ModelConfig& c, const TensorStore& store);
+// Which parts of the text model a weight source holds (a stage holds only its own).
+struct TextParts {
+  bool embeddings = true;  // embed_tokens, the PLE table, projection and norm
+  int layer_begin = 0;
+  int layer_end = -1;  // -1: all layers
+  bool head = true;    // final norm (+ embed_tokens as the tied head)
+  static TextParts none() { return {false, 0, 0, false}; }
+};
+
+// Binds views over the source; call validate_tensors first. Parts not held stay empty.
+TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, const TextParts& parts = {});
 
 std::vector<float> vector_to_f32(const WeightView& w);
 

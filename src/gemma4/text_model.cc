@@ -24,6 +24,21 @@ void gather_rows(const WeightView& table, std::span<const int32_t> ids, float sc
 
 }  // namespace
 
+PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer0, int64_t n_layers) const {
+  if (row0 < 0 || row0 + n_rows > rows || !holds(layer0) || !holds(layer0 + n_layers - 1))
+    fail("per_layer_inputs slice rows [", row0, ", ", row0 + n_rows, ") layers [", layer0, ", ", layer0 + n_layers,
+         ") is outside rows [0, ", rows, ") layers [", first_layer, ", ", first_layer + num_layers, ")");
+  PerLayerInputs out;
+  out.rows = n_rows;
+  out.first_layer = layer0;
+  out.num_layers = n_layers;
+  out.dim = dim;
+  out.data.resize(static_cast<size_t>(n_rows * n_layers * dim));
+  for (int64_t r = 0; r < n_rows; ++r)
+    std::memcpy(out.data.data() + r * n_layers * dim, at(row0 + r, layer0), static_cast<size_t>(n_layers * dim) * sizeof(float));
+  return out;
+}
+
 TextModel::TextModel(const ModelConfig& config, TextWeights weights)
     : model_cfg_(config), cfg_(config.text), w_(std::move(weights)) {
   int sliding_hd = cfg_.head_dim, full_hd = cfg_.global_head_dim;
@@ -83,6 +98,7 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   if (taps) taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
 
   if (!cfg_.has_ple()) return out;
+  if (!w_.embed_tokens_per_layer.valid()) fail("the per-layer embedding table is not held by this stage");
   PerLayerInputs& pli = out.per_layer_inputs;
   pli.rows = S;
   pli.num_layers = L;
@@ -112,6 +128,7 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
                               std::vector<std::vector<float>>& chunk_v, TapRecorder* taps) const {
   const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
+  if (!lw.bound) fail("layer ", li, " is not held by this stage");
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
   const int64_t H = cfg_.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
   const int64_t G = H / Hkv, kvw = Hkv * hd;
@@ -149,7 +166,7 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
          ", which did not run in this pass; a stage must hold each KV-shared layer together with "
          "its donor");
   const LayerKvCache* past = cache.own(src);
-  if (!past) fail("layer ", li, ": no KV cache for layer ", src);
+  if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
   const int64_t window = cfg_.sliding_window;
 
   std::vector<float> attn(static_cast<size_t>(S * H * hd), 0.0f);
@@ -240,6 +257,7 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hi
 FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,
                             int64_t n_rows, TapRecorder* taps) const {
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
+  if (w_.final_norm.empty()) fail("the final norm and LM head are not held by this stage");
   if (first_row < 0 || n_rows < 0 || first_row + n_rows > hidden.dim(0))
     fail("head: row range out of bounds");
   std::vector<float> normed(static_cast<size_t>(n_rows * D));

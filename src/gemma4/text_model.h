@@ -32,12 +32,17 @@ struct TextRunOptions {
 };
 
 // Boundary tensors between the embeddings stage and the transformer stages.
+// Layers [first_layer, first_layer + num_layers) of the per-layer inputs: the embeddings stage
+// produces all of them, each transformer stage receives only its own slice.
 struct PerLayerInputs {
-  int64_t rows = 0, num_layers = 0, dim = 0;
+  int64_t rows = 0, first_layer = 0, num_layers = 0, dim = 0;
   std::vector<float> data;  // [rows, num_layers, dim]
+  bool holds(int64_t layer) const { return layer >= first_layer && layer < first_layer + num_layers; }
   const float* at(int64_t row, int64_t layer) const {
-    return data.data() + (row * num_layers + layer) * dim;
+    return data.data() + (row * num_layers + (layer - first_layer)) * dim;
   }
+  // Rows [row0, row0 + n_rows) and layers [layer0, layer0 + n_layers) as a new slice.
+  PerLayerInputs slice(int64_t row0, int64_t n_rows, int64_t layer0, int64_t n_layers) const;
 };
 
 struct EmbeddingsOutput {

@@ -38,16 +38,28 @@ class SafetensorsFile {
   std::map<std::string, std::string> metadata_;
 };
 
+// Anything that hands out named weight views: a checkpoint directory or a bundle stage.
+class TensorSource {
+ public:
+  virtual ~TensorSource() = default;
+  virtual bool has(const std::string& key) const = 0;
+  // Throws, naming the key, if absent.
+  virtual WeightView view(const std::string& key) const = 0;
+  // The file holding `key`, for messages.
+  virtual std::string file_of(const std::string& key) const = 0;
+  virtual std::vector<std::string> keys() const = 0;
+};
+
 // All tensors of a checkpoint directory, across shards.
-class TensorStore {
+class TensorStore : public TensorSource {
  public:
   static TensorStore open_dir(const std::string& dir);
 
-  bool has(const std::string& key) const { return where_.count(key) != 0; }
+  bool has(const std::string& key) const override { return where_.count(key) != 0; }
   const SafetensorsEntry* entry(const std::string& key) const;
-  WeightView view(const std::string& key) const;
-  std::string file_of(const std::string& key) const;
-  std::vector<std::string> keys() const;
+  WeightView view(const std::string& key) const override;
+  std::string file_of(const std::string& key) const override;
+  std::vector<std::string> keys() const override;
   size_t total_bytes() const;
 
  private:

@@ -45,10 +45,12 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
   n_ += rows;
 }
 
-KvCache::KvCache(const TextConfig& t, int64_t max_context) : max_context_(max_context) {
+KvCache::KvCache(const TextConfig& t, int64_t max_context, int layer_begin, int layer_end)
+    : max_context_(max_context) {
   if (max_context <= 0) fail("context size must be positive");
   layers_.resize(t.layers.size());
-  for (size_t i = 0; i < t.layers.size(); ++i) {
+  const size_t end = layer_end < 0 ? t.layers.size() : static_cast<size_t>(layer_end);
+  for (size_t i = static_cast<size_t>(layer_begin); i < end; ++i) {
     const LayerSpec& s = t.layers[i];
     if (s.kv_shared) continue;
     layers_[i] = std::make_unique<LayerKvCache>(s.type, int64_t{s.num_kv_heads} * s.head_dim,

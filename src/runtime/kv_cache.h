@@ -37,7 +37,8 @@ class LayerKvCache {
 
 class KvCache {
  public:
-  KvCache(const TextConfig& t, int64_t max_context);
+  // Holds the own-KV layers in [layer_begin, layer_end) (-1: all): a stage's cache group.
+  KvCache(const TextConfig& t, int64_t max_context, int layer_begin = 0, int layer_end = -1);
 
   int64_t max_context() const { return max_context_; }
   int64_t n_past() const { return n_past_; }
