@@ -52,7 +52,8 @@ struct PngContext {
   size_t pos = 0;
   png_structp png = nullptr;
   png_infop info = nullptr;
-  char message[256] = {};
+  char message[640] = {};
+  char warning[256] = {};  // the last warning: libpng explains "Invalid IHDR data" in one
   // Header.
   png_uint_32 width = 0, height = 0;
   int bit_depth = 0, color_type = 0, interlace = 0;
@@ -78,12 +79,19 @@ void png_read_callback(png_structp png, png_bytep out, size_t n) {
 
 void png_error_callback(png_structp png, png_const_charp msg) {
   auto* ctx = static_cast<PngContext*>(png_get_error_ptr(png));
-  std::snprintf(ctx->message, sizeof(ctx->message), "%s", msg);
+  if (ctx->warning[0])
+    std::snprintf(ctx->message, sizeof(ctx->message), "%s (%s)", msg, ctx->warning);
+  else
+    std::snprintf(ctx->message, sizeof(ctx->message), "%s", msg);
   png_longjmp(png, 1);
 }
 
-// libpng warnings (bad ancillary chunk CRCs, unknown chunks) do not stop PIL either.
-void png_warning_callback(png_structp, png_const_charp) {}
+// libpng warnings (bad ancillary chunk CRCs, unknown chunks) do not stop PIL either; the last one
+// is kept because it often names the cause of the error that follows.
+void png_warning_callback(png_structp png, png_const_charp msg) {
+  auto* ctx = static_cast<PngContext*>(png_get_error_ptr(png));
+  std::snprintf(ctx->warning, sizeof(ctx->warning), "%s", msg);
+}
 
 bool png_stage_header(PngContext* ctx) {
   if (setjmp(png_jmpbuf(ctx->png))) return false;
