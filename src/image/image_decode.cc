@@ -342,9 +342,11 @@ bool jpeg_stage_pixels(JpegContext* ctx) {
 
 int jpeg_exif_orientation(const jpeg_decompress_struct& cinfo) {
   for (jpeg_saved_marker_ptr m = cinfo.marker_list; m; m = m->next) {
-    if (m->marker != JPEG_APP0 + 1 || m->data_length < 6) continue;
-    // PIL keeps the first APP1 that starts with "Exif" and parses the TIFF after 6 bytes.
-    if (std::memcmp(m->data, "Exif", 4) != 0) continue;
+    if (m->marker != JPEG_APP0 + 1 || m->data_length < 5) continue;
+    // PIL keeps the first APP1 that starts with "Exif\0" and parses a TIFF after "Exif\0\0"; a
+    // first Exif segment it cannot read means no orientation, whatever later segments say.
+    if (std::memcmp(m->data, "Exif\0", 5) != 0) continue;
+    if (m->data_length < 6 || m->data[5] != 0) return 1;
     return exif_orientation(m->data + 6, m->data_length - 6);
   }
   return 1;
@@ -416,8 +418,8 @@ int exif_orientation(const uint8_t* tiff, size_t size) {
     uint32_t tag = 0, type = 0, n = 0, value = 0;
     if (!r.u16(e, &tag) || !r.u16(e + 2, &type) || !r.u32(e + 4, &n)) return 1;
     if (tag != 0x0112) continue;
-    if (n < 1) return 1;
-    if (type == 3) {  // SHORT, left-justified in the value field
+    if (n != 1) return 1;  // PIL would read a tuple, which is no orientation
+    if (type == 3) {       // SHORT, left-justified in the value field
       if (!r.u16(e + 8, &value)) return 1;
     } else if (type == 4) {  // LONG
       if (!r.u32(e + 8, &value)) return 1;
@@ -442,32 +444,32 @@ RgbImage apply_exif_orientation(const RgbImage& img, int orientation) {
       // Source pixel for output (x, y); the names are PIL's Image.Transpose members.
       int sx = x, sy = y;
       switch (orientation) {
-        case 2:
+        case 2:  // FLIP_LEFT_RIGHT
           sx = w - 1 - x;
-          break;  // FLIP_LEFT_RIGHT
-        case 3:
+          break;
+        case 3:  // ROTATE_180
           sx = w - 1 - x;
           sy = h - 1 - y;
-          break;  // ROTATE_180
-        case 4:
+          break;
+        case 4:  // FLIP_TOP_BOTTOM
           sy = h - 1 - y;
-          break;  // FLIP_TOP_BOTTOM
-        case 5:
+          break;
+        case 5:  // TRANSPOSE
           sx = y;
           sy = x;
-          break;  // TRANSPOSE
-        case 6:
+          break;
+        case 6:  // ROTATE_270: a clockwise quarter turn
           sx = y;
           sy = h - 1 - x;
-          break;  // ROTATE_270 (clockwise quarter)
-        case 7:
+          break;
+        case 7:  // TRANSVERSE
           sx = w - 1 - y;
           sy = h - 1 - x;
-          break;  // TRANSVERSE
-        case 8:
+          break;
+        case 8:  // ROTATE_90: a counter-clockwise quarter turn
           sx = w - 1 - y;
           sy = x;
-          break;  // ROTATE_90 (counter-clockwise)
+          break;
         default:
           break;
       }

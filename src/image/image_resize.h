@@ -17,12 +17,19 @@
 //                 clamp((2^(p-1) + sum(x * w)) >> p, 0, 255).
 //   kPil          `Gemma4ImageProcessorPil` calls PIL's Image.resize: Resample.c uses int32
 //                 weights with fixed PRECISION_BITS = 22 and the same rounding and clipping.
-// Residuals, measured: kPil is bit-exact with Pillow 9.4 (the golden in tests/fixtures/image).
-// kTorchvision vs PIL differs by at most 1 per channel on a small fraction of pixels (the
-// weight quantisation); see tests/image_test.cc for the numbers. kTorchvision follows the torch
-// CPU source line by line but could not be run against torch >= 2.1 here (only torch 1.13, whose
-// torchvision still resized uint8 through float32, was available); on GPU torchvision also goes
-// through float32 (weights in float, then clamp and round) and differs from both by up to 1.
+// Residuals, measured on the noisy 45x31 golden source resized to 7 odd sizes (35403 bytes,
+// tests/image_test.cc MatchesPilGolden):
+//   kPil vs Pillow 9.4 Image.resize(BICUBIC): bit-exact.
+//   kTorchvision vs Pillow: max 2 (a 1 in the 8-bit intermediate can grow through the second
+//     pass), 0.56% of bytes differ.
+//   kTorchvision vs HF's default: 0 by construction - it follows torch's CPU uint8 source step by
+//     step - but unverified by running it: only torch 1.13 was at hand, whose torchvision still
+//     resized uint8 through float32.
+//   Either vs torchvision's float32 path (taken for GPU tensors, e.g. processor(..., device=
+//     "cuda"), and by torchvision releases without native uint8 bicubic): up to 19 on noisy,
+//     high-contrast content, ~17% of bytes, because the float path neither rounds nor clips the
+//     intermediate between the passes (bicubic overshoot survives); on smooth content at most 1
+//     (5-9% of bytes).
 #pragma once
 
 #include <cstdint>
