@@ -683,6 +683,43 @@ TEST(ImageDecode, Errors) {
   expect_error([] { decode_image_file("/nonexistent/x.png"); }, {"/nonexistent/x.png"});
 }
 
+// Every prefix of a file, and seeded random byte damage: each decode either succeeds or throws
+// gemstage::Error; never a crash, a libjpeg exit() or (under ASan) a bad memory access.
+TEST(ImageDecode, SurvivesTruncationAndRandomDamage) {
+  ImageLimits limits;
+  limits.max_pixels = int64_t{1} << 20;  // damaged headers may claim large sizes
+  const char* files[] = {"rgb_interlaced.png",     "palette_trns.png", "gray16.png",   "rgb420.jpg",
+                         "rgb444_progressive.jpg", "cmyk.jpg",         "rgb_exif6.jpg"};
+  size_t decoded = 0, rejected = 0;
+  uint32_t seed = 12345;
+  auto next = [&seed] {
+    seed = seed * 1664525u + 1013904223u;
+    return seed >> 8;
+  };
+  for (const char* name : files) {
+    const std::vector<uint8_t> bytes = read_file(kImageFixtures + "/decode/" + name);
+    auto attempt = [&](const std::vector<uint8_t>& b) {
+      try {
+        const RgbImage img = decode_image(b.data(), b.size(), limits, name);
+        EXPECT_EQ(img.rgb.size(), size_t(img.width) * img.height * 3);
+        ++decoded;
+      } catch (const Error&) {
+        ++rejected;
+      }
+    };
+    for (size_t n = 0; n < bytes.size(); n += 7)
+      attempt(std::vector<uint8_t>(bytes.begin(), bytes.begin() + n));
+    for (int trial = 0; trial < 150; ++trial) {
+      std::vector<uint8_t> b = bytes;
+      const int flips = 1 + int(next() % 8);
+      for (int f = 0; f < flips; ++f) b[next() % b.size()] ^= uint8_t(1 + next() % 255);
+      attempt(b);
+    }
+  }
+  EXPECT_GT(rejected, 0u);
+  EXPECT_GT(decoded, 0u);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Resampler: a from-the-formula scalar reference, and PIL's output.
 
