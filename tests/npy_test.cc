@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "test_util.h"
 
 using namespace gemstage;
 
@@ -19,8 +20,7 @@ TEST(Npy, ReadsFixtureIdsAndFloats) {
 }
 
 TEST(Npy, RoundTripsF32AndI64) {
-  const auto tmp = std::filesystem::temp_directory_path() / "gemstage_npy_rt";
-  std::filesystem::create_directories(tmp);
+  const std::filesystem::path tmp = gemstage::testing::temp_dir("npy_rt");
   const std::vector<float> f = {1.5f, -2.0f, 3.25f, 0.0f, 7.0f, 8.0f};
   save_npy_f32((tmp / "f.npy").string(), {2, 3}, f);
   const NpyArray a = load_npy((tmp / "f.npy").string());
@@ -32,8 +32,7 @@ TEST(Npy, RoundTripsF32AndI64) {
 }
 
 TEST(Npy, RejectsTruncatedData) {
-  const auto tmp = std::filesystem::temp_directory_path() / "gemstage_npy_trunc";
-  std::filesystem::create_directories(tmp);
+  const std::filesystem::path tmp = gemstage::testing::temp_dir("npy_trunc");
   const std::vector<float> f(100, 1.0f);
   const std::string p = (tmp / "t.npy").string();
   save_npy_f32(p, {100}, f);

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -24,7 +25,8 @@ inline std::vector<int32_t> load_ids(const std::string& path) {
 }
 
 inline std::string temp_dir(const std::string& name) {
-  const auto p = std::filesystem::temp_directory_path() / ("gemstage_test_" + name);
+  // Per process, so the release and sanitizer suites (or parallel ctest runs) never collide.
+  const auto p = std::filesystem::temp_directory_path() / ("gemstage_test_" + std::to_string(::getpid()) + "_" + name);
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
