@@ -23,8 +23,7 @@ inline int64_t argmax_first(const float* v, int64_t n) {
   return best;
 }
 
-inline void print_model_notes(const Gemma4Model& m, bool verbose) {
-  const auto& notes = m.notes();
+inline void print_model_notes(const std::vector<std::string>& notes, bool verbose) {
   if (notes.empty()) return;
   if (verbose) {
     for (const auto& n : notes) std::cerr << "note: " << n << "\n";

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "io/npy.h"
+#include "stage/pipeline.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -38,10 +39,9 @@ std::vector<std::string> split_list(const std::string& s) {
 
 int run_dump(const DumpArgs& a) {
   const double t0 = now_seconds();
-  auto model = Gemma4Model::open(a.model);
-  print_model_notes(*model, a.verbose);
-  const TextModel& text = model->text();
-  const TextConfig& tc = text.config();
+  auto model = Pipeline::open(a.model, a.ctx);
+  print_model_notes(model->notes(), a.verbose);
+  const TextConfig& tc = model->config().text;
   const double t_load = now_seconds() - t0;
 
   const NpyArray ids_npy = load_npy(a.ids);
@@ -80,9 +80,9 @@ int run_dump(const DumpArgs& a) {
   FloatTensor last;
   for (int64_t b = 0; b < S; b += chunk) {
     const int64_t n = std::min(chunk, S - b);
-    last = text.forward(
+    last = model->forward(
         pool, std::span<const int32_t>(ids).subspan(static_cast<size_t>(b), static_cast<size_t>(n)),
-        nullptr, cache, opt, all_logits, &taps);
+        nullptr, all_logits, &taps, opt);
   }
   const double t_prefill = now_seconds() - t1;
 
@@ -103,8 +103,8 @@ int run_dump(const DumpArgs& a) {
       decode_logits.insert(decode_logits.end(), row.begin(), row.end());
       if (step + 1 == a.decode) break;
       const int32_t next = static_cast<int32_t>(best);
-      FloatTensor l = text.forward(pool, std::span<const int32_t>(&next, 1), nullptr, cache, opt,
-                                   false, nullptr);
+      FloatTensor l =
+          model->forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr, opt);
       row.assign(l.row(0), l.row(0) + V);
     }
     t_decode = now_seconds() - t2;

@@ -33,15 +33,18 @@ std::string human_bytes(double b) {
 std::string human_count(double n) {
   std::ostringstream os;
   os << std::fixed << std::setprecision(3);
-  if (n >= 1e9) os << n / 1e9 << " B";
-  else if (n >= 1e6) os << n / 1e6 << " M";
-  else os << std::setprecision(0) << n;
+  if (n >= 1e9)
+    os << n / 1e9 << " B";
+  else if (n >= 1e6)
+    os << n / 1e6 << " M";
+  else
+    os << std::setprecision(0) << n;
   return os.str();
 }
 
 int run_info(const InfoArgs& a) {
   auto m = Gemma4Model::open(a.model);
-  print_model_notes(*m, a.verbose);
+  print_model_notes(m->notes(), a.verbose);
   const ModelConfig& c = m->config();
   const TextConfig& t = c.text;
   const TensorStore& st = m->store();
@@ -52,19 +55,26 @@ int run_info(const InfoArgs& a) {
   for (const std::string& k : st.keys()) {
     const SafetensorsEntry* e = st.entry(k);
     std::string part = "other";
-    if (k == p + "embed_tokens.weight") part = "text: token embedding (tied LM head)";
-    else if (k == p + "embed_tokens_per_layer.weight") part = "text: PLE table (gathered, not multiplied)";
-    else if (k.rfind(p + "per_layer_", 0) == 0) part = "text: PLE projection";
+    if (k == p + "embed_tokens.weight")
+      part = "text: token embedding (tied LM head)";
+    else if (k == p + "embed_tokens_per_layer.weight")
+      part = "text: PLE table (gathered, not multiplied)";
+    else if (k.rfind(p + "per_layer_", 0) == 0)
+      part = "text: PLE projection";
     else if (k.rfind(p + "layers.", 0) == 0) {
       const size_t dot = k.find('.', p.size() + 7);
       const int layer = std::stoi(k.substr(p.size() + 7, dot - p.size() - 7));
-      const bool unused = t.layers[static_cast<size_t>(layer)].kv_shared &&
-                          (k.find("k_proj") != std::string::npos || k.find("v_proj") != std::string::npos ||
-                           k.find("k_norm") != std::string::npos);
+      const bool unused =
+          t.layers[static_cast<size_t>(layer)].kv_shared &&
+          (k.find("k_proj") != std::string::npos || k.find("v_proj") != std::string::npos ||
+           k.find("k_norm") != std::string::npos);
       part = unused ? "text: KV-shared layers' unused k/v (ignored)" : "text: decoder layers";
-    } else if (k.rfind(p, 0) == 0) part = "text: final norm";
-    else if (k.rfind("model.vision_tower.", 0) == 0 || k.rfind("model.embed_vision.", 0) == 0) part = "vision tower + embedder";
-    else if (k.rfind("model.audio_tower.", 0) == 0 || k.rfind("model.embed_audio.", 0) == 0) part = "audio tower (not run)";
+    } else if (k.rfind(p, 0) == 0)
+      part = "text: final norm";
+    else if (k.rfind("model.vision_tower.", 0) == 0 || k.rfind("model.embed_vision.", 0) == 0)
+      part = "vision tower + embedder";
+    else if (k.rfind("model.audio_tower.", 0) == 0 || k.rfind("model.embed_audio.", 0) == 0)
+      part = "audio tower (not run)";
     parts[part].first += static_cast<double>(shape_numel(e->shape));
     parts[part].second += static_cast<double>(e->end - e->begin);
   }
@@ -72,27 +82,31 @@ int run_info(const InfoArgs& a) {
   std::cout << "model        " << m->dir() << "\n";
   std::cout << "architecture " << (c.architecture.empty() ? "(none given)" : c.architecture)
             << (c.multimodal ? " (multimodal layout)" : " (text-only layout)") << "\n";
-  std::cout << "text         D=" << t.hidden_size << " layers=" << t.num_hidden_layers << " heads=" << t.num_attention_heads
-            << " kv_heads=" << t.num_key_value_heads << " head_dim=" << t.head_dim << "/" << t.global_head_dim
-            << " (sliding/full) vocab=" << t.vocab_size << " PLE=" << t.ple_dim() << " window=" << t.sliding_window
-            << " kv_shared=" << t.num_kv_shared_layers << " softcap=" << t.final_logit_softcapping << "\n";
+  std::cout << "text         D=" << t.hidden_size << " layers=" << t.num_hidden_layers
+            << " heads=" << t.num_attention_heads << " kv_heads=" << t.num_key_value_heads
+            << " head_dim=" << t.head_dim << "/" << t.global_head_dim
+            << " (sliding/full) vocab=" << t.vocab_size << " PLE=" << t.ple_dim()
+            << " window=" << t.sliding_window << " kv_shared=" << t.num_kv_shared_layers
+            << " softcap=" << t.final_logit_softcapping << "\n";
   if (c.vision)
-    std::cout << "vision       hidden=" << c.vision->hidden_size << " layers=" << c.vision->num_hidden_layers
+    std::cout << "vision       hidden=" << c.vision->hidden_size
+              << " layers=" << c.vision->num_hidden_layers
               << " heads=" << c.vision->num_attention_heads << " patch=" << c.vision->patch_size
-              << " pool=" << c.vision->pooling_kernel_size << (c.vision->use_clipped_linears ? " clipped-linears" : "")
-              << "\n";
-  std::cout << "audio        " << (c.has_audio ? "present in the checkpoint (not run by gemstage)" : "none") << "\n\n";
+              << " pool=" << c.vision->pooling_kernel_size
+              << (c.vision->use_clipped_linears ? " clipped-linears" : "") << "\n";
+  std::cout << "audio        "
+            << (c.has_audio ? "present in the checkpoint (not run by gemstage)" : "none") << "\n\n";
 
   std::cout << "parameters by part\n";
   double total_p = 0, total_b = 0;
   for (const auto& [name, pb] : parts) {
-    std::cout << "  " << std::left << std::setw(48) << name << std::right << std::setw(12) << human_count(pb.first)
-              << std::setw(14) << human_bytes(pb.second) << "\n";
+    std::cout << "  " << std::left << std::setw(48) << name << std::right << std::setw(12)
+              << human_count(pb.first) << std::setw(14) << human_bytes(pb.second) << "\n";
     total_p += pb.first;
     total_b += pb.second;
   }
-  std::cout << "  " << std::left << std::setw(48) << "total" << std::right << std::setw(12) << human_count(total_p)
-            << std::setw(14) << human_bytes(total_b) << "\n\n";
+  std::cout << "  " << std::left << std::setw(48) << "total" << std::right << std::setw(12)
+            << human_count(total_p) << std::setw(14) << human_bytes(total_b) << "\n\n";
 
   std::cout << "layers\n   #  type                head_dim kv_heads  mlp    kv\n";
   double kv_per_token = 0;
@@ -100,14 +114,16 @@ int run_info(const InfoArgs& a) {
     const LayerSpec& s = t.layers[i];
     std::string kv = s.kv_shared ? "shared <- layer " + std::to_string(s.kv_donor) : "own";
     if (s.is_donor) kv += " (donor)";
-    std::cout << "  " << std::setw(2) << i << "  " << std::left << std::setw(20) << layer_type_name(s.type) << std::right
-              << std::setw(8) << s.head_dim << std::setw(9) << s.num_kv_heads << std::setw(7) << s.mlp_width << "    "
-              << kv << "\n";
-    if (!s.kv_shared && s.type == LayerType::Full) kv_per_token += 2.0 * s.num_kv_heads * s.head_dim * 4;
+    std::cout << "  " << std::setw(2) << i << "  " << std::left << std::setw(20)
+              << layer_type_name(s.type) << std::right << std::setw(8) << s.head_dim << std::setw(9)
+              << s.num_kv_heads << std::setw(7) << s.mlp_width << "    " << kv << "\n";
+    if (!s.kv_shared && s.type == LayerType::Full)
+      kv_per_token += 2.0 * s.num_kv_heads * s.head_dim * 4;
   }
   double sliding_bytes = 0;
   for (const LayerSpec& s : t.layers)
-    if (!s.kv_shared && s.type == LayerType::Sliding) sliding_bytes += 2.0 * s.num_kv_heads * s.head_dim * 4 * t.sliding_window;
+    if (!s.kv_shared && s.type == LayerType::Sliding)
+      sliding_bytes += 2.0 * s.num_kv_heads * s.head_dim * 4 * t.sliding_window;
   const int64_t ctx = a.ctx > 0 ? a.ctx : t.max_position_embeddings;
   std::cout << "\nmemory (f32 KV cache)\n"
             << "  weights (mmapped)         " << human_bytes(total_b) << "\n"
@@ -122,9 +138,12 @@ int run_info(const InfoArgs& a) {
 
 void add_info_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<InfoArgs>();
-  auto* sub = app.add_subcommand("info", "Print architecture, parameter counts, layer table, KV donors and memory needs");
-  sub->add_option("-m,--model", a->model, "Hugging Face checkpoint directory or gemstage bundle")->required();
-  sub->add_option("-c,--ctx-size", a->ctx, "context size for the KV memory estimate (default: max_position_embeddings)");
+  auto* sub = app.add_subcommand(
+      "info", "Print architecture, parameter counts, layer table, KV donors and memory needs");
+  sub->add_option("-m,--model", a->model, "Hugging Face checkpoint directory or gemstage bundle")
+      ->required();
+  sub->add_option("-c,--ctx-size", a->ctx,
+                  "context size for the KV memory estimate (default: max_position_embeddings)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a] { return run_info(*a); });
 }

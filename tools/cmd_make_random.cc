@@ -38,7 +38,9 @@ struct Rng {
   // Approximately N(0, 1): sum of four uniforms, rescaled (Irwin-Hall); plenty for random weights.
   float normal() {
     const uint64_t a = next(), b = next();
-    const float u = static_cast<float>((a & 0xffffffffu) + (a >> 32) + (b & 0xffffffffu) + (b >> 32)) * (1.0f / 4294967296.0f);
+    const float u =
+        static_cast<float>((a & 0xffffffffu) + (a >> 32) + (b & 0xffffffffu) + (b >> 32)) *
+        (1.0f / 4294967296.0f);
     return (u - 2.0f) * 1.7320508f;
   }
 };
@@ -71,7 +73,10 @@ int run_make_random(const MakeRandomArgs& a) {
   namespace fs = std::filesystem;
   const DType dt = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
   const std::string st_dtype(dtype_name(dt));
-  const nlohmann::json cfg_json = preset_config(a.preset, a.layers, dt == DType::F32 ? "float32" : dt == DType::F16 ? "float16" : "bfloat16");
+  const nlohmann::json cfg_json = preset_config(a.preset, a.layers,
+                                                dt == DType::F32   ? "float32"
+                                                : dt == DType::F16 ? "float16"
+                                                                   : "bfloat16");
   const ModelConfig cfg = parse_model_config(cfg_json.dump(), a.preset + " preset");
   std::vector<TensorSpec> specs = text_tensor_specs(cfg);
   const auto vision = vision_tensor_specs(cfg);
@@ -85,7 +90,8 @@ int run_make_random(const MakeRandomArgs& a) {
   fs::create_directories(a.out);
 
   // Plan shards by cumulative size, then write each file's header before its data.
-  const uint64_t shard_limit = a.shard_gb > 0 ? static_cast<uint64_t>(a.shard_gb * 1e9) : UINT64_MAX;
+  const uint64_t shard_limit =
+      a.shard_gb > 0 ? static_cast<uint64_t>(a.shard_gb * 1e9) : UINT64_MAX;
   std::vector<std::vector<const TensorSpec*>> shards(1);
   uint64_t cur = 0, total = 0;
   for (const auto& s : specs) {
@@ -106,14 +112,16 @@ int run_make_random(const MakeRandomArgs& a) {
   };
 
   Progress progress("make-random " + a.preset, total);
-  nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::json::object()}};
+  nlohmann::json index = {{"metadata", {{"total_size", total}}},
+                          {"weight_map", nlohmann::json::object()}};
   std::vector<char> buf;
   for (size_t si = 0; si < shards.size(); ++si) {
     nlohmann::json header = {{"__metadata__", {{"format", "pt"}}}};
     uint64_t off = 0;
     for (const TensorSpec* s : shards[si]) {
       const uint64_t bytes = static_cast<uint64_t>(shape_numel(s->shape)) * dtype_size(dt);
-      header[s->key] = {{"dtype", st_dtype}, {"shape", s->shape}, {"data_offsets", {off, off + bytes}}};
+      header[s->key] = {
+          {"dtype", st_dtype}, {"shape", s->shape}, {"data_offsets", {off, off + bytes}}};
       off += bytes;
       index["weight_map"][s->key] = shard_name(si);
     }
@@ -138,7 +146,8 @@ int run_make_random(const MakeRandomArgs& a) {
         for (int64_t i = 0; i < m; ++i) {
           float v = init.constant ? init.mean : init.mean + init.std * rng.normal();
           if (ends_with(s->key, "layer_scalar")) v = 1.0f;
-          if (dt == DType::F32) std::memcpy(&buf[static_cast<size_t>(i) * 4], &v, 4);
+          if (dt == DType::F32)
+            std::memcpy(&buf[static_cast<size_t>(i) * 4], &v, 4);
           else {
             const uint16_t hv = dt == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
             std::memcpy(&buf[static_cast<size_t>(i) * 2], &hv, 2);
@@ -151,21 +160,33 @@ int run_make_random(const MakeRandomArgs& a) {
     if (!out) fail(path, ": write failed (disk full?)");
   }
   progress.finish();
-  if (shards.size() > 1) std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
+  if (shards.size() > 1)
+    std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
   std::ofstream(fs::path(a.out) / "config.json") << cfg_json.dump(2);
-  const nlohmann::json gen = {{"bos_token_id", 2}, {"eos_token_id", {1, 106, 50}}, {"pad_token_id", 0},
-                              {"do_sample", true}, {"temperature", 1.0}, {"top_k", 64}, {"top_p", 0.95}};
+  const nlohmann::json gen = {{"bos_token_id", 2},  {"eos_token_id", {1, 106, 50}},
+                              {"pad_token_id", 0},  {"do_sample", true},
+                              {"temperature", 1.0}, {"top_k", 64},
+                              {"top_p", 0.95}};
   std::ofstream(fs::path(a.out) / "generation_config.json") << gen.dump(2);
   const int soft = a.preset == "tiny" ? 70 : 280;
-  const nlohmann::json pre = {{"image_processor_type", "Gemma4ImageProcessor"}, {"processor_class", "Gemma4Processor"},
-                              {"patch_size", 16}, {"pooling_kernel_size", 3}, {"max_soft_tokens", soft},
-                              {"image_seq_length", soft}, {"do_resize", true}, {"resample", 3}, {"do_rescale", true},
-                              {"rescale_factor", 1.0 / 255.0}, {"do_normalize", false},
-                              {"image_mean", {0.0, 0.0, 0.0}}, {"image_std", {1.0, 1.0, 1.0}}, {"do_convert_rgb", true}};
+  const nlohmann::json pre = {{"image_processor_type", "Gemma4ImageProcessor"},
+                              {"processor_class", "Gemma4Processor"},
+                              {"patch_size", 16},
+                              {"pooling_kernel_size", 3},
+                              {"max_soft_tokens", soft},
+                              {"image_seq_length", soft},
+                              {"do_resize", true},
+                              {"resample", 3},
+                              {"do_rescale", true},
+                              {"rescale_factor", 1.0 / 255.0},
+                              {"do_normalize", false},
+                              {"image_mean", {0.0, 0.0, 0.0}},
+                              {"image_std", {1.0, 1.0, 1.0}},
+                              {"do_convert_rgb", true}};
   std::ofstream(fs::path(a.out) / "preprocessor_config.json") << pre.dump(2);
-  std::cerr << "wrote " << specs.size() << " tensors (" << static_cast<double>(total) / 1e9 << " GB, "
-            << shards.size() << " file" << (shards.size() > 1 ? "s" : "") << ") to " << a.out
-            << "; no tokenizer is written (random weights; use --ids with dump/bench)\n";
+  std::cerr << "wrote " << specs.size() << " tensors (" << static_cast<double>(total) / 1e9
+            << " GB, " << shards.size() << " file" << (shards.size() > 1 ? "s" : "") << ") to "
+            << a.out << "; no tokenizer is written (random weights; use --ids with dump/bench)\n";
   return 0;
 }
 
@@ -173,13 +194,20 @@ int run_make_random(const MakeRandomArgs& a) {
 
 void add_make_random_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<MakeRandomArgs>();
-  auto* sub = app.add_subcommand("make-random", "Write a random-weight Gemma 4 checkpoint in the hub layout");
-  sub->add_option("--preset", a->preset, "tiny | e2b | e4b")->check(CLI::IsMember({"tiny", "e2b", "e4b"}))->capture_default_str();
+  auto* sub = app.add_subcommand("make-random",
+                                 "Write a random-weight Gemma 4 checkpoint in the hub layout");
+  sub->add_option("--preset", a->preset, "tiny | e2b | e4b")
+      ->check(CLI::IsMember({"tiny", "e2b", "e4b"}))
+      ->capture_default_str();
   sub->add_option("--seed", a->seed, "random seed")->capture_default_str();
-  sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")->check(CLI::IsMember({"f32", "bf16", "f16"}))->capture_default_str();
+  sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")
+      ->check(CLI::IsMember({"f32", "bf16", "f16"}))
+      ->capture_default_str();
   sub->add_option("--out", a->out, "output directory")->required();
-  sub->add_option("--layers", a->layers, "shorten the text stack to N layers (tests); default: the preset's");
-  sub->add_option("--shard-gb", a->shard_gb, "split into shards of at most this many GB with model.safetensors.index.json");
+  sub->add_option("--layers", a->layers,
+                  "shorten the text stack to N layers (tests); default: the preset's");
+  sub->add_option("--shard-gb", a->shard_gb,
+                  "split into shards of at most this many GB with model.safetensors.index.json");
   sub->add_flag("--force", a->force, "overwrite a non-empty output directory");
   reg.add(sub, [a] { return run_make_random(*a); });
 }

@@ -42,24 +42,33 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
     bool wide;
   };
   Dims d{};
-  if (preset == "tiny") d = {128, 6, 4, 1, 32, 64, 256, 2, 3, 2048, 32, 8, true};
-  else if (preset == "e2b") d = {1536, 35, 8, 1, 256, 512, 6144, 20, 5, 262144, 256, 512, true};
-  else if (preset == "e4b") d = {2560, 42, 8, 2, 256, 512, 10240, 18, 6, 262144, 256, 512, false};
-  else fail("unknown preset '", preset, "' (use tiny, e2b or e4b)");
+  if (preset == "tiny")
+    d = {128, 6, 4, 1, 32, 64, 256, 2, 3, 2048, 32, 8, true};
+  else if (preset == "e2b")
+    d = {1536, 35, 8, 1, 256, 512, 6144, 20, 5, 262144, 256, 512, true};
+  else if (preset == "e4b")
+    d = {2560, 42, 8, 2, 256, 512, 10240, 18, 6, 262144, 256, 512, false};
+  else
+    fail("unknown preset '", preset, "' (use tiny, e2b or e4b)");
   const int full_L = d.L;
   if (num_layers > 0) {
-    if (num_layers < 2) fail("--layers must be at least 2 (one own-KV layer of each type is needed before sharing)");
-    d.shared = std::min(num_layers - 2, static_cast<int>(static_cast<long>(d.shared) * num_layers / full_L));
+    if (num_layers < 2)
+      fail("--layers must be at least 2 (one own-KV layer of each type is needed before sharing)");
+    d.shared = std::min(num_layers - 2,
+                        static_cast<int>(static_cast<long>(d.shared) * num_layers / full_L));
     d.L = num_layers;
   }
   std::vector<std::string> types;
-  for (int i = 0; i < d.L; ++i) types.push_back((i % d.period) == d.period - 1 ? "full_attention" : "sliding_attention");
+  for (int i = 0; i < d.L; ++i)
+    types.push_back((i % d.period) == d.period - 1 ? "full_attention" : "sliding_attention");
   types.back() = "full_attention";
   // A short stack must still have a full layer before the shared block to act as donor.
   const int first_shared = d.L - d.shared;
   bool has_full_donor = false;
-  for (int i = 0; i < first_shared; ++i) has_full_donor = has_full_donor || types[static_cast<size_t>(i)] == "full_attention";
-  if (!has_full_donor && first_shared > 1) types[static_cast<size_t>(first_shared - 1)] = "full_attention";
+  for (int i = 0; i < first_shared; ++i)
+    has_full_donor = has_full_donor || types[static_cast<size_t>(i)] == "full_attention";
+  if (!has_full_donor && first_shared > 1)
+    types[static_cast<size_t>(first_shared - 1)] = "full_attention";
   if (!has_full_donor && first_shared <= 1) d.shared = 0;
 
   json t = {{"model_type", "gemma4_text"},
@@ -81,7 +90,10 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
             {"tie_word_embeddings", true},
             {"rope_parameters",
              {{"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
-              {"full_attention", {{"rope_type", "proportional"}, {"partial_rotary_factor", 0.25}, {"rope_theta", 1000000.0}}}}},
+              {"full_attention",
+               {{"rope_type", "proportional"},
+                {"partial_rotary_factor", 0.25},
+                {"rope_theta", 1000000.0}}}}},
             {"attention_bias", false},
             {"attention_dropout", 0.0},
             {"sliding_window", d.window},

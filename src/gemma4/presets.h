@@ -9,6 +9,7 @@ namespace gemstage {
 
 // preset: "tiny" (the fixture's shape), "e2b" or "e4b". num_layers > 0 shortens the text stack
 // (keeping the sliding/full pattern and the share of KV-shared layers) for tests.
-nlohmann::json preset_config(const std::string& preset, int num_layers = 0, const std::string& dtype = "bfloat16");
+nlohmann::json preset_config(const std::string& preset, int num_layers = 0,
+                             const std::string& dtype = "bfloat16");
 
 }  // namespace gemstage

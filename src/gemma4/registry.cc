@@ -110,10 +110,11 @@ std::vector<std::string> validate_tensors(const std::vector<TensorSpec>& specs,
                << shape_str(sp.shape) << ", found " << shape_str(e->shape);
       ++n_problems;
     }
-    if (e->dtype != DType::F32 && e->dtype != DType::BF16 && e->dtype != DType::F16 && e->dtype != DType::Q8_0 &&
-        e->dtype != DType::Q4_0) {
+    if (e->dtype != DType::F32 && e->dtype != DType::BF16 && e->dtype != DType::F16 &&
+        e->dtype != DType::Q8_0 && e->dtype != DType::Q4_0) {
       problems << "\n  " << store.file_of(sp.key) << ": tensor " << sp.key << ": dtype "
-               << dtype_name(e->dtype) << " is not supported (expected F32, BF16, F16, Q8_0 or Q4_0)";
+               << dtype_name(e->dtype)
+               << " is not supported (expected F32, BF16, F16, Q8_0 or Q4_0)";
       ++n_problems;
     }
   }
@@ -135,7 +136,8 @@ std::vector<float> vector_to_f32(const WeightView& w) {
   return v;
 }
 
-TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, const TextParts& parts) {
+TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store,
+                              const TextParts& parts) {
   const TextConfig& t = c.text;
   const std::string p = c.text_prefix();
   TextWeights w;
@@ -154,8 +156,10 @@ TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, c
     const std::string l = p + "layers." + std::to_string(i) + ".";
     lw.input_layernorm = vector_to_f32(store.view(l + "input_layernorm.weight"));
     lw.post_attention_layernorm = vector_to_f32(store.view(l + "post_attention_layernorm.weight"));
-    lw.pre_feedforward_layernorm = vector_to_f32(store.view(l + "pre_feedforward_layernorm.weight"));
-    lw.post_feedforward_layernorm = vector_to_f32(store.view(l + "post_feedforward_layernorm.weight"));
+    lw.pre_feedforward_layernorm =
+        vector_to_f32(store.view(l + "pre_feedforward_layernorm.weight"));
+    lw.post_feedforward_layernorm =
+        vector_to_f32(store.view(l + "post_feedforward_layernorm.weight"));
     lw.q_proj = store.view(l + "self_attn.q_proj.weight");
     lw.o_proj = store.view(l + "self_attn.o_proj.weight");
     lw.q_norm = vector_to_f32(store.view(l + "self_attn.q_norm.weight"));
@@ -170,7 +174,8 @@ TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, c
     if (t.has_ple()) {
       lw.per_layer_input_gate = store.view(l + "per_layer_input_gate.weight");
       lw.per_layer_projection = store.view(l + "per_layer_projection.weight");
-      lw.post_per_layer_input_norm = vector_to_f32(store.view(l + "post_per_layer_input_norm.weight"));
+      lw.post_per_layer_input_norm =
+          vector_to_f32(store.view(l + "post_per_layer_input_norm.weight"));
     }
     lw.layer_scalar = weight_at(store.view(l + "layer_scalar"), 0);
     lw.bound = true;

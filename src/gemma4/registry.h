@@ -60,7 +60,8 @@ struct TextParts {
 };
 
 // Binds views over the source; call validate_tensors first. Parts not held stay empty.
-TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, const TextParts& parts = {});
+TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store,
+                              const TextParts& parts = {});
 
 std::vector<float> vector_to_f32(const WeightView& w);
 

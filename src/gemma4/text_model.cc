@@ -24,10 +24,12 @@ void gather_rows(const WeightView& table, std::span<const int32_t> ids, float sc
 
 }  // namespace
 
-PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer0, int64_t n_layers) const {
+PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer0,
+                                     int64_t n_layers) const {
   if (row0 < 0 || row0 + n_rows > rows || !holds(layer0) || !holds(layer0 + n_layers - 1))
-    fail("per_layer_inputs slice rows [", row0, ", ", row0 + n_rows, ") layers [", layer0, ", ", layer0 + n_layers,
-         ") is outside rows [0, ", rows, ") layers [", first_layer, ", ", first_layer + num_layers, ")");
+    fail("per_layer_inputs slice rows [", row0, ", ", row0 + n_rows, ") layers [", layer0, ", ",
+         layer0 + n_layers, ") is outside rows [0, ", rows, ") layers [", first_layer, ", ",
+         first_layer + num_layers, ")");
   PerLayerInputs out;
   out.rows = n_rows;
   out.first_layer = layer0;
@@ -35,7 +37,8 @@ PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer
   out.dim = dim;
   out.data.resize(static_cast<size_t>(n_rows * n_layers * dim));
   for (int64_t r = 0; r < n_rows; ++r)
-    std::memcpy(out.data.data() + r * n_layers * dim, at(row0 + r, layer0), static_cast<size_t>(n_layers * dim) * sizeof(float));
+    std::memcpy(out.data.data() + r * n_layers * dim, at(row0 + r, layer0),
+                static_cast<size_t>(n_layers * dim) * sizeof(float));
   return out;
 }
 
@@ -98,7 +101,8 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   if (taps) taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
 
   if (!cfg_.has_ple()) return out;
-  if (!w_.embed_tokens_per_layer.valid()) fail("the per-layer embedding table is not held by this stage");
+  if (!w_.embed_tokens_per_layer.valid())
+    fail("the per-layer embedding table is not held by this stage");
   PerLayerInputs& pli = out.per_layer_inputs;
   pli.rows = S;
   pli.num_layers = L;
@@ -213,9 +217,10 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   // ---- per-layer input: gate from the un-normalized stream, times this layer's PLE slice ----
   if (cfg_.has_ple()) {
     const int64_t P = cfg_.ple_dim();
-    if (pli.rows != S || pli.dim != P || pli.num_layers <= li)
-      fail("layer ", li, ": per_layer_inputs has shape [", pli.rows, ", ", pli.num_layers, ", ",
-           pli.dim, "], expected [", S, ", >", li, ", ", P, "]");
+    if (pli.rows != S || pli.dim != P || !pli.holds(li))
+      fail("layer ", li, ": per_layer_inputs holds rows ", pli.rows, ", layers [", pli.first_layer,
+           ", ", pli.first_layer + pli.num_layers, "), width ", pli.dim, "; expected ", S,
+           " rows including layer ", li, ", width ", P);
     std::vector<float> g(static_cast<size_t>(S * P));
     matmul(pool, hidden.data.data(), S, lw.per_layer_input_gate, g.data());
     for (int64_t r = 0; r < S; ++r) {

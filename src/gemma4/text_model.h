@@ -37,7 +37,9 @@ struct TextRunOptions {
 struct PerLayerInputs {
   int64_t rows = 0, first_layer = 0, num_layers = 0, dim = 0;
   std::vector<float> data;  // [rows, num_layers, dim]
-  bool holds(int64_t layer) const { return layer >= first_layer && layer < first_layer + num_layers; }
+  bool holds(int64_t layer) const {
+    return layer >= first_layer && layer < first_layer + num_layers;
+  }
   const float* at(int64_t row, int64_t layer) const {
     return data.data() + (row * num_layers + (layer - first_layer)) * dim;
   }

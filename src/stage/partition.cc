@@ -45,18 +45,24 @@ void validate_stage_ranges(const std::vector<LayerRange>& ranges, const TextConf
   for (const LayerRange& r : ranges) {
     if (r.begin >= r.end) fail("--stages: range ", r.str(), " is empty or reversed");
     if (r.begin != expect) {
-      if (r.begin < expect) fail("--stages: range ", r.str(), " overlaps the previous range (layers from ", r.begin, " to ", expect - 1, " would run twice)");
-      fail("--stages: layers ", expect, " to ", r.begin - 1, " are not in any range; ranges must cover [0, ", L, ") exactly once, in order");
+      if (r.begin < expect)
+        fail("--stages: range ", r.str(), " overlaps the previous range (layers from ", r.begin,
+             " to ", expect - 1, " would run twice)");
+      fail("--stages: layers ", expect, " to ", r.begin - 1,
+           " are not in any range; ranges must cover [0, ", L, ") exactly once, in order");
     }
     expect = r.end;
   }
-  if (expect != L) fail("--stages: the ranges end at layer ", expect, " but the model has ", L, " layers; the last range must end at ", L);
+  if (expect != L)
+    fail("--stages: the ranges end at layer ", expect, " but the model has ", L,
+         " layers; the last range must end at ", L);
   for (size_t k = 0; k < ranges.size(); ++k)
     for (int i = ranges[k].begin; i < ranges[k].end; ++i) {
       const LayerSpec& s = t.layers[static_cast<size_t>(i)];
       if (s.kv_shared && (s.kv_donor < ranges[k].begin || s.kv_donor >= ranges[k].end))
-        fail("--stages: layer ", i, " (KV-shared, ", layer_type_name(s.type), ") reads the K/V of layer ", s.kv_donor,
-             ", which the split ", ranges[k].str(), " puts in another stage; valid cut points for this model are ",
+        fail("--stages: layer ", i, " (KV-shared, ", layer_type_name(s.type),
+             ") reads the K/V of layer ", s.kv_donor, ", which the split ", ranges[k].str(),
+             " puts in another stage; valid cut points for this model are ",
              cuts_str(valid_cut_points(t)));
     }
 }
@@ -73,11 +79,12 @@ std::vector<LayerRange> parse_stage_spec(const std::string& spec, const TextConf
     } catch (...) {
       n = 0;
     }
-    if (n <= 0) fail("--stages must be ranges like 0:21,21:42 or a stage count like 2; got '", spec, "'");
+    if (n <= 0)
+      fail("--stages must be ranges like 0:21,21:42 or a stage count like 2; got '", spec, "'");
     const std::vector<int> cuts = valid_cut_points(t);
     if (n - 1 > static_cast<int>(cuts.size()))
-      fail("--stages ", n, ": this model has only ", cuts.size(), " valid cut points (", cuts_str(cuts), "), so at most ",
-           cuts.size() + 1, " transformer stages");
+      fail("--stages ", n, ": this model has only ", cuts.size(), " valid cut points (",
+           cuts_str(cuts), "), so at most ", cuts.size() + 1, " transformer stages");
     // Balanced by layer count: for each ideal boundary take the nearest unused valid cut.
     std::vector<int> chosen;
     int prev = 0;
@@ -86,11 +93,14 @@ std::vector<LayerRange> parse_stage_spec(const std::string& spec, const TextConf
       int best = -1;
       for (int c : cuts) {
         if (c <= prev) continue;
-        const int remaining_cuts = static_cast<int>(std::count_if(cuts.begin(), cuts.end(), [&](int x) { return x > c; }));
+        const int remaining_cuts =
+            static_cast<int>(std::count_if(cuts.begin(), cuts.end(), [&](int x) { return x > c; }));
         if (remaining_cuts < n - 1 - k) continue;
         if (best < 0 || std::fabs(c - ideal) < std::fabs(best - ideal)) best = c;
       }
-      if (best < 0) fail("--stages ", n, ": cannot place ", n - 1, " cuts at valid points (", cuts_str(cuts), ")");
+      if (best < 0)
+        fail("--stages ", n, ": cannot place ", n - 1, " cuts at valid points (", cuts_str(cuts),
+             ")");
       chosen.push_back(best);
       prev = best;
     }

@@ -12,7 +12,9 @@ namespace gemstage {
 namespace {
 constexpr char kMagic[8] = {'G', 'S', 'T', 'W', '0', '0', '0', '1'};
 constexpr uint64_t kAlign = 64;
-uint64_t align_up(uint64_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+uint64_t align_up(uint64_t x) {
+  return (x + kAlign - 1) / kAlign * kAlign;
+}
 }  // namespace
 
 bool dtype_from_name(const std::string& s, DType* out) {
@@ -47,7 +49,10 @@ void WeightsFileWriter::begin_data() {
   nlohmann::json h;
   h["tensors"] = nlohmann::json::object();
   for (const Decl& d : decls_)
-    h["tensors"][d.name] = {{"dtype", std::string(dtype_name(d.dtype))}, {"shape", d.shape}, {"offset", d.offset}, {"nbytes", d.nbytes}};
+    h["tensors"][d.name] = {{"dtype", std::string(dtype_name(d.dtype))},
+                            {"shape", d.shape},
+                            {"offset", d.offset},
+                            {"nbytes", d.nbytes}};
   const std::string header = h.dump();
   out_.open(path_, std::ios::binary | std::ios::trunc);
   if (!out_) fail(path_, ": cannot open for writing");
@@ -78,7 +83,8 @@ void WeightsFileWriter::end_tensor() {
   const Decl& d = decls_.at(current_);
   if (written_in_current_ != d.nbytes)
     fail(path_, ": tensor ", d.name, " got ", written_in_current_, " bytes, declared ", d.nbytes);
-  const uint64_t next = current_ + 1 < decls_.size() ? decls_[current_ + 1].offset : align_up(data_pos_);
+  const uint64_t next =
+      current_ + 1 < decls_.size() ? decls_[current_ + 1].offset : align_up(data_pos_);
   const std::string pad(next - data_pos_, '\0');
   out_.write(pad.data(), static_cast<std::streamsize>(pad.size()));
   data_pos_ = next;
@@ -87,7 +93,8 @@ void WeightsFileWriter::end_tensor() {
 }
 
 void WeightsFileWriter::finish() {
-  if (current_ != decls_.size()) fail(path_, ": ", decls_.size() - current_, " declared tensors were not written");
+  if (current_ != decls_.size())
+    fail(path_, ": ", decls_.size() - current_, " declared tensors were not written");
   out_.flush();
   if (!out_) fail(path_, ": write failed (disk full?)");
   out_.close();
@@ -99,7 +106,9 @@ WeightsFile::WeightsFile(const std::string& path) : file_(path) {
     fail(path, ": not a gemstage weights file (bad magic or truncated); re-export the bundle");
   uint64_t hl = 0;
   for (int i = 15; i >= 8; --i) hl = (hl << 8) | file_.data()[i];
-  if (hl > size - 16) fail(path, ": header length ", hl, " runs past the end of the file (", size, " bytes): truncated");
+  if (hl > size - 16)
+    fail(path, ": header length ", hl, " runs past the end of the file (", size,
+         " bytes): truncated");
   data_start_ = static_cast<size_t>(align_up(16 + hl));
   if (data_start_ > size) fail(path, ": truncated before the data section");
   const size_t data_size = size - data_start_;
@@ -109,7 +118,8 @@ WeightsFile::WeightsFile(const std::string& path) : file_(path) {
   } catch (const nlohmann::json::exception& e) {
     fail(path, ": header is not valid JSON (", e.what(), ")");
   }
-  if (!h.is_object() || !h.contains("tensors") || !h["tensors"].is_object()) fail(path, ": header has no tensors object");
+  if (!h.is_object() || !h.contains("tensors") || !h["tensors"].is_object())
+    fail(path, ": header has no tensors object");
   std::vector<const SafetensorsEntry*> sorted;
   for (auto it = h["tensors"].begin(); it != h["tensors"].end(); ++it) {
     const std::string where = path + ": tensor " + it.key();
@@ -124,16 +134,18 @@ WeightsFile::WeightsFile(const std::string& path) : file_(path) {
       if (!d.is_number_unsigned()) fail(where, ": shape entries must be non-negative integers");
       e.shape.push_back(d.get<int64_t>());
     }
-    if (!v.contains("offset") || !v["offset"].is_number_unsigned() || !v.contains("nbytes") || !v["nbytes"].is_number_unsigned())
+    if (!v.contains("offset") || !v["offset"].is_number_unsigned() || !v.contains("nbytes") ||
+        !v["nbytes"].is_number_unsigned())
       fail(where, ": offset and nbytes must be non-negative integers");
     e.begin = v["offset"].get<size_t>();
     const size_t nbytes = v["nbytes"].get<size_t>();
     if (e.begin % kAlign) fail(where, ": offset ", e.begin, " is not 64-byte aligned");
     if (e.begin > data_size || nbytes > data_size - e.begin)
-      fail(where, ": data [", e.begin, ", ", e.begin + nbytes, ") is past the end of the data section (", data_size,
-           " bytes): the file is truncated");
+      fail(where, ": data [", e.begin, ", ", e.begin + nbytes,
+           ") is past the end of the data section (", data_size, " bytes): the file is truncated");
     if (nbytes != tensor_bytes(e.dtype, e.shape))
-      fail(where, ": nbytes ", nbytes, " does not match ", dtype_name(e.dtype), " ", shape_str(e.shape), " (", tensor_bytes(e.dtype, e.shape), ")");
+      fail(where, ": nbytes ", nbytes, " does not match ", dtype_name(e.dtype), " ",
+           shape_str(e.shape), " (", tensor_bytes(e.dtype, e.shape), ")");
     e.end = e.begin + nbytes;
     auto [pos, inserted] = entries_.emplace(e.key, e);
     (void)inserted;
@@ -141,7 +153,8 @@ WeightsFile::WeightsFile(const std::string& path) : file_(path) {
   }
   std::sort(sorted.begin(), sorted.end(), [](auto* a, auto* b) { return a->begin < b->begin; });
   for (size_t i = 1; i < sorted.size(); ++i)
-    if (sorted[i]->begin < sorted[i - 1]->end) fail(path, ": tensors ", sorted[i - 1]->key, " and ", sorted[i]->key, " overlap");
+    if (sorted[i]->begin < sorted[i - 1]->end)
+      fail(path, ": tensors ", sorted[i - 1]->key, " and ", sorted[i]->key, " overlap");
 }
 
 WeightView WeightsFile::view(const std::string& key) const {

@@ -1,0 +1,659 @@
+#include "stage/bundle.h"
+
+#include <openssl/evp.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "core/error.h"
+#include "gemma4/registry.h"
+#include "io/mapped_file.h"
+#include "io/progress.h"
+#include "io/safetensors.h"
+#include "kernels/matmul.h"
+#include "stage/partition.h"
+#include "stage/pipeline.h"
+#include "stage/weights_file.h"
+
+namespace gemstage {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+namespace {
+
+const char* kCopiedFiles[] = {"config.json",
+                              "tokenizer.json",
+                              "tokenizer_config.json",
+                              "preprocessor_config.json",
+                              "processor_config.json",
+                              "generation_config.json",
+                              "special_tokens_map.json",
+                              "chat_template.jinja",
+                              "chat_template.json"};
+
+DType weights_dtype(const std::string& s) {
+  if (s == "f32") return DType::F32;
+  if (s == "bf16") return DType::BF16;
+  if (s == "q8_0") return DType::Q8_0;
+  if (s == "q4_0") return DType::Q4_0;
+  fail("--weights must be f32, bf16, q8_0 or q4_0; got '", s, "'");
+}
+
+std::string stage_id(const LayerRange& r) {
+  return "layers_" + std::to_string(r.begin) + "_" + std::to_string(r.end);
+}
+
+struct PlannedTensor {
+  std::string key;
+  DType dtype;
+};
+
+// Which checkpoint tensors each stage holds, and in which format.
+std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelConfig& c, DType w,
+                                              DType ple) {
+  std::vector<PlannedTensor> out;
+  const std::string p = c.text_prefix();
+  auto pick = [&](const TensorSpec& s, DType matrix_dtype) {
+    out.push_back({s.key, s.shape.size() >= 2 ? matrix_dtype : DType::F32});
+  };
+  const std::vector<TensorSpec> text = text_tensor_specs(c);
+  if (d.role == StageRole::Embeddings) {
+    for (const TensorSpec& s : text) {
+      if (s.key == p + "embed_tokens.weight" || s.key == p + "per_layer_model_projection.weight" ||
+          s.key == p + "per_layer_projection_norm.weight")
+        pick(s, w);
+      if (s.key == p + "embed_tokens_per_layer.weight") pick(s, ple);
+    }
+    // The vision tower is small and sensitive to clipping: kept in f32 or bf16, never 4-bit.
+    const DType vision = w == DType::F32 ? DType::F32 : DType::BF16;
+    for (const TensorSpec& s : vision_tensor_specs(c))
+      out.push_back({s.key, s.shape.size() >= 2 ? vision : DType::F32});
+    for (auto& t : out)
+      if (t.key.find("position_embedding_table") != std::string::npos) t.dtype = vision;
+  } else if (d.role == StageRole::TransformerLayers) {
+    for (const TensorSpec& s : text) {
+      if (s.role == TensorRole::Ignored) continue;
+      const std::string pre = p + "layers.";
+      if (s.key.rfind(pre, 0) != 0) continue;
+      const int layer = std::stoi(s.key.substr(pre.size()));
+      if (layer >= d.layers.begin && layer < d.layers.end) pick(s, w);
+    }
+  } else {
+    for (const TensorSpec& s : text)
+      if (s.key == p + "norm.weight" || s.key == p + "embed_tokens.weight") pick(s, w);
+  }
+  return out;
+}
+
+void convert_rows(const WeightView& src, DType dst, WeightsFileWriter& out, Progress& progress) {
+  const int64_t rows =
+      src.shape.empty() ? 1 : shape_numel(src.shape) / std::max<int64_t>(1, src.shape.back());
+  const int64_t cols = src.shape.empty() ? 1 : src.shape.back();
+  WeightView flat = src;
+  flat.shape = {rows, cols};
+  std::vector<float> row(static_cast<size_t>(cols));
+  std::vector<uint8_t> buf;
+  for (int64_t r = 0; r < rows; ++r) {
+    weight_row_to_f32(flat, r, row.data());
+    switch (dst) {
+      case DType::F32:
+        out.write(row.data(), row.size() * 4);
+        break;
+      case DType::BF16:
+      case DType::F16: {
+        buf.resize(row.size() * 2);
+        for (size_t i = 0; i < row.size(); ++i) {
+          const uint16_t h = dst == DType::BF16 ? f32_to_bf16(row[i]) : f32_to_f16(row[i]);
+          std::memcpy(&buf[i * 2], &h, 2);
+        }
+        out.write(buf.data(), buf.size());
+        break;
+      }
+      default:
+        fail("tensor ", src.name, ": no conversion to ", dtype_name(dst),
+             " in this build");  // QUANT-MERGE
+    }
+    progress.advance(static_cast<uint64_t>(cols) * dtype_size(src.dtype));
+  }
+}
+
+json cache_groups_json(const LayerRange& r, const TextConfig& t, int64_t max_context) {
+  json sliding = {{"kind", "sliding"},
+                  {"layers", json::array()},
+                  {"capacity", t.sliding_window},
+                  {"window", t.sliding_window}};
+  json full = {{"kind", "full"}, {"layers", json::array()}, {"capacity", max_context}};
+  for (int i = r.begin; i < r.end; ++i) {
+    const LayerSpec& s = t.layers[static_cast<size_t>(i)];
+    if (s.kv_shared) continue;
+    (s.type == LayerType::Sliding ? sliding : full)["layers"].push_back(i);
+  }
+  json g = json::array();
+  if (!sliding["layers"].empty()) g.push_back(sliding);
+  if (!full["layers"].empty()) g.push_back(full);
+  return g;
+}
+
+json kv_donors_json(const LayerRange& r, const TextConfig& t) {
+  json d = json::object();
+  for (int i = r.begin; i < r.end; ++i)
+    if (t.layers[static_cast<size_t>(i)].kv_shared)
+      d[std::to_string(i)] = t.layers[static_cast<size_t>(i)].kv_donor;
+  return d;
+}
+
+// Every stage's tensors, seen as one source: the "unstaged" model built from a bundle.
+class UnionSource : public TensorSource {
+ public:
+  explicit UnionSource(std::vector<std::shared_ptr<TensorSource>> s) : sources_(std::move(s)) {}
+  bool has(const std::string& k) const override {
+    for (const auto& s : sources_)
+      if (s->has(k)) return true;
+    return false;
+  }
+  WeightView view(const std::string& k) const override {
+    for (const auto& s : sources_)
+      if (s->has(k)) return s->view(k);
+    fail("bundle has no tensor ", k);
+  }
+  std::string file_of(const std::string& k) const override {
+    for (const auto& s : sources_)
+      if (s->has(k)) return s->file_of(k);
+    return "(none)";
+  }
+  std::vector<std::string> keys() const override {
+    std::vector<std::string> out;
+    for (const auto& s : sources_)
+      for (auto& k : s->keys()) out.push_back(k);
+    return out;
+  }
+
+ private:
+  std::vector<std::shared_ptr<TensorSource>> sources_;
+};
+
+}  // namespace
+
+std::string sha256_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(path, ": cannot open to hash");
+  EVP_MD_CTX* ctx = EVP_MD_CTX_new();
+  if (!ctx || EVP_DigestInit_ex(ctx, EVP_sha256(), nullptr) != 1)
+    fail("sha256: OpenSSL init failed");
+  std::vector<char> buf(size_t{4} << 20);
+  while (in) {
+    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
+    const std::streamsize n = in.gcount();
+    if (n > 0) EVP_DigestUpdate(ctx, buf.data(), static_cast<size_t>(n));
+  }
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  EVP_DigestFinal_ex(ctx, md, &len);
+  EVP_MD_CTX_free(ctx);
+  std::ostringstream os;
+  for (unsigned i = 0; i < len; ++i)
+    os << std::hex << std::setw(2) << std::setfill('0') << static_cast<int>(md[i]);
+  return os.str();
+}
+
+bool is_bundle_dir(const std::string& path) {
+  const fs::path m = fs::path(path) / "manifest.json";
+  if (!fs::exists(m)) return false;
+  try {
+    const json j = json::parse(read_text_file(m.string(), size_t{64} << 20));
+    return j.is_object() && j.value("format", "") == "gemstage-bundle";
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+BundleManifest read_bundle_manifest(const std::string& dir) {
+  const std::string path = (fs::path(dir) / "manifest.json").string();
+  BundleManifest m;
+  try {
+    m.raw = json::parse(read_text_file(path, size_t{64} << 20));
+  } catch (const json::exception& e) {
+    fail(path, ": not valid JSON (", e.what(), ")");
+  }
+  const json& j = m.raw;
+  auto need = [&](const json& o, const char* k, const std::string& where) -> const json& {
+    if (!o.is_object() || !o.contains(k)) fail(path, ": ", where, " is missing '", k, "'");
+    return o[k];
+  };
+  if (need(j, "format", "manifest") != "gemstage-bundle")
+    fail(path, ": format is not gemstage-bundle");
+  const json& ver = need(j, "schema_version", "manifest");
+  if (!ver.is_number_integer() || ver.get<int>() != kBundleSchemaVersion)
+    fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
+         kBundleSchemaVersion, "); re-export the bundle");
+  m.config =
+      parse_model_config(need(j, "model_config", "manifest").dump(), path + ": model_config");
+  const json& w = need(j, "weights", "manifest");
+  if (!w.is_string()) fail(path, ": weights must be a string");
+  m.weights_format = w.get<std::string>();
+  m.ple_weights_format = j.value("ple_weights", "bf16");
+  const json& mc = need(j, "max_context", "manifest");
+  if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
+    fail(path, ": max_context must be a positive integer");
+  m.max_context = mc.get<int64_t>();
+  if (j.contains("copied_files")) {
+    if (!j["copied_files"].is_object()) fail(path, ": copied_files must be an object");
+    for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
+      m.copied_files.emplace_back(it.key(), it.value().value("sha256", ""));
+  }
+  const json& stages = need(j, "stages", "manifest");
+  if (!stages.is_array() || stages.empty()) fail(path, ": stages must be a non-empty list");
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const json& s = stages[i];
+    const std::string where = "stages[" + std::to_string(i) + "]";
+    BundleStage bs;
+    const json& id = need(s, "id", where);
+    if (!id.is_string()) fail(path, ": ", where, ".id must be a string");
+    bs.decl.id = id.get<std::string>();
+    const json& role = need(s, "role", where);
+    bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
+                                        path + ": " + where);
+    if (bs.decl.role == StageRole::TransformerLayers) {
+      const json& l = need(s, "layers", where);
+      if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() || !l[1].is_number_integer())
+        fail(path, ": ", where, ".layers must be [begin, end]");
+      bs.decl.layers = {l[0].get<int>(), l[1].get<int>()};
+    }
+    bs.decl.contract =
+        contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
+    const json& wf = need(s, "weights", where);
+    const json& file = need(wf, "file", where + ".weights");
+    if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");
+    bs.weights_file = file.get<std::string>();
+    if (bs.weights_file.find('/') != std::string::npos ||
+        bs.weights_file.find("..") != std::string::npos)
+      fail(path, ": ", where, ".weights.file '", bs.weights_file,
+           "' must be a plain file name inside the bundle");
+    bs.sha256 = wf.value("sha256", "");
+    const json& bytes = need(wf, "bytes", where + ".weights");
+    if (!bytes.is_number_unsigned())
+      fail(path, ": ", where, ".weights.bytes must be a non-negative integer");
+    bs.bytes = bytes.get<uint64_t>();
+    if (s.contains("cache_groups")) {
+      if (!s["cache_groups"].is_array()) fail(path, ": ", where, ".cache_groups must be a list");
+      for (const json& g : s["cache_groups"]) {
+        CacheGroup cg;
+        cg.kind = g.value("kind", "");
+        if (g.contains("layers") && g["layers"].is_array())
+          for (const json& l : g["layers"])
+            if (l.is_number_integer()) cg.layers.push_back(l.get<int>());
+        cg.capacity = g.value("capacity", int64_t{0});
+        cg.window = g.value("window", int64_t{0});
+        bs.cache_groups.push_back(cg);
+      }
+    }
+    if (s.contains("kv_donors") && s["kv_donors"].is_object())
+      for (auto it = s["kv_donors"].begin(); it != s["kv_donors"].end(); ++it)
+        if (it.value().is_number_integer())
+          bs.kv_donors.emplace_back(std::stoi(it.key()), it.value().get<int>());
+    m.stages.push_back(std::move(bs));
+  }
+  return m;
+}
+
+void export_bundle(const std::string& hf_dir, const std::string& out_dir,
+                   const ExportOptions& opt) {
+  const ModelConfig cfg = load_model_config(hf_dir);
+  const TensorStore store = TensorStore::open_dir(hf_dir);
+  {
+    std::vector<TensorSpec> specs = text_tensor_specs(cfg);
+    const auto v = vision_tensor_specs(cfg);
+    specs.insert(specs.end(), v.begin(), v.end());
+    validate_tensors(specs, store, cfg);
+  }
+  const DType w = weights_dtype(opt.weights);
+  DType ple;
+  if (opt.ple_weights == "auto")
+    ple = w == DType::F32 ? DType::F32 : DType::BF16;
+  else if (opt.ple_weights == "bf16")
+    ple = DType::BF16;
+  else if (opt.ple_weights == "int8")
+    ple = DType::Q8_0;
+  else if (opt.ple_weights == "f32")
+    ple = DType::F32;
+  else
+    fail("--ple-weights must be bf16, int8 or f32; got '", opt.ple_weights, "'");
+  const int64_t max_context =
+      opt.max_context > 0 ? opt.max_context : cfg.text.max_position_embeddings;
+  if (max_context > cfg.text.max_position_embeddings)
+    fail("--max-context ", max_context, " exceeds the model's max_position_embeddings ",
+         cfg.text.max_position_embeddings);
+  const std::vector<LayerRange> ranges = parse_stage_spec(opt.stages, cfg.text);
+
+  std::vector<StageDecl> decls;
+  decls.push_back({"embeddings",
+                   StageRole::Embeddings,
+                   {0, 0},
+                   contract_for(StageRole::Embeddings, {0, 0}, cfg)});
+  for (const LayerRange& r : ranges)
+    decls.push_back({stage_id(r), StageRole::TransformerLayers, r,
+                     contract_for(StageRole::TransformerLayers, r, cfg)});
+  decls.push_back({"head",
+                   StageRole::FinalNormHead,
+                   {0, 0},
+                   contract_for(StageRole::FinalNormHead, {0, 0}, cfg)});
+  check_contract_chain(decls, cfg);
+
+  fs::create_directories(out_dir);
+  std::vector<std::vector<PlannedTensor>> plans;
+  uint64_t total = 0;
+  for (const StageDecl& d : decls) {
+    plans.push_back(plan_stage_tensors(d, cfg, w, ple));
+    for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
+  }
+  Progress progress("export", total, opt.progress);
+  json stages = json::array();
+  for (size_t i = 0; i < decls.size(); ++i) {
+    const StageDecl& d = decls[i];
+    const std::string file = d.id + ".gsw";
+    const std::string path = (fs::path(out_dir) / file).string();
+    WeightsFileWriter writer(path);
+    for (const PlannedTensor& t : plans[i]) {
+      const WeightView v = store.view(t.key);
+      if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
+        fail("tensor ", t.key, " has ", v.cols(),
+             " input columns, not a multiple of the 32-wide quantization block");
+      writer.declare(t.key, t.dtype, v.shape);
+    }
+    writer.begin_data();
+    for (const PlannedTensor& t : plans[i]) {
+      convert_rows(store.view(t.key), t.dtype, writer, progress);
+      writer.end_tensor();
+    }
+    writer.finish();
+    json s = {{"id", d.id},
+              {"role", stage_role_name(d.role)},
+              {"contract", contract_to_json(d.contract)},
+              {"weights",
+               {{"file", file}, {"sha256", sha256_file(path)}, {"bytes", fs::file_size(path)}}}};
+    if (d.role == StageRole::TransformerLayers) {
+      s["layers"] = {d.layers.begin, d.layers.end};
+      s["cache_groups"] = cache_groups_json(d.layers, cfg.text, max_context);
+      s["kv_donors"] = kv_donors_json(d.layers, cfg.text);
+    } else {
+      s["layers"] = nullptr;
+    }
+    stages.push_back(s);
+  }
+  progress.finish();
+  json copied = json::object();
+  for (const char* f : kCopiedFiles) {
+    const fs::path src = fs::path(hf_dir) / f;
+    if (!fs::exists(src)) continue;
+    fs::copy_file(src, fs::path(out_dir) / f, fs::copy_options::overwrite_existing);
+    copied[f] = {{"sha256", sha256_file((fs::path(out_dir) / f).string())}};
+  }
+  const json model_config =
+      json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
+  const json manifest = {{"format", "gemstage-bundle"},
+                         {"schema_version", kBundleSchemaVersion},
+                         {"generator", "gemstage export"},
+                         {"source_model", fs::absolute(hf_dir).string()},
+                         {"weights", opt.weights},
+                         {"ple_weights", ple == DType::F32    ? "f32"
+                                         : ple == DType::Q8_0 ? "int8"
+                                                              : "bf16"},
+                         {"max_context", max_context},
+                         {"num_layers", cfg.text.num_hidden_layers},
+                         {"model_config", model_config},
+                         {"copied_files", copied},
+                         {"stages", stages}};
+  std::ofstream(fs::path(out_dir) / "manifest.json") << manifest.dump(2) << "\n";
+}
+
+int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log) {
+  int failures = 0;
+  auto run = [&](const std::string& name, const std::function<std::string()>& fn) {
+    try {
+      const std::string detail = fn();
+      log << "PASS  " << name << (detail.empty() ? "" : ": " + detail) << "\n";
+    } catch (const std::exception& e) {
+      log << "FAIL  " << name << ": " << e.what() << "\n";
+      ++failures;
+    }
+  };
+  BundleManifest m;
+  bool schema_ok = false;
+  run("manifest schema", [&] {
+    m = read_bundle_manifest(dir);
+    schema_ok = true;
+    return "version " + std::to_string(kBundleSchemaVersion) + ", " +
+           std::to_string(m.stages.size()) + " stages, weights " + m.weights_format;
+  });
+  if (!schema_ok) return failures;
+  const TextConfig& t = m.config.text;
+
+  run("copied files match their hashes", [&] {
+    for (const auto& [name, sha] : m.copied_files) {
+      const std::string p = (fs::path(dir) / name).string();
+      if (!fs::exists(p)) fail(name, " is listed in copied_files but missing");
+      if (sha256_file(p) != sha)
+        fail(name, " does not match its SHA-256 in the manifest (edited after export?)");
+    }
+    return std::to_string(m.copied_files.size()) + " files";
+  });
+  bool weights_ok = true;
+  run("stage weights: size and SHA-256", [&] {
+    weights_ok = false;
+    for (const BundleStage& s : m.stages) {
+      const std::string p = (fs::path(dir) / s.weights_file).string();
+      if (!fs::exists(p))
+        fail("stage '", s.decl.id, "': weights file ", s.weights_file, " is missing");
+      const uint64_t size = fs::file_size(p);
+      if (size != s.bytes)
+        fail("stage '", s.decl.id, "': ", s.weights_file, " is ", size,
+             " bytes, the manifest says ", s.bytes, " (truncated?)");
+      if (sha256_file(p) != s.sha256)
+        fail("stage '", s.decl.id, "': ", s.weights_file, " does not match its SHA-256");
+    }
+    weights_ok = true;
+    return std::string();
+  });
+  run("stage weights: tensors present with the right shapes", [&] {
+    const DType w = weights_dtype(m.weights_format);
+    const DType ple = m.ple_weights_format == "int8"  ? DType::Q8_0
+                      : m.ple_weights_format == "f32" ? DType::F32
+                                                      : DType::BF16;
+    size_t n = 0;
+    std::map<std::string, Shape> want_shape;
+    for (const TensorSpec& s : text_tensor_specs(m.config)) want_shape[s.key] = s.shape;
+    for (const TensorSpec& s : vision_tensor_specs(m.config)) want_shape[s.key] = s.shape;
+    for (const BundleStage& s : m.stages) {
+      WeightsFile f((fs::path(dir) / s.weights_file).string());
+      for (const PlannedTensor& pt : plan_stage_tensors(s.decl, m.config, w, ple)) {
+        if (!f.has(pt.key))
+          fail("stage '", s.decl.id, "': ", s.weights_file, " lacks tensor ", pt.key);
+        const WeightView v = f.view(pt.key);
+        if (v.shape != want_shape[pt.key])
+          fail("stage '", s.decl.id, "': tensor ", pt.key, " has shape ", shape_str(v.shape),
+               ", expected ", shape_str(want_shape[pt.key]));
+        ++n;
+      }
+    }
+    return std::to_string(n) + " tensors";
+  });
+  run("layer coverage and KV donor placement", [&] {
+    std::vector<LayerRange> ranges;
+    for (const BundleStage& s : m.stages)
+      if (s.decl.role == StageRole::TransformerLayers) ranges.push_back(s.decl.layers);
+    validate_stage_ranges(ranges, t);
+    for (const BundleStage& s : m.stages)
+      for (const auto& [layer, donor] : s.kv_donors)
+        if (layer < 0 || layer >= t.num_hidden_layers ||
+            t.layers[static_cast<size_t>(layer)].kv_donor != donor)
+          fail("stage '", s.decl.id, "': kv_donors says layer ", layer, " reads layer ", donor,
+               ", the config says ",
+               layer >= 0 && layer < t.num_hidden_layers
+                   ? t.layers[static_cast<size_t>(layer)].kv_donor
+                   : -1);
+    std::string r;
+    for (const auto& x : ranges) {
+      if (!r.empty()) r.push_back(',');
+      r.append(x.str());
+    }
+    return r;
+  });
+  run("contracts match their roles and chain stage to stage", [&] {
+    for (const BundleStage& s : m.stages) {
+      const StageContract want = contract_for(s.decl.role, s.decl.layers, m.config);
+      if (contract_to_json(want) != contract_to_json(s.decl.contract)) {
+        // Name the first differing tensor before the generic message.
+        std::vector<StageDecl> one = {s.decl};
+        if (s.decl.role != StageRole::Embeddings) {
+          StageDecl emb{"embeddings",
+                        StageRole::Embeddings,
+                        {0, 0},
+                        contract_for(StageRole::Embeddings, {0, 0}, m.config)};
+          one.insert(one.begin(), emb);
+        }
+        try {
+          check_contract_chain(one, m.config);
+        } catch (const Error& e) {
+          if (std::string(e.what()).find("no stage produces logits") == std::string::npos) throw;
+        }
+        fail("stage '", s.decl.id, "': its contract differs from the ",
+             stage_role_name(s.decl.role), " contract this gemstage runs (edited manifest?)");
+      }
+    }
+    std::vector<StageDecl> decls;
+    for (const BundleStage& s : m.stages) decls.push_back(s.decl);
+    check_contract_chain(decls, m.config);
+    return std::string();
+  });
+  run("cache groups sized for the window and the declared context", [&] {
+    for (const BundleStage& s : m.stages) {
+      if (s.decl.role != StageRole::TransformerLayers) continue;
+      std::set<int> covered;
+      for (const CacheGroup& g : s.cache_groups) {
+        for (int l : g.layers) {
+          if (l < s.decl.layers.begin || l >= s.decl.layers.end)
+            fail("stage '", s.decl.id, "': cache group holds layer ", l, " outside its range ",
+                 s.decl.layers.str());
+          const LayerSpec& ls = t.layers[static_cast<size_t>(l)];
+          if (ls.kv_shared)
+            fail("stage '", s.decl.id, "': KV-shared layer ", l, " must not own a cache");
+          if ((ls.type == LayerType::Sliding) != (g.kind == "sliding"))
+            fail("stage '", s.decl.id, "': layer ", l, " is ", layer_type_name(ls.type),
+                 " but sits in a ", g.kind, " cache group");
+          covered.insert(l);
+        }
+        if (g.kind == "sliding" && (g.window != t.sliding_window || g.capacity < t.sliding_window))
+          fail("stage '", s.decl.id, "': sliding cache capacity ", g.capacity, " / window ",
+               g.window, " must hold the model's window of ", t.sliding_window);
+        if (g.kind == "full" && g.capacity < m.max_context)
+          fail("stage '", s.decl.id, "': full cache capacity ", g.capacity,
+               " is below max_context ", m.max_context);
+      }
+      for (int l = s.decl.layers.begin; l < s.decl.layers.end; ++l)
+        if (!t.layers[static_cast<size_t>(l)].kv_shared && !covered.count(l))
+          fail("stage '", s.decl.id, "': layer ", l, " has no cache group");
+    }
+    return "max_context " + std::to_string(m.max_context);
+  });
+  if (!weights_ok || failures) return failures;
+
+  // Probe: a prompt with a placeholder span filled by synthetic soft tokens.
+  run("probe: PLE identity at placeholder rows is the PAD row; staged logits equal the unstaged "
+      "model's",
+      [&] {
+        auto pipe = Pipeline::open(dir, 64);
+        const ModelConfig& c = pipe->config();
+        const int n_img = 9;
+        std::vector<int32_t> ids = {c.text.bos_token_id};
+        std::mt19937 rng(1234);
+        for (int i = 0; i < 5; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
+        ids.push_back(c.boi_token_id);
+        for (int i = 0; i < n_img; ++i) ids.push_back(c.image_token_id);
+        ids.push_back(c.eoi_token_id);
+        for (int i = 0; i < 4; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
+        FloatTensor soft({n_img, c.text.hidden_size});
+        std::normal_distribution<float> nd(0.0f, 1.0f);
+        for (float& x : soft.data) x = nd(rng);
+        ThreadPool pool(default_thread_count());
+        TapRecorder taps({"ple_ids", "ple_token_embeds"});
+        const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
+
+        const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
+        const FloatTensor tok = taps.get("ple_token_embeds");
+        const TextModel& emb = pipe->embeddings_model();
+        const int64_t LP = c.text.num_hidden_layers * c.text.ple_dim();
+        std::vector<float> pad_row(static_cast<size_t>(LP));
+        weight_row_to_f32(emb.weights().embed_tokens_per_layer, c.text.pad_token_id,
+                          pad_row.data());
+        const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
+        for (size_t r = 0; r < ids.size(); ++r) {
+          if (ids[r] != c.image_token_id) continue;
+          if (ple_ids[r] != c.text.pad_token_id)
+            fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
+                 ", not pad ", c.text.pad_token_id);
+          for (int64_t k = 0; k < LP; ++k)
+            if (tok.data[r * LP + k] != pad_row[static_cast<size_t>(k)] * scale)
+              fail("row ", r, ": PLE identity row differs from the PAD row at element ", k);
+        }
+        // Unstaged: one model over all stage weights, no boundaries.
+        std::vector<std::shared_ptr<TensorSource>> files;
+        for (const BundleStage& s : m.stages)
+          files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
+        UnionSource all(files);
+        TextModel whole(c, bind_text_weights(c, all));
+        KvCache cache(c.text, 64);
+        const FloatTensor unstaged = whole.forward(pool, ids, &soft, cache, {}, true, nullptr);
+        double d = 0;
+        for (size_t i = 0; i < unstaged.data.size(); ++i)
+          d = std::max(d, static_cast<double>(std::fabs(unstaged.data[i] - staged.data[i])));
+        if (d > 1e-5)
+          fail("staged logits differ from the unstaged model's by ", d, " (max-abs > 1e-5)");
+        std::ostringstream os;
+        os << n_img
+           << " placeholder rows carry the PAD identity; staged vs unstaged logits max-abs " << d;
+        return os.str();
+      });
+  if (!opt.reference_model.empty()) {
+    run("reference model: logits against " + opt.reference_model, [&] {
+      auto ref = Pipeline::open(opt.reference_model, 64);
+      auto pipe = Pipeline::open(dir, 64);
+      std::vector<int32_t> ids = {ref->config().text.bos_token_id};
+      std::mt19937 rng(99);
+      for (int i = 0; i < 31; ++i)
+        ids.push_back(static_cast<int32_t>(10 + rng() % 1000 % ref->config().text.vocab_size));
+      ThreadPool pool(default_thread_count());
+      const FloatTensor a = pipe->forward(pool, ids, nullptr, true, nullptr);
+      const FloatTensor b = ref->forward(pool, ids, nullptr, true, nullptr);
+      const int64_t V = ref->config().text.vocab_size;
+      double d = 0;
+      int agree = 0;
+      for (size_t r = 0; r < ids.size(); ++r) {
+        int64_t ia = 0, ib = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const size_t k = r * static_cast<size_t>(V) + static_cast<size_t>(v);
+          d = std::max(d, static_cast<double>(std::fabs(a.data[k] - b.data[k])));
+          if (a.data[k] > a.data[r * V + ia]) ia = v;
+          if (b.data[k] > b.data[r * V + ib]) ib = v;
+        }
+        agree += ia == ib;
+      }
+      const double atol = opt.reference_atol >= 0      ? opt.reference_atol
+                          : m.weights_format == "f32"  ? 1e-4
+                          : m.weights_format == "bf16" ? 5e-2
+                                                       : 1e9;
+      std::ostringstream os;
+      os << "max-abs " << d << ", top-1 agreement " << agree << "/" << ids.size();
+      if (d > atol) fail(os.str(), " exceeds the tolerance ", atol);
+      return os.str();
+    });
+  }
+  return failures;
+}
+
+}  // namespace gemstage

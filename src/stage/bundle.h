@@ -1,0 +1,75 @@
+// Bundles: a model exported as a pipeline of stages.
+//
+//   BUNDLE/manifest.json      versioned schema (format "gemstage-bundle", schema_version 1):
+//                             the model config, weight formats, max_context, copied files with
+//                             SHA-256, and per stage: id, role, layer range, contract, weights
+//                             file + SHA-256 + size, cache groups, KV donor map
+//   BUNDLE/<stage id>.gsw     the stage's weights (stage/weights_file.h), tensors 64-byte aligned
+//   BUNDLE/config.json, tokenizer.json, tokenizer_config.json, preprocessor_config.json, ...
+//                             copied verbatim from the checkpoint
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "gemma4/config.h"
+#include "stage/contract.h"
+
+namespace gemstage {
+
+constexpr int kBundleSchemaVersion = 1;
+
+struct CacheGroup {
+  std::string kind;  // "sliding" or "full"
+  std::vector<int> layers;
+  int64_t capacity = 0, window = 0;
+};
+
+struct BundleStage {
+  StageDecl decl;
+  std::string weights_file, sha256;
+  uint64_t bytes = 0;
+  std::vector<CacheGroup> cache_groups;
+  std::vector<std::pair<int, int>> kv_donors;  // (shared layer, donor)
+};
+
+struct BundleManifest {
+  nlohmann::json raw;
+  ModelConfig config;
+  std::string weights_format, ple_weights_format;
+  int64_t max_context = 0;
+  std::vector<BundleStage> stages;
+  std::vector<std::pair<std::string, std::string>> copied_files;  // (name, sha256)
+};
+
+bool is_bundle_dir(const std::string& path);
+// Parses and validates the schema (not hashes or weights: see check_bundle).
+BundleManifest read_bundle_manifest(const std::string& dir);
+
+struct ExportOptions {
+  std::string stages = "1";      // "0:21,21:42" or a stage count
+  std::string weights = "bf16";  // f32 | bf16 | q8_0 | q4_0
+  // auto: f32 for f32 bundles, else bf16 (the table is only gathered, never multiplied);
+  // int8 stores it as Q8_0 blocks (half the size of bf16).
+  std::string ple_weights = "auto";  // auto | f32 | bf16 | int8
+  int64_t max_context = 0;           // 0: the model's max_position_embeddings
+  bool progress = true;
+};
+
+// Streams tensors from the checkpoint into stage files; never holds a whole model in memory.
+void export_bundle(const std::string& hf_dir, const std::string& out_dir, const ExportOptions& opt);
+
+struct CheckOptions {
+  std::string reference_model;  // optional HF dir: compare the bundle's logits against it
+  double reference_atol = -1;   // -1: a default that depends on the weight format
+};
+
+// Runs every check, printing one PASS/FAIL line each; returns the number of failures.
+int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log);
+
+std::string sha256_file(const std::string& path);
+
+}  // namespace gemstage

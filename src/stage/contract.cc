@@ -1,0 +1,212 @@
+#include "stage/contract.h"
+
+#include <map>
+
+#include "core/error.h"
+
+namespace gemstage {
+
+const char* stage_role_name(StageRole r) {
+  switch (r) {
+    case StageRole::Embeddings:
+      return "embeddings";
+    case StageRole::TransformerLayers:
+      return "transformer_layers";
+    case StageRole::FinalNormHead:
+      return "final_norm_head";
+  }
+  return "?";
+}
+
+StageRole stage_role_from_name(const std::string& s, const std::string& where) {
+  if (s == "embeddings") return StageRole::Embeddings;
+  if (s == "transformer_layers") return StageRole::TransformerLayers;
+  if (s == "final_norm_head") return StageRole::FinalNormHead;
+  fail(where, ": unknown stage role '", s, "' (embeddings, transformer_layers, final_norm_head)");
+}
+
+StageContract contract_for(StageRole role, const LayerRange& layers, const ModelConfig& c) {
+  const TextConfig& t = c.text;
+  const std::string D = std::to_string(t.hidden_size), L = std::to_string(t.num_hidden_layers),
+                    P = std::to_string(t.ple_dim()), V = std::to_string(t.vocab_size);
+  StageContract k;
+  switch (role) {
+    case StageRole::Embeddings: {
+      k.inputs.push_back(
+          {"input_ids", {"S"}, "i32", "prompt token ids as given, placeholders included"});
+      k.inputs.push_back({"positions", {"S"}, "i32", "absolute position of each row"});
+      if (c.vision) {
+        const int pin = 3 * c.vision->patch_size * c.vision->patch_size;
+        k.inputs.push_back({"pixel_values",
+                            {"N_img", "max_patches", std::to_string(pin)},
+                            "f32",
+                            "preprocessed image patches in [0,1], zero-padded",
+                            true});
+        k.inputs.push_back({"image_position_ids",
+                            {"N_img", "max_patches", "2"},
+                            "i64",
+                            "(x, y) patch grid position, -1 for padding",
+                            true});
+      }
+      k.outputs.push_back({"hidden_states",
+                           {"S", D},
+                           "f32",
+                           "inputs_embeds: E[embed id]*sqrt(D) with tower soft tokens spliced into "
+                           "placeholder rows"});
+      k.outputs.push_back({"per_layer_inputs",
+                           {"S", L, P},
+                           "f32",
+                           "(RMSNorm(proj(spliced inputs_embeds)/sqrt(D)) + "
+                           "E_ple[ple_token_ids]*sqrt(P)) / sqrt(2)"});
+      k.outputs.push_back(
+          {"ple_token_ids",
+           {"S"},
+           "i32",
+           "token identity used for the PLE lookup: pad_token_id at every placeholder row"});
+      k.outputs.push_back(
+          {"image_splice_mask", {"S"}, "u8", "1 where a tower soft token was spliced in"});
+      break;
+    }
+    case StageRole::TransformerLayers: {
+      k.inputs.push_back({"hidden_states",
+                          {"S", D},
+                          "f32",
+                          "residual stream entering layer " + std::to_string(layers.begin)});
+      TensorDecl pli{"per_layer_inputs",
+                     {"S", std::to_string(layers.end - layers.begin), P},
+                     "f32",
+                     "this stage's slice of the per-layer inputs, layers " + layers.str()};
+      pli.layer_slice = layers;
+      k.inputs.push_back(pli);
+      k.inputs.push_back(
+          {"positions", {"S"}, "i32", "absolute position of each row (RoPE, masks, cache slots)"});
+      k.outputs.push_back({"hidden_states",
+                           {"S", D},
+                           "f32",
+                           "residual stream after layer " + std::to_string(layers.end - 1)});
+      break;
+    }
+    case StageRole::FinalNormHead: {
+      k.inputs.push_back({"hidden_states", {"S", D}, "f32", "output of the last decoder layer"});
+      k.outputs.push_back(
+          {"logits", {"S", V}, "f32", "30*tanh((RMSNorm(h) . E^T)/30): tied head, final soft-cap"});
+      break;
+    }
+  }
+  return k;
+}
+
+namespace {
+nlohmann::json decl_to_json(const TensorDecl& d) {
+  nlohmann::json j = {
+      {"name", d.name}, {"shape", d.shape}, {"dtype", d.dtype}, {"meaning", d.meaning}};
+  if (d.optional) j["optional"] = true;
+  if (d.layer_slice.begin >= 0) j["layer_slice"] = {d.layer_slice.begin, d.layer_slice.end};
+  return j;
+}
+TensorDecl decl_from_json(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object()) fail(where, ": a contract tensor must be an object");
+  TensorDecl d;
+  auto str = [&](const char* k) {
+    if (!j.contains(k) || !j[k].is_string())
+      fail(where, ": contract tensor field '", k, "' must be a string");
+    return j[k].get<std::string>();
+  };
+  d.name = str("name");
+  d.dtype = str("dtype");
+  d.meaning =
+      j.contains("meaning") && j["meaning"].is_string() ? j["meaning"].get<std::string>() : "";
+  if (!j.contains("shape") || !j["shape"].is_array())
+    fail(where, ": tensor ", d.name, ": shape must be a list");
+  for (const auto& s : j["shape"]) {
+    if (s.is_string())
+      d.shape.push_back(s.get<std::string>());
+    else if (s.is_number_unsigned())
+      d.shape.push_back(std::to_string(s.get<uint64_t>()));
+    else
+      fail(where, ": tensor ", d.name, ": shape entries must be names or non-negative integers");
+  }
+  d.optional = j.contains("optional") && j["optional"].is_boolean() && j["optional"].get<bool>();
+  if (j.contains("layer_slice")) {
+    const auto& ls = j["layer_slice"];
+    if (!ls.is_array() || ls.size() != 2 || !ls[0].is_number_integer() ||
+        !ls[1].is_number_integer())
+      fail(where, ": tensor ", d.name, ": layer_slice must be [begin, end]");
+    d.layer_slice = {ls[0].get<int>(), ls[1].get<int>()};
+  }
+  return d;
+}
+}  // namespace
+
+nlohmann::json contract_to_json(const StageContract& c) {
+  nlohmann::json j = {{"inputs", nlohmann::json::array()}, {"outputs", nlohmann::json::array()}};
+  for (const auto& d : c.inputs) j["inputs"].push_back(decl_to_json(d));
+  for (const auto& d : c.outputs) j["outputs"].push_back(decl_to_json(d));
+  return j;
+}
+
+StageContract contract_from_json(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object() || !j.contains("inputs") || !j["inputs"].is_array() ||
+      !j.contains("outputs") || !j["outputs"].is_array())
+    fail(where, ": contract must have inputs and outputs lists");
+  StageContract c;
+  for (const auto& d : j["inputs"]) c.inputs.push_back(decl_from_json(d, where + " inputs"));
+  for (const auto& d : j["outputs"]) c.outputs.push_back(decl_from_json(d, where + " outputs"));
+  return c;
+}
+
+void check_contract_chain(const std::vector<StageDecl>& stages, const ModelConfig& c) {
+  // What the pipeline itself provides to the first stage.
+  std::map<std::string, TensorDecl> available;
+  for (const TensorDecl& d : contract_for(StageRole::Embeddings, {}, c).inputs)
+    available[d.name] = d;
+  static const char* kIdTensors[] = {"input_ids", "ple_token_ids", "llm_input_ids", "token_ids",
+                                     "ple_ids"};
+  for (const StageDecl& s : stages) {
+    const std::string where = "stage '" + s.id + "' (" + stage_role_name(s.role) + ")";
+    for (const TensorDecl& in : s.contract.inputs) {
+      if (s.role != StageRole::Embeddings) {
+        for (const char* id : kIdTensors)
+          if (in.name == id)
+            fail(where, " receives token ids ('", in.name,
+                 "'): only the embeddings stage may see token ids, so no "
+                 "transformer stage can re-derive PLE identity from raw placeholder ids");
+        if ((in.dtype == "i32" || in.dtype == "i64") && in.name != "positions")
+          fail(where, " receives integer tensor '", in.name,
+               "'; transformer and head stages take only hidden states, "
+               "their per_layer_inputs slice and positions");
+      }
+      auto it = available.find(in.name);
+      if (it == available.end()) {
+        if (in.optional) continue;
+        fail(where, " needs input '", in.name,
+             "', which neither the pipeline nor an earlier stage provides");
+      }
+      const TensorDecl& have = it->second;
+      if (have.dtype != in.dtype)
+        fail(where, " input '", in.name, "' has dtype ", in.dtype, " but it is provided as ",
+             have.dtype);
+      if (in.layer_slice.begin >= 0) {
+        if (in.layer_slice.begin != s.layers.begin || in.layer_slice.end != s.layers.end)
+          fail(where, " takes per_layer_inputs layers ", in.layer_slice.str(), " but runs layers ",
+               s.layers.str());
+        if (have.shape.size() != 3 || in.shape.size() != 3 || have.shape[0] != in.shape[0] ||
+            have.shape[2] != in.shape[2] ||
+            in.shape[1] != std::to_string(in.layer_slice.end - in.layer_slice.begin))
+          fail(where, " input '", in.name, "' shape does not match a [S, ",
+               in.layer_slice.end - in.layer_slice.begin,
+               ", P] slice of what the embeddings stage provides");
+      } else if (have.shape != in.shape) {
+        std::string a, b;
+        for (const auto& x : in.shape) a += x + " ";
+        for (const auto& x : have.shape) b += x + " ";
+        fail(where, " input '", in.name, "' has shape [ ", a, "] but it is provided as [ ", b, "]");
+      }
+    }
+    for (const TensorDecl& out : s.contract.outputs) available[out.name] = out;
+  }
+  if (!available.count("logits"))
+    fail("no stage produces logits: the bundle needs a final_norm_head stage");
+}
+
+}  // namespace gemstage

@@ -1,0 +1,51 @@
+// Stage contracts: every tensor crossing a stage boundary has a name, a symbolic shape, a dtype
+// and a meaning. Token identity for PLE (ple_token_ids) and the image splice
+// (image_splice_mask + the spliced hidden_states) are separate named tensors, and only the
+// embeddings stage ever sees token ids; check_contract_chain() proves that for a bundle.
+#pragma once
+
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "gemma4/config.h"
+#include "stage/partition.h"
+
+namespace gemstage {
+
+enum class StageRole { Embeddings, TransformerLayers, FinalNormHead };
+const char* stage_role_name(StageRole r);
+StageRole stage_role_from_name(const std::string& s, const std::string& where);
+
+struct TensorDecl {
+  std::string name;
+  std::vector<std::string> shape;  // symbolic ("S") or numeric ("128") dims
+  std::string dtype;               // "f32", "i32", "i64", "u8"
+  std::string meaning;
+  bool optional = false;
+  LayerRange layer_slice{-1, -1};  // per_layer_inputs of a transformer stage: which layers
+};
+
+struct StageContract {
+  std::vector<TensorDecl> inputs, outputs;
+};
+
+// The one definition of each role's contract (export writes it, the runtime and check use it).
+StageContract contract_for(StageRole role, const LayerRange& layers, const ModelConfig& c);
+
+nlohmann::json contract_to_json(const StageContract& c);
+StageContract contract_from_json(const nlohmann::json& j, const std::string& where);
+
+struct StageDecl {
+  std::string id;
+  StageRole role;
+  LayerRange layers{0, 0};
+  StageContract contract;
+};
+
+// Verifies that contracts chain: every input is provided (by the pipeline or an earlier stage)
+// with the same dtype and shape, slices of per_layer_inputs match the stage's layer range, and
+// no transformer or head stage receives token ids. Throws naming the stage and tensor.
+void check_contract_chain(const std::vector<StageDecl>& stages, const ModelConfig& c);
+
+}  // namespace gemstage

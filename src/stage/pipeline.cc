@@ -1,0 +1,158 @@
+#include "stage/pipeline.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "gemma4/registry.h"
+#include "runtime/kv_cache.h"
+#include "stage/bundle.h"
+#include "stage/weights_file.h"
+
+namespace gemstage {
+
+struct Pipeline::RuntimeStage {
+  StageDecl decl;
+  std::shared_ptr<TensorSource> weights;
+  std::unique_ptr<TextModel> model;
+  std::unique_ptr<KvCache> cache;
+};
+
+Pipeline::~Pipeline() = default;
+
+const std::vector<StageDecl>& Pipeline::stages() const {
+  return decls_;
+}
+
+namespace {
+TextParts parts_for(const StageDecl& d) {
+  TextParts p = TextParts::none();
+  if (d.role == StageRole::Embeddings) p.embeddings = true;
+  if (d.role == StageRole::FinalNormHead) p.head = true;
+  if (d.role == StageRole::TransformerLayers) {
+    p.layer_begin = d.layers.begin;
+    p.layer_end = d.layers.end;
+  }
+  return p;
+}
+}  // namespace
+
+std::unique_ptr<Pipeline> Pipeline::open(const std::string& path, int64_t max_context) {
+  std::unique_ptr<Pipeline> p(new Pipeline());
+  p->path_ = path;
+  if (is_bundle_dir(path)) {
+    p->is_bundle_ = true;
+    const BundleManifest m = read_bundle_manifest(path);
+    p->config_ = m.config;
+    p->notes_ = m.config.warnings;
+    for (const BundleStage& bs : m.stages) {
+      auto rs = std::make_unique<RuntimeStage>();
+      rs->decl = bs.decl;
+      rs->weights =
+          std::make_shared<WeightsFile>((std::filesystem::path(path) / bs.weights_file).string());
+      p->sources_.push_back(rs->weights);
+      p->stages_.push_back(std::move(rs));
+    }
+    if (max_context <= 0) max_context = m.max_context;
+    if (max_context > m.max_context)
+      fail(path, ": context ", max_context, " exceeds the bundle's declared max_context ",
+           m.max_context, "; re-export with --max-context ", max_context);
+  } else {
+    p->config_ = load_model_config(path);
+    auto store = std::make_shared<TensorStore>(TensorStore::open_dir(path));
+    std::vector<TensorSpec> specs = text_tensor_specs(p->config_);
+    const auto vision = vision_tensor_specs(p->config_);
+    specs.insert(specs.end(), vision.begin(), vision.end());
+    const auto unknown = validate_tensors(specs, *store, p->config_);
+    p->notes_ = p->config_.warnings;
+    for (const auto& k : unknown)
+      p->notes_.push_back("tensor " + k + " is not used by gemstage; ignored");
+    p->sources_.push_back(store);
+    const int L = p->config_.text.num_hidden_layers;
+    const std::vector<StageDecl> decls = {
+        {"embeddings",
+         StageRole::Embeddings,
+         {0, 0},
+         contract_for(StageRole::Embeddings, {0, 0}, p->config_)},
+        {"layers_0_" + std::to_string(L),
+         StageRole::TransformerLayers,
+         {0, L},
+         contract_for(StageRole::TransformerLayers, {0, L}, p->config_)},
+        {"head",
+         StageRole::FinalNormHead,
+         {0, 0},
+         contract_for(StageRole::FinalNormHead, {0, 0}, p->config_)}};
+    for (const StageDecl& d : decls) {
+      auto rs = std::make_unique<RuntimeStage>();
+      rs->decl = d;
+      rs->weights = store;
+      p->stages_.push_back(std::move(rs));
+    }
+  }
+  if (max_context <= 0) max_context = p->config_.text.max_position_embeddings;
+  p->max_context_ = max_context;
+  for (auto& rs : p->stages_) {
+    p->decls_.push_back(rs->decl);
+    rs->model = std::make_unique<TextModel>(
+        p->config_, bind_text_weights(p->config_, *rs->weights, parts_for(rs->decl)));
+  }
+  check_contract_chain(p->decls_, p->config_);
+  p->build_caches();
+  return p;
+}
+
+void Pipeline::build_caches() {
+  for (auto& rs : stages_)
+    if (rs->decl.role == StageRole::TransformerLayers)
+      rs->cache = std::make_unique<KvCache>(config_.text, max_context_, rs->decl.layers.begin,
+                                            rs->decl.layers.end);
+  n_past_ = 0;
+}
+
+void Pipeline::reset(int64_t max_context) {
+  if (max_context > 0) max_context_ = max_context;
+  build_caches();
+}
+
+const TextModel& Pipeline::embeddings_model() const {
+  for (const auto& rs : stages_)
+    if (rs->decl.role == StageRole::Embeddings) return *rs->model;
+  fail(path_, ": no embeddings stage");
+}
+
+FloatTensor Pipeline::forward(ThreadPool& pool, std::span<const int32_t> ids,
+                              const FloatTensor* soft_tokens, bool all_logits, TapRecorder* taps,
+                              const TextRunOptions& opt) {
+  const int64_t S = static_cast<int64_t>(ids.size());
+  if (S == 0) fail("forward: no tokens");
+  if (n_past_ + S > max_context_)
+    fail("context limit reached: ", n_past_ + S, " tokens exceed the context size of ",
+         max_context_, " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
+         config_.text.max_position_embeddings, ")");
+  EmbeddingsOutput e;
+  FloatTensor logits;
+  for (auto& rs : stages_) {
+    switch (rs->decl.role) {
+      case StageRole::Embeddings:
+        e = rs->model->embed(pool, ids, soft_tokens, opt, taps);
+        break;
+      case StageRole::TransformerLayers: {
+        const LayerRange r = rs->decl.layers;
+        // Only this stage's slice of the per-layer inputs crosses the boundary.
+        const PerLayerInputs slice = config_.text.has_ple()
+                                         ? e.per_layer_inputs.slice(0, S, r.begin, r.end - r.begin)
+                                         : PerLayerInputs{};
+        rs->model->run_layers(pool, r.begin, r.end, e.hidden_states, slice, *rs->cache, taps);
+        rs->cache->set_n_past(rs->cache->n_past() + S);
+        break;
+      }
+      case StageRole::FinalNormHead:
+        logits = all_logits ? rs->model->head(pool, e.hidden_states, 0, S, taps)
+                            : rs->model->head(pool, e.hidden_states, S - 1, 1, taps);
+        break;
+    }
+  }
+  n_past_ += S;
+  return logits;
+}
+
+}  // namespace gemstage
