@@ -59,8 +59,11 @@ std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelCon
                                               DType ple) {
   std::vector<PlannedTensor> out;
   const std::string p = c.text_prefix();
+  // Vectors (norm weights, layer_scalar) follow a bf16 bundle's rounding, like an HF bf16
+  // checkpoint; quantized and f32 bundles keep them in f32.
+  const DType vec = w == DType::BF16 ? DType::BF16 : DType::F32;
   auto pick = [&](const TensorSpec& s, DType matrix_dtype) {
-    out.push_back({s.key, s.shape.size() >= 2 ? matrix_dtype : DType::F32});
+    out.push_back({s.key, s.shape.size() >= 2 ? matrix_dtype : vec});
   };
   const std::vector<TensorSpec> text = text_tensor_specs(c);
   if (d.role == StageRole::Embeddings) {

@@ -1,0 +1,254 @@
+// Staged bundles: splits, export, the checker (including hand-corrupted bundles), and that a
+// pipeline of stages computes exactly what the unstaged model computes.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/error.h"
+#include "stage/bundle.h"
+#include "stage/partition.h"
+#include "stage/pipeline.h"
+#include "test_util.h"
+
+using namespace gemstage;
+using namespace gemstage::testing;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TextConfig preset_text(int L, int period, int shared) {
+  TextConfig t;
+  t.num_hidden_layers = L;
+  t.num_kv_shared_layers = shared;
+  for (int i = 0; i < L; ++i)
+    t.layer_types.push_back(i % period == period - 1 ? LayerType::Full : LayerType::Sliding);
+  derive_layer_specs(t, "test");
+  return t;
+}
+
+TEST(Partition, E2BAndE4BValidCutPoints) {
+  const TextConfig e2b = preset_text(35, 5, 20), e4b = preset_text(42, 6, 18);
+  std::vector<int> want2, want4;
+  for (int c = 1; c <= 13; ++c) want2.push_back(c);  // donors 13 and 14 serve layers 15..34
+  for (int c = 1; c <= 22; ++c) want4.push_back(c);  // donors 22 and 23 serve layers 24..41
+  EXPECT_EQ(valid_cut_points(e2b), want2);
+  EXPECT_EQ(valid_cut_points(e4b), want4);
+  EXPECT_NO_THROW(parse_stage_spec("0:21,21:42", e4b));
+  EXPECT_NO_THROW(parse_stage_spec("0:13,13:35", e2b));
+  const std::string msg = error_of([&] { parse_stage_spec("0:21,21:35", e2b); });
+  EXPECT_NE(msg.find("reads the K/V of layer 13"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("valid cut points for this model are 1..13"), std::string::npos) << msg;
+}
+
+TEST(Partition, BalancedStageCountsUseValidCuts) {
+  const TextConfig e4b = preset_text(42, 6, 18);
+  const auto r = parse_stage_spec("2", e4b);
+  ASSERT_EQ(r.size(), 2u);
+  EXPECT_EQ(r[0].end, 21);
+  const auto r3 = parse_stage_spec("3", e4b);
+  ASSERT_EQ(r3.size(), 3u);
+  EXPECT_LE(r3[1].end, 22);
+}
+
+TEST(Partition, CoverageErrorsNameTheLayers) {
+  const TextConfig t = preset_text(6, 3, 2);
+  EXPECT_NE(
+      error_of([&] { parse_stage_spec("0:2,3:6", t); }).find("layers 2 to 2 are not in any range"),
+      std::string::npos);
+  EXPECT_NE(error_of([&] { parse_stage_spec("0:3,2:6", t); }).find("overlaps"), std::string::npos);
+  EXPECT_NE(error_of([&] { parse_stage_spec("0:2,2:5", t); }).find("must end at 6"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { parse_stage_spec("0:2,x:6", t); }).find("not a range of two integers"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { parse_stage_spec("9", t); }).find("at most 3 transformer stages"),
+            std::string::npos);
+  const std::string donor = error_of([&] { parse_stage_spec("0:4,4:6", t); });
+  EXPECT_NE(donor.find("layer 4 (KV-shared, sliding_attention) reads the K/V of layer 3"),
+            std::string::npos)
+      << donor;
+}
+
+std::string export_tiny(const std::string& name, const std::string& stages,
+                        const std::string& weights) {
+  const std::string out = temp_dir(name);
+  ExportOptions opt;
+  opt.stages = stages;
+  opt.weights = weights;
+  opt.max_context = 256;
+  opt.progress = false;
+  export_bundle(fixture("model"), out, opt);
+  return out;
+}
+
+FloatTensor run_logits(Pipeline& p, const std::vector<int32_t>& ids, int chunk,
+                       std::vector<int64_t>* greedy, int n_decode) {
+  ThreadPool pool(2);
+  p.reset(256);
+  FloatTensor all({static_cast<int64_t>(ids.size()), p.config().text.vocab_size});
+  int64_t row = 0;
+  FloatTensor last;
+  for (size_t b = 0; b < ids.size(); b += static_cast<size_t>(chunk)) {
+    const size_t n = std::min(static_cast<size_t>(chunk), ids.size() - b);
+    last = p.forward(pool, std::span<const int32_t>(ids).subspan(b, n), nullptr, true, nullptr);
+    std::copy(last.data.begin(), last.data.end(), all.row(row));
+    row += static_cast<int64_t>(n);
+  }
+  const int64_t V = p.config().text.vocab_size;
+  std::vector<float> r(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
+  for (int s = 0; s < n_decode; ++s) {
+    const int32_t best = static_cast<int32_t>(std::max_element(r.begin(), r.end()) - r.begin());
+    greedy->push_back(best);
+    const FloatTensor l =
+        p.forward(pool, std::span<const int32_t>(&best, 1), nullptr, false, nullptr);
+    r.assign(l.data.begin(), l.data.end());
+  }
+  return all;
+}
+
+class StagedEqualsUnstaged : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StagedEqualsUnstaged, F32BundleLogitsAndGreedyIds) {
+  const std::string bundle = export_tiny(
+      "bundle_" + std::to_string(std::hash<std::string>{}(GetParam())), GetParam(), "f32");
+  auto staged = Pipeline::open(bundle, 256);
+  auto unstaged = Pipeline::open(fixture("model"), 256);
+  EXPECT_TRUE(staged->is_bundle());
+  const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
+  std::vector<int64_t> g1, g2;
+  const FloatTensor a = run_logits(*staged, ids, 7, &g1, 8);
+  const FloatTensor b = run_logits(*unstaged, ids, 7, &g2, 8);
+  EXPECT_LE(max_abs_diff(a.data, b.data), 1e-5);
+  EXPECT_EQ(g1, g2);
+  EXPECT_EQ(g1, load_npy(fixture("long/decode_ids.npy")).to_i64());
+  std::ostringstream log;
+  EXPECT_EQ(check_bundle(bundle, {}, log), 0) << log.str();
+}
+
+INSTANTIATE_TEST_SUITE_P(Splits, StagedEqualsUnstaged,
+                         ::testing::Values("0:2,2:6", "0:1,1:6", "0:1,1:2,2:6", "1", "3"));
+
+// A bf16 bundle of the f32 checkpoint rounds every weight to bf16 (RNE), which is exactly the
+// fixture's BF16 checkpoint: its logits must match the bf16 golden outputs.
+TEST(Bundle, Bf16BundleMatchesTheBf16Reference) {
+  const std::string bundle = export_tiny("bundle_bf16", "0:2,2:6", "bf16");
+  auto staged = Pipeline::open(bundle, 256);
+  const std::vector<int32_t> ids = load_ids(fixture("text_bf16/input_ids.npy"));
+  std::vector<int64_t> greedy;
+  const FloatTensor a = run_logits(*staged, ids, 24, &greedy, 8);
+  expect_close(a, fixture("text_bf16/logits.npy"), 5e-4, "bf16 bundle logits");
+  EXPECT_EQ(greedy, load_npy(fixture("text_bf16/decode_ids.npy")).to_i64());
+}
+
+// Each hand-corruption must fail `check` with a message that says what is wrong.
+class CorruptBundle : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = export_tiny(
+        "bundle_corrupt_" +
+            std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()),
+        "0:2,2:6", "f32");
+  }
+  nlohmann::json manifest() {
+    return nlohmann::json::parse(std::ifstream(dir_ + "/manifest.json"));
+  }
+  void write_manifest(const nlohmann::json& j) {
+    std::ofstream(dir_ + "/manifest.json") << j.dump(2);
+  }
+  std::string check_log() {
+    std::ostringstream log;
+    const int failures = check_bundle(dir_, {}, log);
+    EXPECT_GT(failures, 0) << log.str();
+    return log.str();
+  }
+  std::string dir_;
+};
+
+TEST_F(CorruptBundle, TransformerStageFedInputIds) {
+  auto j = manifest();
+  j["stages"][1]["contract"]["inputs"].push_back(
+      {{"name", "input_ids"}, {"shape", {"S"}}, {"dtype", "i32"}, {"meaning", "raw ids"}});
+  write_manifest(j);
+  const std::string log = check_log();
+  EXPECT_NE(log.find("stage 'layers_0_2' (transformer_layers) receives token ids ('input_ids')"),
+            std::string::npos)
+      << log;
+  // The runtime refuses to run it too.
+  EXPECT_NE(error_of([&] { Pipeline::open(dir_); }).find("receives token ids"), std::string::npos);
+}
+
+TEST_F(CorruptBundle, TruncatedWeights) {
+  fs::resize_file(dir_ + "/layers_2_6.gsw", fs::file_size(dir_ + "/layers_2_6.gsw") - 100);
+  const std::string log = check_log();
+  EXPECT_NE(log.find("layers_2_6.gsw is"), std::string::npos) << log;
+  EXPECT_NE(log.find("truncated"), std::string::npos) << log;
+  EXPECT_NE(error_of([&] { Pipeline::open(dir_); }).find("truncated"), std::string::npos);
+}
+
+TEST_F(CorruptBundle, FlippedWeightByte) {
+  {
+    std::fstream f(dir_ + "/head.gsw", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-7, std::ios::end);
+    f.put('\x5a');
+  }
+  const std::string log = check_log();
+  EXPECT_NE(log.find("head.gsw does not match its SHA-256"), std::string::npos) << log;
+}
+
+TEST_F(CorruptBundle, EditedCopiedConfig) {
+  std::ofstream(dir_ + "/config.json", std::ios::app) << "\n";
+  const std::string log = check_log();
+  EXPECT_NE(log.find("config.json does not match its SHA-256"), std::string::npos) << log;
+}
+
+TEST_F(CorruptBundle, LayerRangeEditedToSplitADonor) {
+  auto j = manifest();
+  j["stages"][1]["layers"] = {0, 4};
+  j["stages"][2]["layers"] = {4, 6};
+  write_manifest(j);
+  const std::string log = check_log();
+  EXPECT_NE(log.find("reads the K/V of layer 3"), std::string::npos) << log;
+}
+
+TEST_F(CorruptBundle, CacheTooSmallForTheDeclaredContext) {
+  auto j = manifest();
+  for (auto& g : j["stages"][2]["cache_groups"])
+    if (g["kind"] == "full") g["capacity"] = 16;
+  write_manifest(j);
+  const std::string log = check_log();
+  EXPECT_NE(log.find("full cache capacity 16 is below max_context 256"), std::string::npos) << log;
+}
+
+TEST_F(CorruptBundle, WrongSchemaVersionAndMissingFields) {
+  auto j = manifest();
+  j["schema_version"] = 99;
+  write_manifest(j);
+  EXPECT_NE(check_log().find("schema_version 99 is not supported"), std::string::npos);
+  j = manifest();
+  j["schema_version"] = 1;
+  j["stages"][0].erase("weights");
+  write_manifest(j);
+  EXPECT_NE(check_log().find("stages[0] is missing 'weights'"), std::string::npos);
+}
+
+TEST_F(CorruptBundle, PerLayerSliceNotMatchingTheRange) {
+  auto j = manifest();
+  for (auto& in : j["stages"][2]["contract"]["inputs"])
+    if (in["name"] == "per_layer_inputs") in["layer_slice"] = {1, 5};
+  write_manifest(j);
+  const std::string log = check_log();
+  EXPECT_NE(log.find("takes per_layer_inputs layers 1:5 but runs layers 2:6"), std::string::npos)
+      << log;
+}
+
+}  // namespace
