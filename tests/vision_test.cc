@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "gemma4/model.h"
 #include "gemma4/multimodal.h"
+#include "gemma4/registry.h"
 #include "gemma4/vision_model.h"
 #include "io/npy.h"
 
@@ -270,6 +271,60 @@ TEST(VisionWeights, ClipScalarsAreBoundFromTheCheckpoint) {
   EXPECT_LT(l0.q_proj.input_min, l0.q_proj.input_max);
   EXPECT_TRUE(std::isfinite(l0.down_proj.output_max));
   EXPECT_LT(l0.down_proj.output_min, l0.down_proj.output_max);
+}
+
+TEST(VisionWeights, WithoutClippedLinearsTheBoundsAreInfinite) {
+  const Gemma4Model& m = model(false);
+  ModelConfig c = m.config();
+  c.vision->use_clipped_linears = false;
+  for (const TensorSpec& sp : vision_tensor_specs(c))
+    EXPECT_EQ(sp.key.find("input_min"), std::string::npos) << sp.key;
+  const VisionWeights w = bind_vision_weights(c, m.store());
+  for (const VisionLayerWeights& l : w.layers)
+    for (const ClippableLinear* cl :
+         {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj}) {
+      EXPECT_TRUE(std::isinf(cl->input_min) && cl->input_min < 0);
+      EXPECT_TRUE(std::isinf(cl->input_max) && cl->input_max > 0);
+      EXPECT_TRUE(std::isinf(cl->output_min) && cl->output_min < 0);
+      EXPECT_TRUE(std::isinf(cl->output_max) && cl->output_max > 0);
+    }
+  // The clamps matter on this checkpoint: switching them off changes the soft tokens.
+  ThreadPool pool(2);
+  const VisionTower unclipped(c, w);
+  const std::vector<VisionInput> imgs = fixture_images(m);
+  const double d = max_abs(unclipped.encode_all(pool, imgs, nullptr),
+                           m.vision()->encode_all(pool, imgs, nullptr));
+  EXPECT_GT(d, 1e-3);
+}
+
+TEST(VisionWeights, TextOnlyCheckpointHasNoTower) {
+  const auto dir = std::filesystem::temp_directory_path() / "gemstage_vision_textonly";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::string cfg;
+  {
+    std::FILE* f = std::fopen(fx("model/config.json").c_str(), "rb");
+    ASSERT_NE(f, nullptr);
+    char buf[4096];
+    size_t n;
+    while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) cfg.append(buf, n);
+    std::fclose(f);
+  }
+  const size_t at = cfg.find("\"vision_config\"");
+  ASSERT_NE(at, std::string::npos);
+  const size_t end = cfg.find("\"audio_config\"", at);
+  ASSERT_NE(end, std::string::npos);
+  cfg = cfg.substr(0, at) + "\"vision_config\": null,\n  " + cfg.substr(end);
+  {
+    std::FILE* f = std::fopen((dir / "config.json").string().c_str(), "wb");
+    ASSERT_NE(f, nullptr);
+    std::fwrite(cfg.data(), 1, cfg.size(), f);
+    std::fclose(f);
+  }
+  std::filesystem::create_symlink(fx("model/model.safetensors"), dir / "model.safetensors");
+  const auto m = Gemma4Model::open(dir.string());
+  EXPECT_EQ(m->vision(), nullptr);
+  std::filesystem::remove_all(dir);
 }
 
 // ---------------------------------------------------------------------------------------------

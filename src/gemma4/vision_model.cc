@@ -16,6 +16,8 @@ namespace gemstage {
 
 namespace {
 
+constexpr int64_t kTileBytes = 256 * 1024;
+
 ClippableLinear bind_linear(const TensorStore& store, const std::string& prefix, bool clipped) {
   ClippableLinear l;
   l.weight = store.view(prefix + ".linear.weight");
@@ -26,6 +28,16 @@ ClippableLinear bind_linear(const TensorStore& store, const std::string& prefix,
     l.output_max = weight_at(store.view(prefix + ".output_max"), 0);
   }
   return l;
+}
+
+// matmul over row tiles of x: a tile stays in cache while the weight streams past it, instead of
+// every group of weight rows streaming all of x (the vision tower runs thousands of rows at
+// once). Each output row is computed exactly as one matmul call would compute it.
+void matmul_tiled(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y) {
+  const int64_t K = w.cols(), N = w.rows();
+  const int64_t tile = std::max<int64_t>(16, (kTileBytes / (K * 4)) & ~int64_t{3});
+  for (int64_t s0 = 0; s0 < S; s0 += tile)
+    matmul(pool, x + s0 * K, std::min(tile, S - s0), w, y + s0 * N);
 }
 
 void clamp_copy(const float* x, int64_t n, float lo, float hi, float* y) {
@@ -77,9 +89,9 @@ void clippable_linear(ThreadPool& pool, const ClippableLinear& l, const float* x
   if (clip_in) {
     std::vector<float> xc(static_cast<size_t>(S * in));
     clamp_copy(x, S * in, l.input_min, l.input_max, xc.data());
-    matmul(pool, xc.data(), S, l.weight, y);
+    matmul_tiled(pool, xc.data(), S, l.weight, y);
   } else {
-    matmul(pool, x, S, l.weight, y);
+    matmul_tiled(pool, x, S, l.weight, y);
   }
   if (std::isfinite(l.output_min) || std::isfinite(l.output_max))
     clamp_copy(y, S * out, l.output_min, l.output_max, y);
@@ -275,28 +287,41 @@ void VisionTower::layer_forward(ThreadPool& pool, int li, FloatTensor& h,
     }
   });
 
-  std::vector<float> attn(static_cast<size_t>(n * H * hd), 0.0f);
-  pool.parallel_for(static_cast<size_t>(n * H), [&](size_t b, size_t e) {
-    std::vector<float> scores(static_cast<size_t>(n));
-    for (size_t task = b; task < e; ++task) {
-      const int64_t r = static_cast<int64_t>(task) / H, hh = static_cast<int64_t>(task) % H;
-      const int64_t kvh = hh / G;
-      const float* qv = q.data() + (r * H + hh) * hd;
-      for (int64_t j = 0; j < n; ++j) {
-        const float* kv = k.data() + j * kvw + kvh * hd;
-        float dot = 0.0f;
-        for (int64_t d = 0; d < hd; ++d) dot += qv[d] * kv[d];
-        scores[static_cast<size_t>(j)] = dot;  // scaling 1.0
+  // Per head: scores = Q_h · K_hᵀ (scaling 1.0, every real patch attends to every real patch),
+  // row softmax, out_h = P · V_h — both products through the matmul kernel (the keys, resp. the
+  // transposed values, play the weight matrix).
+  std::vector<float> attn(static_cast<size_t>(n * H * hd));
+  std::vector<float> qh(static_cast<size_t>(n * hd)), kh(static_cast<size_t>(n * hd)),
+      vt(static_cast<size_t>(hd * n)), oh(static_cast<size_t>(n * hd)),
+      scores(static_cast<size_t>(n * n));
+  auto as_weight = [](const std::vector<float>& m, int64_t rows, int64_t cols) {
+    return WeightView{
+        "vision attention operand", DType::F32, {rows, cols}, m.data(), m.size() * sizeof(float)};
+  };
+  int64_t staged_kvh = -1;
+  for (int64_t hh = 0; hh < H; ++hh) {
+    const int64_t kvh = hh / G;
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(qh.data() + r * hd, q.data() + (r * H + hh) * hd,
+                  static_cast<size_t>(hd) * sizeof(float));
+    if (kvh != staged_kvh) {
+      for (int64_t r = 0; r < n; ++r) {
+        std::memcpy(kh.data() + r * hd, k.data() + r * kvw + kvh * hd,
+                    static_cast<size_t>(hd) * sizeof(float));
+        for (int64_t d = 0; d < hd; ++d)
+          vt[static_cast<size_t>(d * n + r)] = v[static_cast<size_t>(r * kvw + kvh * hd + d)];
       }
-      softmax_inplace(scores.data(), n);
-      float* o = attn.data() + (r * H + hh) * hd;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = scores[static_cast<size_t>(j)];
-        const float* vv = v.data() + j * kvw + kvh * hd;
-        for (int64_t d = 0; d < hd; ++d) o[d] += p * vv[d];
-      }
+      staged_kvh = kvh;
     }
-  });
+    matmul_tiled(pool, qh.data(), n, as_weight(kh, n, hd), scores.data());
+    pool.parallel_for(static_cast<size_t>(n), [&](size_t b, size_t e) {
+      for (size_t r = b; r < e; ++r) softmax_inplace(scores.data() + r * static_cast<size_t>(n), n);
+    });
+    matmul_tiled(pool, scores.data(), n, as_weight(vt, hd, n), oh.data());
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(attn.data() + (r * H + hh) * hd, oh.data() + r * hd,
+                  static_cast<size_t>(hd) * sizeof(float));
+  }
   std::vector<float> branch(static_cast<size_t>(n * Dv));
   clippable_linear(pool, lw.o_proj, attn.data(), n, branch.data());
   rmsnorm_rows(branch.data(), n, Dv, lw.post_attention_layernorm.data(), eps, branch.data());
@@ -331,7 +356,7 @@ FloatTensor VisionTower::encode(ThreadPool& pool, const float* pixel_values,
   std::vector<float> scaled(static_cast<size_t>(max_patches * pin));
   for (size_t i = 0; i < scaled.size(); ++i) scaled[i] = 2.0f * (pixel_values[i] - 0.5f);
   FloatTensor embeds({max_patches, Dv});
-  matmul(pool, scaled.data(), max_patches, w_.input_proj, embeds.data.data());
+  matmul_tiled(pool, scaled.data(), max_patches, w_.input_proj, embeds.data.data());
   std::vector<float> px(static_cast<size_t>(Dv)), py(static_cast<size_t>(Dv));
   std::vector<int64_t> xy(static_cast<size_t>(2 * n));
   FloatTensor h({n, Dv});
