@@ -687,5 +687,16 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
       read_file(log).find("0 image/audio/video placeholder tokens but the 1 image(s) yield 56"),
       std::string::npos)
       << read_file(log);
+  // --pixel-values / --image-position-ids repeat, one pair per image.
+  const std::string two = " --pixel-values " + d + "pixel_values.npy --image-position-ids " + d +
+                          "image_position_ids.npy";
+  EXPECT_NE(run_cli("dump -m " + fx("model") + " --ids " + d + "input_ids.npy" + two + two +
+                        " --out " + out,
+                    log),
+            0);
+  EXPECT_NE(read_file(log).find("56 image/audio/video placeholder tokens but the 2 image(s) yield "
+                                "112"),
+            std::string::npos)
+      << read_file(log);
   std::filesystem::remove_all(tmp);
 }
