@@ -5,6 +5,7 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "gemma4/multimodal.h"
 #include "io/npy.h"
 #include "stage/pipeline.h"
 #include "tools/cli_common.h"
@@ -21,8 +22,41 @@ struct DumpArgs {
   int threads = 0;
   int64_t ctx = 0;
   std::string ple_identity = "pad", embed_scale = "f32";
+  std::vector<std::string> pixel_values, image_position_ids;  // preprocessed images, in order
   bool verbose = false;
 };
+
+// The images of the prompt, in prompt order, as the vision tower takes them.
+std::vector<VisionInput> load_images(const DumpArgs& a, const Pipeline& model) {
+  std::vector<VisionInput> images;
+  if (a.pixel_values.size() != a.image_position_ids.size())
+    fail("got ", a.pixel_values.size(), " --pixel-values but ", a.image_position_ids.size(),
+         " --image-position-ids; give one positions file per pixel file, in the same order");
+  if (a.pixel_values.empty()) return images;
+  const VisionTower* vision = model.vision();
+  if (!vision)
+    fail(a.model,
+         ": this checkpoint has no vision tower (no vision_config), so it cannot take "
+         "--pixel-values");
+  for (size_t i = 0; i < a.pixel_values.size(); ++i) {
+    std::vector<VisionInput> v =
+        vision_inputs_from_arrays(load_npy(a.pixel_values[i]), load_npy(a.image_position_ids[i]),
+                                  vision->patch_dim(), a.pixel_values[i], a.image_position_ids[i]);
+    for (VisionInput& in : v) {
+      try {
+        vision->num_soft_tokens(in.position_ids.data(), in.max_patches);  // validates
+      } catch (const Error& e) {
+        fail(a.image_position_ids[i], ": ", e.what());
+      }
+      images.push_back(std::move(in));
+    }
+  }
+  // ---- --image FILE goes here (image-preprocessing merge) ----
+  // The src/image/ preprocessor (decode + resize + patchify, spec §5.1) will turn each --image
+  // into one more VisionInput, appended in prompt order alongside the --pixel-values ones.
+  // Nothing below this point needs to change.
+  return images;
+}
 
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
@@ -68,22 +102,29 @@ int run_dump(const DumpArgs& a) {
 
   TapRecorder taps(split_list(a.taps));
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  const std::vector<VisionInput> images = load_images(a, *model);
+  const int64_t n_placeholders = count_placeholders(model->config(), ids);
+  FloatTensor soft;
+  double t_vision = 0;
+  if (!images.empty()) {
+    const double tv = now_seconds();
+    soft = model->vision()->encode_all(pool, images, &taps);
+    t_vision = now_seconds() - tv;
+  }
+  const int64_t n_soft = soft.shape.empty() ? 0 : soft.dim(0);
+  if (n_soft != n_placeholders)
+    fail(a.ids, ": the prompt has ", n_placeholders,
+         " image/audio/video placeholder tokens but the ", images.size(), " image(s) yield ",
+         n_soft, " soft tokens; the processor must write exactly one placeholder per soft token");
   const int64_t S = static_cast<int64_t>(ids.size());
-  const int64_t ctx =
-      a.ctx > 0 ? a.ctx
-                : std::min<int64_t>(tc.max_position_embeddings, S + std::max(0, a.decode) + 1);
-  KvCache cache(tc, ctx);
+  if (a.ctx <= 0)
+    model->reset(std::min<int64_t>(model->max_context(), S + std::max(0, a.decode) + 1));
   const bool all_logits = taps.wants("logits");
   const int64_t chunk = a.chunk > 0 ? a.chunk : S;
 
   const double t1 = now_seconds();
-  FloatTensor last;
-  for (int64_t b = 0; b < S; b += chunk) {
-    const int64_t n = std::min(chunk, S - b);
-    last = model->forward(
-        pool, std::span<const int32_t>(ids).subspan(static_cast<size_t>(b), static_cast<size_t>(n)),
-        nullptr, all_logits, &taps, opt);
-  }
+  FloatTensor last =
+      model->prefill(pool, ids, images.empty() ? nullptr : &soft, chunk, all_logits, &taps, opt);
   const double t_prefill = now_seconds() - t1;
 
   const int64_t V = tc.vocab_size;
@@ -117,7 +158,11 @@ int run_dump(const DumpArgs& a) {
   }
   taps.write_dir(a.out);
 
-  std::cerr << "load " << t_load << " s; prefill " << S << " tokens in " << t_prefill << " s ("
+  std::cerr << "load " << t_load << " s; ";
+  if (!images.empty())
+    std::cerr << "vision " << images.size() << " image(s), " << soft.dim(0) << " soft tokens in "
+              << t_vision << " s; ";
+  std::cerr << "prefill " << S << " tokens in " << t_prefill << " s ("
             << (t_prefill > 0 ? static_cast<double>(S) / t_prefill : 0.0) << " t/s)";
   if (a.decode > 1)
     std::cerr << "; decode " << a.decode - 1 << " tokens in " << t_decode << " s ("
@@ -151,6 +196,18 @@ void add_dump_command(CLI::App& app, Registry& reg) {
          "--embed-scale", a->embed_scale,
          "f32 (HF in float32, default) or bf16 (sqrt(D) rounded to bf16, as HF running in bf16)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  sub->add_option("--pixel-values", a->pixel_values,
+                  ".npy of preprocessed image patches [max_patches, 3*patch^2] or [1, ...] "
+                  "(repeatable, one per image in prompt order; bypasses image preprocessing)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  sub->add_option("--image-position-ids", a->image_position_ids,
+                  ".npy of patch (x, y) positions [max_patches, 2] or [1, ...], -1 for padding "
+                  "(repeatable, one per --pixel-values, same order)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  // --image FILE (decoded and preprocessed by src/image/) is added here at the image merge; see
+  // load_images().
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a] { return run_dump(*a); });
 }

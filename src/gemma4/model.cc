@@ -17,6 +17,9 @@ std::unique_ptr<Gemma4Model> Gemma4Model::open(const std::string& dir) {
   for (const auto& k : unknown)
     m->notes_.push_back("tensor " + k + " is not used by gemstage; ignored");
   m->text_ = std::make_unique<TextModel>(m->config_, bind_text_weights(m->config_, m->store_));
+  if (m->config_.vision)
+    m->vision_ =
+        std::make_unique<VisionTower>(m->config_, bind_vision_weights(m->config_, m->store_));
   return m;
 }
 

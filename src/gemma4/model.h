@@ -1,5 +1,5 @@
 // A Gemma 4 checkpoint opened in place: config, memory-mapped tensors validated against the
-// registry, and the text decoder bound to them.
+// registry, and the text decoder (plus the vision tower, when configured) bound to them.
 #pragma once
 
 #include <memory>
@@ -8,6 +8,7 @@
 
 #include "gemma4/config.h"
 #include "gemma4/text_model.h"
+#include "gemma4/vision_model.h"
 #include "io/safetensors.h"
 
 namespace gemstage {
@@ -20,6 +21,8 @@ class Gemma4Model {
   const ModelConfig& config() const { return config_; }
   const TensorStore& store() const { return store_; }
   const TextModel& text() const { return *text_; }
+  // The vision tower + embed_vision, or null when the checkpoint has no vision_config.
+  const VisionTower* vision() const { return vision_.get(); }
   // Config warnings and checkpoint tensors gemstage does not use, for the CLI to report.
   const std::vector<std::string>& notes() const { return notes_; }
 
@@ -30,6 +33,7 @@ class Gemma4Model {
   ModelConfig config_;
   TensorStore store_;
   std::unique_ptr<TextModel> text_;
+  std::unique_ptr<VisionTower> vision_;
   std::vector<std::string> notes_;
 };
 

@@ -60,8 +60,16 @@ void TapRecorder::append(const std::string& name, const Shape& row_shape, const 
 }
 
 void TapRecorder::append_ids(const std::string& name, const std::vector<int64_t>& ids) {
+  append_ids(name, ids, {});
+}
+
+void TapRecorder::append_ids(const std::string& name, const std::vector<int64_t>& ids,
+                             const Shape& row_shape) {
   if (!wants(name)) return;
-  Tap& t = tap(name, {}, 0);
+  const int64_t row = shape_numel(row_shape);
+  if (row <= 0 || static_cast<int64_t>(ids.size()) % row != 0)
+    fail("tap ", name, ": ", ids.size(), " ids do not fill rows of shape ", shape_str(row_shape));
+  Tap& t = tap(name, row_shape, 0);
   t.is_ids = true;
   t.ids.insert(t.ids.end(), ids.begin(), ids.end());
 }
@@ -113,7 +121,9 @@ void TapRecorder::write_dir(const std::string& dir) const {
   for (const auto& [name, t] : taps_) {
     const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
     if (t.is_ids) {
-      save_npy_i64(path, {static_cast<int64_t>(t.ids.size())}, t.ids);
+      Shape shape = {static_cast<int64_t>(t.ids.size()) / shape_numel(t.row_shape)};
+      shape.insert(shape.end(), t.row_shape.begin(), t.row_shape.end());
+      save_npy_i64(path, shape, t.ids);
     } else {
       const FloatTensor f = get(name);
       save_npy_f32(path, f.shape, f.data);

@@ -24,6 +24,8 @@ class TapRecorder {
   // Appends `rows` rows of shape row_shape to a sequence tap ([S, ...]).
   void append(const std::string& name, const Shape& row_shape, const float* data, int64_t rows);
   void append_ids(const std::string& name, const std::vector<int64_t>& ids);
+  // Id tap whose rows have row_shape (e.g. image_position_ids: rows of {2}) -> [rows, ...].
+  void append_ids(const std::string& name, const std::vector<int64_t>& ids, const Shape& row_shape);
   // Appends rows to layer `layer` of a layered tap ([L, S, ...]).
   void append_layer(const std::string& name, int layer, int num_layers, const Shape& row_shape,
                     const float* data, int64_t rows);

@@ -3,6 +3,7 @@
 #include <filesystem>
 
 #include "core/error.h"
+#include "gemma4/multimodal.h"
 #include "gemma4/registry.h"
 #include "runtime/kv_cache.h"
 #include "stage/bundle.h"
@@ -95,6 +96,11 @@ std::unique_ptr<Pipeline> Pipeline::open(const std::string& path, int64_t max_co
     rs->model = std::make_unique<TextModel>(
         p->config_, bind_text_weights(p->config_, *rs->weights, parts_for(rs->decl)));
   }
+  if (p->config_.vision)
+    for (auto& rs : p->stages_)
+      if (rs->decl.role == StageRole::Embeddings)
+        p->vision_ = std::make_unique<VisionTower>(p->config_,
+                                                   bind_vision_weights(p->config_, *rs->weights));
   check_contract_chain(p->decls_, p->config_);
   p->build_caches();
   return p;
@@ -153,6 +159,15 @@ FloatTensor Pipeline::forward(ThreadPool& pool, std::span<const int32_t> ids,
   }
   n_past_ += S;
   return logits;
+}
+
+FloatTensor Pipeline::prefill(ThreadPool& pool, std::span<const int32_t> ids,
+                              const FloatTensor* soft_tokens, int64_t chunk, bool all_logits,
+                              TapRecorder* taps, const TextRunOptions& opt) {
+  return prefill_chunks(config_, ids, soft_tokens, chunk,
+                        [&](std::span<const int32_t> part, const FloatTensor* soft) {
+                          return forward(pool, part, soft, all_logits, taps, opt);
+                        });
 }
 
 }  // namespace gemstage

@@ -12,6 +12,7 @@
 
 #include "core/thread_pool.h"
 #include "gemma4/text_model.h"
+#include "gemma4/vision_model.h"
 #include "io/safetensors.h"
 #include "stage/contract.h"
 
@@ -42,8 +43,16 @@ class Pipeline {
                       const FloatTensor* soft_tokens, bool all_logits, TapRecorder* taps,
                       const TextRunOptions& opt = {});
 
+  // Whole prompt in chunks of `chunk` rows (<= 0: one pass), each chunk with the soft tokens of
+  // its own placeholder rows; returns the last chunk's logits.
+  FloatTensor prefill(ThreadPool& pool, std::span<const int32_t> ids,
+                      const FloatTensor* soft_tokens, int64_t chunk, bool all_logits,
+                      TapRecorder* taps, const TextRunOptions& opt = {});
+
   // The stage holding the embedding / PLE weights (used by checks and tools).
   const TextModel& embeddings_model() const;
+  // The embeddings stage's vision tower; null for checkpoints without vision_config.
+  const VisionTower* vision() const { return vision_.get(); }
 
  private:
   struct RuntimeStage;
@@ -57,6 +66,7 @@ class Pipeline {
   std::vector<std::unique_ptr<RuntimeStage>> stages_;
   std::vector<StageDecl> decls_;
   std::vector<std::string> notes_;
+  std::unique_ptr<VisionTower> vision_;
   int64_t n_past_ = 0, max_context_ = 0;
 };
 

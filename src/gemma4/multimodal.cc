@@ -1,0 +1,61 @@
+#include "gemma4/multimodal.h"
+
+#include <algorithm>
+
+#include "core/error.h"
+
+namespace gemstage {
+
+int64_t count_placeholders(const ModelConfig& c, std::span<const int32_t> input_ids) {
+  const std::vector<int> ph = c.placeholder_token_ids();
+  int64_t n = 0;
+  for (int32_t id : input_ids) n += std::find(ph.begin(), ph.end(), id) != ph.end() ? 1 : 0;
+  return n;
+}
+
+FloatTensor slice_rows(const FloatTensor& t, int64_t begin, int64_t n) {
+  if (t.shape.size() != 2 || begin < 0 || n < 0 || begin + n > t.dim(0))
+    fail("slice_rows: rows [", begin, ", ", begin + n, ") are outside a tensor of shape ",
+         shape_str(t.shape));
+  FloatTensor out({n, t.dim(1)});
+  std::copy(t.row(begin), t.row(begin) + n * t.dim(1), out.data.begin());
+  return out;
+}
+
+FloatTensor prefill_chunks(const ModelConfig& c, std::span<const int32_t> input_ids,
+                           const FloatTensor* soft_tokens, int64_t chunk,
+                           const ChunkForward& forward) {
+  const int64_t S = static_cast<int64_t>(input_ids.size());
+  if (S == 0) fail("prefill: the prompt is empty");
+  const int64_t n_ph = count_placeholders(c, input_ids);
+  const int64_t n_soft = soft_tokens ? soft_tokens->dim(0) : 0;
+  if (n_ph != n_soft)
+    fail("the prompt has ", n_ph, " image/audio/video placeholder tokens but the images yield ",
+         n_soft, " soft tokens; each image needs exactly as many placeholders (image_token_id ",
+         c.image_token_id, ") as it yields soft tokens");
+  if (chunk <= 0 || chunk > S) chunk = S;
+  FloatTensor last;
+  int64_t used = 0;  // soft tokens consumed by earlier chunks
+  for (int64_t b = 0; b < S; b += chunk) {
+    const int64_t n = std::min(chunk, S - b);
+    const auto ids = input_ids.subspan(static_cast<size_t>(b), static_cast<size_t>(n));
+    const int64_t k = count_placeholders(c, ids);
+    FloatTensor part;
+    if (k) part = slice_rows(*soft_tokens, used, k);
+    used += k;
+    last = forward(ids, k ? &part : nullptr);
+  }
+  return last;
+}
+
+FloatTensor prefill(ThreadPool& pool, const TextModel& text, const ModelConfig& c,
+                    std::span<const int32_t> input_ids, const FloatTensor* soft_tokens,
+                    KvCache& cache, const TextRunOptions& opt, int64_t chunk, bool all_logits,
+                    TapRecorder* taps) {
+  return prefill_chunks(c, input_ids, soft_tokens, chunk,
+                        [&](std::span<const int32_t> ids, const FloatTensor* soft) {
+                          return text.forward(pool, ids, soft, cache, opt, all_logits, taps);
+                        });
+}
+
+}  // namespace gemstage
