@@ -2,6 +2,7 @@
 // references, and every vision tap plus the full multimodal prefill/decode against the golden
 // fixtures (f32 and bf16 weights).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdlib>
@@ -658,10 +659,11 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
   EXPECT_LE(
       max_abs(load_f32(out + "/vision_embedder_out.npy"), load_f32(d + "vision_embedder_out.npy")),
       5e-5);
+  // Same names, shapes ([N_img, max_patches, ...]) and values as the fixture's processor outputs.
   const NpyArray pos = load_npy(out + "/image_position_ids.npy");
-  EXPECT_EQ(pos.shape, (Shape{630, 2}));
+  EXPECT_EQ(pos.shape, load_npy(d + "image_position_ids.npy").shape);
   EXPECT_EQ(pos.to_i64(), load_npy(d + "image_position_ids.npy").to_i64());
-  EXPECT_EQ(load_npy(out + "/pixel_values.npy").shape, (Shape{630, 768}));
+  EXPECT_EQ(load_npy(out + "/pixel_values.npy").shape, load_npy(d + "pixel_values.npy").shape);
 
   // Errors: a missing positions file, a wrong pixel width, too few placeholders.
   EXPECT_NE(run_cli("dump -m " + fx("model") + " --ids " + d + "input_ids.npy --pixel-values " + d +
@@ -699,4 +701,52 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
             std::string::npos)
       << read_file(log);
   std::filesystem::remove_all(tmp);
+}
+
+// The full image path: image.png decoded and preprocessed here gives the fixture's exact pixel
+// values, and the multimodal logits and greedy ids of the HF reference, for f32 and bf16 weights.
+TEST(DumpCli, ImageFileThroughPreprocessingMatchesTheFixture) {
+  const auto tmp = std::filesystem::temp_directory_path() /
+                   ("gemstage_vision_png_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(tmp);
+  std::filesystem::create_directories(tmp);
+  for (const auto& [model, ref] :
+       {std::pair{"model", "multimodal/"}, std::pair{"model_bf16", "multimodal_bf16/"}}) {
+    const std::string out = (tmp / model).string(), log = (tmp / "log.txt").string();
+    const std::string d = fx(ref);
+    ASSERT_EQ(run_cli("dump -m " + fx(model) + " --ids " + d + "input_ids.npy --image " +
+                          fx("multimodal/image.png") + " --out " + out +
+                          " --chunk 9 --decode 8 --taps logits,decode_ids,pixel_values,"
+                          "per_layer_inputs,vision_pooled -t 2",
+                      log),
+              0)
+        << read_file(log);
+    EXPECT_EQ(load_f32(out + "/pixel_values.npy").data,
+              load_f32(fx("multimodal/pixel_values.npy")).data)
+        << model;
+    EXPECT_LE(max_abs(load_f32(out + "/vision_pooled.npy"), load_f32(d + "vision_pooled.npy")),
+              5e-4)
+        << model;
+    EXPECT_LE(
+        max_abs(load_f32(out + "/per_layer_inputs.npy"), load_f32(d + "per_layer_inputs.npy")),
+        2e-4)
+        << model;
+    EXPECT_LE(max_abs(load_f32(out + "/logits.npy"), load_f32(d + "logits.npy")), 5e-4) << model;
+    EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(), load_npy(d + "decode_ids.npy").to_i64())
+        << model;
+  }
+  // A corrupt image is refused with a message naming the file.
+  const std::string bad = (tmp / "broken.png").string();
+  {
+    std::FILE* f = std::fopen(bad.c_str(), "wb");
+    const unsigned char png_magic[8] = {0x89, 'P', 'N', 'G', 0x0d, 0x0a, 0x1a, 0x0a};
+    std::fwrite(png_magic, 1, 8, f);
+    std::fclose(f);
+  }
+  const std::string log = (tmp / "bad.txt").string();
+  EXPECT_NE(run_cli("dump -m " + fx("model") + " --ids " + fx("multimodal/input_ids.npy") +
+                        " --image " + bad + " --out " + (tmp / "x").string(),
+                    log),
+            0);
+  EXPECT_NE(read_file(log).find("broken.png"), std::string::npos) << read_file(log);
 }

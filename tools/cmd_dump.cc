@@ -6,6 +6,8 @@
 
 #include "core/error.h"
 #include "gemma4/multimodal.h"
+#include "image/image_decode.h"
+#include "image/image_processor.h"
 #include "io/npy.h"
 #include "stage/pipeline.h"
 #include "tools/cli_common.h"
@@ -23,18 +25,22 @@ struct DumpArgs {
   int64_t ctx = 0;
   std::string ple_identity = "pad", embed_scale = "f32";
   std::vector<std::string> pixel_values, image_position_ids;  // preprocessed images, in order
+  std::vector<std::string> images;                            // image files, preprocessed here
   bool verbose = false;
 };
 
 // The images of the prompt, in prompt order, as the vision tower takes them.
 std::vector<VisionInput> load_images(const DumpArgs& a, const Pipeline& model) {
   std::vector<VisionInput> images;
+  if (!a.images.empty() && !a.pixel_values.empty())
+    fail(
+        "give images either as --image files or as --pixel-values arrays, not both (their prompt "
+        "order would be ambiguous)");
   if (a.pixel_values.size() != a.image_position_ids.size())
     fail("got ", a.pixel_values.size(), " --pixel-values but ", a.image_position_ids.size(),
          " --image-position-ids; give one positions file per pixel file, in the same order");
-  if (a.pixel_values.empty()) return images;
   const VisionTower* vision = model.vision();
-  if (!vision)
+  if (!a.pixel_values.empty() && !vision)
     fail(a.model,
          ": this checkpoint has no vision tower (no vision_config), so it cannot take "
          "--pixel-values");
@@ -51,10 +57,17 @@ std::vector<VisionInput> load_images(const DumpArgs& a, const Pipeline& model) {
       images.push_back(std::move(in));
     }
   }
-  // ---- --image FILE goes here (image-preprocessing merge) ----
-  // The src/image/ preprocessor (decode + resize + patchify, spec §5.1) will turn each --image
-  // into one more VisionInput, appended in prompt order alongside the --pixel-values ones.
-  // Nothing below this point needs to change.
+  // --image FILE: decoded and preprocessed exactly as the Gemma 4 image processor does.
+  if (!a.images.empty()) {
+    if (!vision)
+      fail(a.model,
+           ": this checkpoint has no vision tower (no vision_config), so it cannot take --image");
+    const ImageProcessorConfig pc = load_processor_config(model.assets_dir());
+    for (const std::string& path : a.images) {
+      const ProcessedImage p = preprocess_image(decode_image_file(path), pc);
+      images.push_back({p.max_patches, p.pixel_values, p.position_ids});
+    }
+  }
   return images;
 }
 
@@ -196,6 +209,10 @@ void add_dump_command(CLI::App& app, Registry& reg) {
          "--embed-scale", a->embed_scale,
          "f32 (HF in float32, default) or bf16 (sqrt(D) rounded to bf16, as HF running in bf16)")
       ->check(CLI::IsMember({"f32", "bf16"}));
+  sub->add_option(
+      "--image", a->images,
+      "image file (PNG or JPEG), decoded and preprocessed as the HF Gemma 4 processor does "
+      "(repeatable, in prompt order)");
   sub->add_option("--pixel-values", a->pixel_values,
                   ".npy of preprocessed image patches [max_patches, 3*patch^2] or [1, ...] "
                   "(repeatable, one per image in prompt order; bypasses image preprocessing)")

@@ -347,9 +347,11 @@ FloatTensor VisionTower::encode(ThreadPool& pool, const float* pixel_values,
   const int64_t P = cfg_.position_embedding_size;
   const int64_t n = static_cast<int64_t>(grid.rows.size());
   if (taps) {
-    taps->append("pixel_values", {pin}, pixel_values, max_patches);
+    // One row per image, as the processor's batched outputs: [N_img, max_patches, ...].
+    taps->append("pixel_values", {max_patches, pin}, pixel_values, 1);
     taps->append_ids("image_position_ids",
-                     std::vector<int64_t>(position_ids, position_ids + 2 * max_patches), {2});
+                     std::vector<int64_t>(position_ids, position_ids + 2 * max_patches),
+                     {max_patches, 2});
   }
 
   // ---- patch embedder: input_proj(2·(pix − 0.5)) + (pos_x + pos_y); padded rows: no pos ----

@@ -1,6 +1,7 @@
 #include "image/image_processor.h"
 
 #include <cmath>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -252,6 +253,15 @@ ProcessedImage preprocess_image(const RgbImage& image, const ImageProcessorConfi
     }
   }
   return out;
+}
+
+ImageProcessorConfig load_processor_config(const std::string& model_dir) {
+  namespace fs = std::filesystem;
+  for (const char* name : {"preprocessor_config.json", "processor_config.json"}) {
+    const fs::path p = fs::path(model_dir) / name;
+    if (fs::exists(p)) return ImageProcessorConfig::from_json_file(p.string());
+  }
+  return ImageProcessorConfig{};
 }
 
 }  // namespace gemstage

@@ -65,4 +65,8 @@ ResizeTarget aspect_ratio_preserving_size(int64_t height, int64_t width, int pat
 
 ProcessedImage preprocess_image(const RgbImage& image, const ImageProcessorConfig& config);
 
+// The processor settings of a checkpoint or bundle directory: preprocessor_config.json, else
+// processor_config.json's image_processor, else the Gemma 4 defaults (max_soft_tokens 280).
+ImageProcessorConfig load_processor_config(const std::string& model_dir);
+
 }  // namespace gemstage
