@@ -1,0 +1,44 @@
+// Token sampling with the Hugging Face logits-processor order: repetition penalty, then
+// temperature, top-k, top-p, min-p, then a draw. temperature 0 is greedy (first index on ties).
+// A seeded generator of our own makes runs reproducible across machines and library versions.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+namespace gemstage {
+
+struct SamplingParams {
+  float temperature = 1.0f;         // 0: greedy
+  int top_k = 64;                   // 0: off
+  float top_p = 0.95f;              // 1: off
+  float min_p = 0.0f;               // 0: off
+  float repetition_penalty = 1.0f;  // 1: off (HF/CTRL style: divide positive, multiply negative)
+  int repeat_last_n = 64;           // how much history the penalty sees; -1: all
+  uint64_t seed = 0;
+
+  static SamplingParams greedy() {
+    SamplingParams p;
+    p.temperature = 0.0f;
+    return p;
+  }
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& p);
+  // history: tokens so far (prompt + generated), for the repetition penalty.
+  int32_t sample(const float* logits, int64_t vocab, std::span<const int32_t> history);
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  double uniform();  // [0, 1)
+
+  SamplingParams p_;
+  uint64_t state_;
+  std::vector<float> work_;
+  std::vector<int32_t> idx_;
+};
+
+}  // namespace gemstage
