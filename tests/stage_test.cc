@@ -252,3 +252,42 @@ TEST_F(CorruptBundle, PerLayerSliceNotMatchingTheRange) {
 }
 
 }  // namespace
+
+namespace {
+
+// With the image: a staged f32 bundle gives the unstaged model's logits and the fixture's ids.
+TEST(Bundle, StagedMultimodalEqualsUnstagedAndTheFixture) {
+  const std::string bundle = export_tiny("bundle_mm", "0:1,1:2,2:6", "f32");
+  const std::string d = fixture("multimodal/");
+  const std::vector<int32_t> ids = load_ids(d + "input_ids.npy");
+  auto run = [&](Pipeline& p, std::vector<int64_t>* greedy) {
+    ThreadPool pool(2);
+    p.reset(256);
+    const auto images = vision_inputs_from_arrays(
+        load_npy(d + "pixel_values.npy"), load_npy(d + "image_position_ids.npy"),
+        p.vision()->patch_dim(), "pixel_values", "image_position_ids");
+    const FloatTensor soft = p.vision()->encode_all(pool, images, nullptr);
+    TapRecorder taps({"logits"});
+    FloatTensor last = p.prefill(pool, ids, &soft, 7, true, &taps);
+    const int64_t V = p.config().text.vocab_size;
+    std::vector<float> r(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
+    for (int s = 0; s < 8; ++s) {
+      const int32_t best = static_cast<int32_t>(std::max_element(r.begin(), r.end()) - r.begin());
+      greedy->push_back(best);
+      const FloatTensor l =
+          p.forward(pool, std::span<const int32_t>(&best, 1), nullptr, false, nullptr);
+      r.assign(l.data.begin(), l.data.end());
+    }
+    return taps.get("logits");
+  };
+  auto staged = Pipeline::open(bundle, 256);
+  auto unstaged = Pipeline::open(fixture("model"), 256);
+  std::vector<int64_t> g1, g2;
+  const FloatTensor a = run(*staged, &g1), b = run(*unstaged, &g2);
+  EXPECT_LE(max_abs_diff(a.data, b.data), 1e-5);
+  expect_close(a, d + "logits.npy", 5e-4, "staged multimodal logits");
+  EXPECT_EQ(g1, g2);
+  EXPECT_EQ(g1, load_npy(d + "decode_ids.npy").to_i64());
+}
+
+}  // namespace

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "gemma4/registry.h"
+#include "image/image_processor.h"
 #include "io/mapped_file.h"
 #include "io/progress.h"
 #include "io/safetensors.h"
@@ -180,6 +181,82 @@ class UnionSource : public TensorSource {
  private:
   std::vector<std::shared_ptr<TensorSource>> sources_;
 };
+
+// The probe: a prompt with an image span. With a vision tower the image is a synthetic
+// gradient through the real preprocessing and tower; without one, synthetic features fill the
+// placeholder rows. Checks the PAD identity rule and staged == unstaged.
+std::string run_probe(const std::string& dir, const BundleManifest& m) {
+  const int64_t ctx = std::min<int64_t>(512, m.max_context);
+  auto pipe = Pipeline::open(dir, ctx);
+  const ModelConfig& c = pipe->config();
+  ThreadPool pool(default_thread_count());
+  FloatTensor soft;
+  std::string image_note;
+  if (const VisionTower* vision = pipe->vision()) {
+    ImageProcessorConfig pc = load_processor_config(dir);
+    pc.max_soft_tokens = std::min(pc.max_soft_tokens, 70);
+    RgbImage img{144, 96, std::vector<uint8_t>(144 * 96 * 3)};
+    for (int y = 0; y < img.height; ++y)
+      for (int x = 0; x < img.width; ++x)
+        for (int ch = 0; ch < 3; ++ch)
+          img.rgb[static_cast<size_t>((y * img.width + x) * 3 + ch)] =
+              static_cast<uint8_t>((x * 7 + y * 3 + ch * 50) & 0xff);
+    const ProcessedImage pi = preprocess_image(img, pc);
+    soft = vision->encode_all(pool, {VisionInput{pi.max_patches, pi.pixel_values, pi.position_ids}},
+                              nullptr);
+    image_note = "a synthetic 144x96 image through the vision tower: ";
+  } else {
+    soft = FloatTensor({9, c.text.hidden_size});
+    std::mt19937 frng(7);
+    std::normal_distribution<float> nd(0.0f, 1.0f);
+    for (float& x : soft.data) x = nd(frng);
+    image_note = "synthetic soft tokens (no vision tower): ";
+  }
+  const int64_t n_img = soft.dim(0);
+  std::vector<int32_t> ids = {c.text.bos_token_id};
+  std::mt19937 rng(1234);
+  for (int i = 0; i < 5; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
+  ids.push_back(c.boi_token_id);
+  for (int64_t i = 0; i < n_img; ++i) ids.push_back(c.image_token_id);
+  ids.push_back(c.eoi_token_id);
+  for (int i = 0; i < 4; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
+  TapRecorder taps({"ple_ids", "ple_token_embeds"});
+  const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
+
+  const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
+  const FloatTensor tok = taps.get("ple_token_embeds");
+  const int64_t LP = int64_t{c.text.num_hidden_layers} * c.text.ple_dim();
+  std::vector<float> pad_row(static_cast<size_t>(LP));
+  weight_row_to_f32(pipe->embeddings_model().weights().embed_tokens_per_layer, c.text.pad_token_id,
+                    pad_row.data());
+  const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
+  for (size_t r = 0; r < ids.size(); ++r) {
+    if (ids[r] != c.image_token_id) continue;
+    if (ple_ids[r] != c.text.pad_token_id)
+      fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
+           ", not pad ", c.text.pad_token_id);
+    for (int64_t k = 0; k < LP; ++k)
+      if (tok.data[static_cast<size_t>(static_cast<int64_t>(r) * LP + k)] !=
+          pad_row[static_cast<size_t>(k)] * scale)
+        fail("row ", r, ": PLE identity row differs from the PAD row at element ", k);
+  }
+  // Unstaged: one model over all stage weights, no boundaries.
+  std::vector<std::shared_ptr<TensorSource>> files;
+  for (const BundleStage& s : m.stages)
+    files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
+  UnionSource all(files);
+  TextModel whole(c, bind_text_weights(c, all));
+  KvCache cache(c.text, ctx);
+  const FloatTensor unstaged = whole.forward(pool, ids, &soft, cache, {}, true, nullptr);
+  double d = 0;
+  for (size_t i = 0; i < unstaged.data.size(); ++i)
+    d = std::max(d, static_cast<double>(std::fabs(unstaged.data[i] - staged.data[i])));
+  if (d > 1e-5) fail("staged logits differ from the unstaged model's by ", d, " (max-abs > 1e-5)");
+  std::ostringstream os;
+  os << image_note << n_img
+     << " placeholder rows carry the PAD identity; staged vs unstaged logits max-abs " << d;
+  return os.str();
+}
 
 }  // namespace
 
@@ -566,62 +643,9 @@ int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& 
   });
   if (!weights_ok || failures) return failures;
 
-  // Probe: a prompt with a placeholder span filled by synthetic soft tokens.
   run("probe: PLE identity at placeholder rows is the PAD row; staged logits equal the unstaged "
       "model's",
-      [&] {
-        auto pipe = Pipeline::open(dir, 64);
-        const ModelConfig& c = pipe->config();
-        const int n_img = 9;
-        std::vector<int32_t> ids = {c.text.bos_token_id};
-        std::mt19937 rng(1234);
-        for (int i = 0; i < 5; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
-        ids.push_back(c.boi_token_id);
-        for (int i = 0; i < n_img; ++i) ids.push_back(c.image_token_id);
-        ids.push_back(c.eoi_token_id);
-        for (int i = 0; i < 4; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
-        FloatTensor soft({n_img, c.text.hidden_size});
-        std::normal_distribution<float> nd(0.0f, 1.0f);
-        for (float& x : soft.data) x = nd(rng);
-        ThreadPool pool(default_thread_count());
-        TapRecorder taps({"ple_ids", "ple_token_embeds"});
-        const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
-
-        const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
-        const FloatTensor tok = taps.get("ple_token_embeds");
-        const TextModel& emb = pipe->embeddings_model();
-        const int64_t LP = c.text.num_hidden_layers * c.text.ple_dim();
-        std::vector<float> pad_row(static_cast<size_t>(LP));
-        weight_row_to_f32(emb.weights().embed_tokens_per_layer, c.text.pad_token_id,
-                          pad_row.data());
-        const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
-        for (size_t r = 0; r < ids.size(); ++r) {
-          if (ids[r] != c.image_token_id) continue;
-          if (ple_ids[r] != c.text.pad_token_id)
-            fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
-                 ", not pad ", c.text.pad_token_id);
-          for (int64_t k = 0; k < LP; ++k)
-            if (tok.data[r * LP + k] != pad_row[static_cast<size_t>(k)] * scale)
-              fail("row ", r, ": PLE identity row differs from the PAD row at element ", k);
-        }
-        // Unstaged: one model over all stage weights, no boundaries.
-        std::vector<std::shared_ptr<TensorSource>> files;
-        for (const BundleStage& s : m.stages)
-          files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
-        UnionSource all(files);
-        TextModel whole(c, bind_text_weights(c, all));
-        KvCache cache(c.text, 64);
-        const FloatTensor unstaged = whole.forward(pool, ids, &soft, cache, {}, true, nullptr);
-        double d = 0;
-        for (size_t i = 0; i < unstaged.data.size(); ++i)
-          d = std::max(d, static_cast<double>(std::fabs(unstaged.data[i] - staged.data[i])));
-        if (d > 1e-5)
-          fail("staged logits differ from the unstaged model's by ", d, " (max-abs > 1e-5)");
-        std::ostringstream os;
-        os << n_img
-           << " placeholder rows carry the PAD identity; staged vs unstaged logits max-abs " << d;
-        return os.str();
-      });
+      [&] { return run_probe(dir, m); });
   if (!opt.reference_model.empty()) {
     run("reference model: logits against " + opt.reference_model, [&] {
       auto ref = Pipeline::open(opt.reference_model, 64);
