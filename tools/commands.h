@@ -18,5 +18,7 @@ struct Registry {
 void add_info_command(CLI::App& app, Registry& reg);
 void add_dump_command(CLI::App& app, Registry& reg);
 void add_make_random_command(CLI::App& app, Registry& reg);
+void add_tokenize_command(CLI::App& app, Registry& reg);
+void add_detokenize_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

@@ -12,6 +12,8 @@ int main(int argc, char** argv) {
   gemstage::cli::add_info_command(app, reg);
   gemstage::cli::add_dump_command(app, reg);
   gemstage::cli::add_make_random_command(app, reg);
+  gemstage::cli::add_tokenize_command(app, reg);
+  gemstage::cli::add_detokenize_command(app, reg);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
