@@ -2,13 +2,17 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cstdio>
+#include <cstring>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <unordered_map>
+#include <utility>
 
 #include "core/error.h"
 #include "io/mapped_file.h"
@@ -28,9 +32,13 @@ namespace {
 struct RawTokenizerFile {
   json rest;  // the document without model.vocab and model.merges
   std::vector<std::pair<std::string, int64_t>> vocab;
-  std::vector<std::pair<std::string, std::string>> merges;
   bool has_vocab = false;
   bool has_merges = false;
+  size_t merge_count = 0;
+  // Called once model.vocab is complete, and for each merge in file order; merges that precede
+  // the vocabulary in the file are buffered by the receiver.
+  std::function<void()> on_vocab_end;
+  std::function<void(std::string_view, std::string_view)> on_merge;
 };
 
 class TokenizerSax : public nlohmann::json_sax<json> {
@@ -78,6 +86,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   bool end_object() override {
     if (mode_ == Mode::kVocab) {
       mode_ = Mode::kNone;
+      out_.on_vocab_end();
       return true;
     }
     return close();
@@ -88,7 +97,7 @@ class TokenizerSax : public nlohmann::json_sax<json> {
     if (mode_ == Mode::kMerges) {
       if (merge_depth_ != 0) merge_bad();
       merge_depth_ = 1;
-      merge_parts_.clear();
+      merge_parts_ = 0;
       return true;
     }
     if (at_model_member("merges")) {
@@ -103,9 +112,10 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   bool end_array() override {
     if (mode_ == Mode::kMerges) {
       if (merge_depth_ == 1) {
-        if (merge_parts_.size() != 2) merge_bad();
-        out_.merges.emplace_back(std::move(merge_parts_[0]), std::move(merge_parts_[1]));
-        merge_parts_.clear();
+        if (merge_parts_ != 2) merge_bad();
+        out_.on_merge(merge_left_, merge_right_);
+        ++out_.merge_count;
+        merge_parts_ = 0;
         merge_depth_ = 0;
       } else {
         mode_ = Mode::kNone;
@@ -144,19 +154,25 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   }
   bool merge_string(std::string& s) {
     if (merge_depth_ == 1) {
-      merge_parts_.push_back(std::move(s));
+      if (merge_parts_ == 0)
+        std::swap(merge_left_, s);
+      else if (merge_parts_ == 1)
+        std::swap(merge_right_, s);
+      ++merge_parts_;
       return true;
     }
     // Legacy form "left right": exactly one separating space, as HF requires.
     const size_t space = s.find(' ');
     if (space == std::string::npos || s.find(' ', space + 1) != std::string::npos)
-      fail(path_, ": model.merges[", out_.merges.size(), "] = \"", s,
+      fail(path_, ": model.merges[", out_.merge_count, "] = \"", s,
            "\" is not of the form \"left right\"");
-    out_.merges.emplace_back(s.substr(0, space), s.substr(space + 1));
+    const std::string_view all(s);
+    out_.on_merge(all.substr(0, space), all.substr(space + 1));
+    ++out_.merge_count;
     return true;
   }
   [[noreturn]] void merge_bad() {
-    fail(path_, ": model.merges[", out_.merges.size(),
+    fail(path_, ": model.merges[", out_.merge_count,
          "] must be a \"left right\" string or a [left, right] pair of strings");
   }
   bool value(json v) {
@@ -203,7 +219,115 @@ class TokenizerSax : public nlohmann::json_sax<json> {
   Mode mode_ = Mode::kNone;
   std::string pending_key_;
   int merge_depth_ = 0;
-  std::vector<std::string> merge_parts_;
+  int merge_parts_ = 0;
+  std::string merge_left_, merge_right_;
+};
+
+// String -> id map over strings owned elsewhere (stable addresses). Open addressing; each slot
+// keeps the full hash and, for the short keys that are nearly all of a vocabulary, a copy of the
+// bytes, so a probe costs one cache miss. ~262k entries are built at load and probed for every
+// merge (three times) and every character encoded.
+class VocabIndex {
+ public:
+  void reserve(size_t n) {
+    size_t cap = 16;
+    while (cap < n * 2) cap <<= 1;
+    slots_.assign(cap, Slot{});
+    mask_ = cap - 1;
+    size_ = 0;
+  }
+  // Inserts, or re-points an existing key (the later id wins).
+  void assign(const std::string* key, int32_t id) {
+    if ((size_ + 1) * 2 > slots_.size()) grow();
+    const uint64_t h = hash(*key);
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      Slot& s = slots_[i];
+      if (!s.key) {
+        s.hash = h;
+        s.key = key;
+        s.id = id;
+        s.length = key->size() <= kInline ? static_cast<uint8_t>(key->size()) : kLong;
+        if (s.length != kLong) std::memcpy(s.bytes, key->data(), key->size());
+        ++size_;
+        return;
+      }
+      if (s.hash == h && equal(s, *key)) {
+        s.key = key;
+        s.id = id;
+        return;
+      }
+    }
+  }
+  // Id of the key, or -1.
+  int32_t find(std::string_view key) const { return find(key, hash(key)); }
+  int32_t find(std::string_view key, uint64_t h) const {
+    const Slot* s = slot_of(key, h);
+    return s ? s->id : -1;
+  }
+  // For batched lookups: start fetching the slot a later find(key, h) will read first.
+  void prefetch(uint64_t h) const {
+    if (!slots_.empty()) __builtin_prefetch(&slots_[h & mask_]);
+  }
+  // The stored key pointer for key, or nullptr.
+  const std::string* stored_key(std::string_view key) const {
+    const Slot* s = slot_of(key, hash(key));
+    return s ? s->key : nullptr;
+  }
+
+ private:
+  static constexpr size_t kInline = 11;
+  static constexpr uint8_t kLong = 255;
+  struct Slot {
+    uint64_t hash = 0;
+    const std::string* key = nullptr;
+    int32_t id = -1;
+    uint8_t length = 0;  // bytes held inline, or kLong
+    char bytes[kInline] = {};
+  };
+  static bool equal(const Slot& s, std::string_view key) {
+    if (s.length == kLong) return *s.key == key;
+    return s.length == key.size() && std::memcmp(s.bytes, key.data(), key.size()) == 0;
+  }
+  const Slot* slot_of(std::string_view key, uint64_t h) const {
+    if (slots_.empty()) return nullptr;
+    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
+      const Slot& s = slots_[i];
+      if (!s.key) return nullptr;
+      if (s.hash == h && equal(s, key)) return &s;
+    }
+  }
+
+ public:
+  static uint64_t hash(std::string_view s) {
+    uint64_t h = 0x9E3779B97F4A7C15ull ^ (s.size() * 0xC2B2AE3D27D4EB4Full);
+    size_t i = 0;
+    for (; i + 8 <= s.size(); i += 8) {
+      uint64_t chunk;
+      std::memcpy(&chunk, s.data() + i, 8);
+      h = std::rotl(h ^ (chunk * 0x87C37B91114253D5ull), 31) * 0x4CF5AD432745937Full;
+    }
+    uint64_t tail = 0;
+    std::memcpy(&tail, s.data() + i, s.size() - i);
+    h ^= tail * 0x87C37B91114253D5ull;
+    // murmur3 fmix64: every input bit reaches the low bits used for the slot index.
+    h ^= h >> 33;
+    h *= 0xFF51AFD7ED558CCDull;
+    h ^= h >> 33;
+    h *= 0xC4CEB9FE1A85EC53ull;
+    h ^= h >> 33;
+    return h;
+  }
+
+ private:
+  void grow() {
+    std::vector<Slot> old = std::move(slots_);
+    reserve(std::max<size_t>(16, old.size()));
+    for (const Slot& s : old)
+      if (s.key) assign(s.key, s.id);
+  }
+  std::vector<Slot> slots_;
+  size_t mask_ = 0;
+  size_t size_ = 0;
 };
 
 // Open-addressing map from a (left id, right id) pair to its merge; ~515k entries are probed in
@@ -222,13 +346,16 @@ class MergeTable {
     while (cap < n * 2) cap <<= 1;
     slots_.assign(cap, Entry{});
     mask_ = cap - 1;
+    size_ = 0;
   }
   // Later merges with the same pair replace earlier ones, as a HashMap collect does in HF.
   void insert(int32_t left, int32_t right, int32_t rank, int32_t merged) {
+    if ((size_ + 1) * 2 > slots_.size()) grow();
     const uint64_t key = pack(left, right);
     for (size_t i = hash(key);; i = (i + 1) & mask_) {
       Entry& e = slots_[i];
       if (e.key == kEmpty || e.key == key) {
+        size_ += e.key == kEmpty;
         e = Entry{key, rank, merged};
         return;
       }
@@ -251,8 +378,18 @@ class MergeTable {
   size_t hash(uint64_t key) const {
     return static_cast<size_t>((key * 0x9E3779B97F4A7C15ull) >> 29) & mask_;
   }
+  void grow() {
+    std::vector<Entry> old = std::move(slots_);
+    reserve(std::max<size_t>(1 << 16, old.size()));
+    size_ = 0;
+    for (const Entry& e : old)
+      if (e.key != kEmpty)
+        insert(static_cast<int32_t>(e.key >> 32), static_cast<int32_t>(e.key & 0xFFFFFFFFu), e.rank,
+               e.merged);
+  }
   std::vector<Entry> slots_;
   size_t mask_ = 0;
+  size_t size_ = 0;
 };
 
 struct NormalizerOp {
@@ -392,7 +529,7 @@ struct TokenizerImpl {
   std::vector<uint8_t> id_special;  // id is an added token flagged special
   // Model vocabulary; keys point into id_to_token, or into shadowed_vocab for the rare entry
   // whose id an added token with different text took over.
-  std::unordered_map<std::string_view, int32_t> vocab;
+  VocabIndex vocab;
   std::deque<std::string> shadowed_vocab;
   std::unordered_map<std::string, int32_t> added_by_content;
   std::vector<AddedToken> added;
@@ -423,7 +560,7 @@ struct TokenizerImpl {
   std::optional<int32_t> lookup(std::string_view token) const {
     if (auto it = added_by_content.find(std::string(token)); it != added_by_content.end())
       return it->second;
-    if (auto it = vocab.find(token); it != vocab.end()) return it->second;
+    if (const int32_t v = vocab.find(token); v >= 0) return v;
     return std::nullopt;
   }
 
@@ -438,6 +575,22 @@ struct TokenizerImpl {
     id_known[index] = 1;
   }
 
+  // Loading state: the vocabulary usually precedes the merges in the file, so merges are resolved
+  // to ids while the file streams by.
+  bool vocab_loaded = false;
+  size_t merge_count = 0;
+  std::vector<std::pair<std::string, std::string>> early_merges;
+  struct PendingMerge {
+    std::string joined;  // left + right
+    size_t left_size = 0;
+  };
+  static constexpr size_t kMergeBatch = 256;
+  std::vector<PendingMerge> merge_batch = std::vector<PendingMerge>(kMergeBatch);
+  size_t merge_batch_size = 0;
+
+  void load_vocab(RawTokenizerFile& raw);
+  void add_merge(std::string_view left, std::string_view right);
+  void flush_merges();
   void build(RawTokenizerFile& raw);
   void parse_normalizer(const json& j);
   void parse_pre_tokenizer(const json& j);
@@ -457,6 +610,71 @@ struct TokenizerImpl {
   std::string run_decoder(std::vector<std::string> tokens) const;
 };
 
+void TokenizerImpl::load_vocab(RawTokenizerFile& raw) {
+  int64_t max_id = -1;
+  for (const auto& [tok, id] : raw.vocab) max_id = std::max(max_id, id);
+  if (max_id < 0) return;
+  id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
+  id_known.assign(id_to_token.size(), 0);
+  id_special.assign(id_to_token.size(), 0);
+  vocab.reserve(raw.vocab.size());
+  for (auto& [tok, id] : raw.vocab) {
+    const auto index = static_cast<size_t>(id);
+    if (id_known[index])
+      fail(path, ": model.vocab gives id ", id, " to both \"", id_to_token[index], "\" and \"", tok,
+           "\"");
+    id_to_token[index] = std::move(tok);
+    id_known[index] = 1;
+    // In file order: a string listed twice keeps its later id, as a JSON object read into a map
+    // does in HF.
+    vocab.assign(&id_to_token[index], static_cast<int32_t>(id));
+  }
+  raw.vocab = {};
+  vocab_loaded = true;
+  // Gemma has about two merges per vocabulary entry; reserving avoids most rehashing.
+  merges.reserve(id_to_token.size() * 2);
+}
+
+void TokenizerImpl::add_merge(std::string_view left, std::string_view right) {
+  if (!vocab_loaded) {
+    early_merges.emplace_back(left, right);
+    return;
+  }
+  if (merge_batch_size == merge_batch.size()) flush_merges();
+  PendingMerge& m = merge_batch[merge_batch_size++];
+  m.joined.assign(left).append(right);
+  m.left_size = left.size();
+}
+
+// Resolving a merge is three vocabulary probes, each a likely cache miss; a batch lets the
+// prefetches of all of them overlap instead of paying the misses one after another.
+void TokenizerImpl::flush_merges() {
+  std::array<std::array<uint64_t, 3>, kMergeBatch> hashes;
+  for (size_t i = 0; i < merge_batch_size; ++i) {
+    const std::string_view joined(merge_batch[i].joined);
+    const size_t ls = merge_batch[i].left_size;
+    hashes[i] = {VocabIndex::hash(joined.substr(0, ls)), VocabIndex::hash(joined.substr(ls)),
+                 VocabIndex::hash(joined)};
+    for (const uint64_t h : hashes[i]) vocab.prefetch(h);
+  }
+  for (size_t i = 0; i < merge_batch_size; ++i) {
+    const std::string_view joined(merge_batch[i].joined);
+    const size_t ls = merge_batch[i].left_size;
+    const std::string_view left = joined.substr(0, ls), right = joined.substr(ls);
+    const auto rank = static_cast<int32_t>(merge_count++);
+    const int32_t l = vocab.find(left, hashes[i][0]), r = vocab.find(right, hashes[i][1]),
+                  m = vocab.find(joined, hashes[i][2]);
+    if (l < 0 || r < 0 || m < 0)
+      fail(path, ": model.merges[", rank, "] = [\"", left, "\", \"", right, "\"] uses a token (\"",
+           l < 0   ? left
+           : r < 0 ? right
+                   : joined,
+           "\") that is not in model.vocab");
+    merges.insert(l, r, rank, m);
+  }
+  merge_batch_size = 0;
+}
+
 void TokenizerImpl::build(RawTokenizerFile& raw) {
   const json& root = raw.rest;
   if (!root.is_object())
@@ -467,7 +685,7 @@ void TokenizerImpl::build(RawTokenizerFile& raw) {
   const std::string type = model.value("type", std::string("BPE"));
   if (type != "BPE")
     fail(path, ": model.type is \"", type, "\"; only BPE tokenizers (Gemma's) are supported");
-  if (!raw.has_vocab || raw.vocab.empty())
+  if (!raw.has_vocab || !vocab_loaded)
     fail(path, ": model.vocab is missing or empty; the file carries no vocabulary");
   if (!raw.has_merges) fail(path, ": model.merges is missing; a BPE model needs its merge list");
   for (const char* field : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -480,60 +698,26 @@ void TokenizerImpl::build(RawTokenizerFile& raw) {
   fuse_unk = model.value("fuse_unk", false);
   ignore_merges = model.value("ignore_merges", false);
 
-  // Vocabulary.
-  int64_t max_id = -1;
-  for (const auto& [tok, id] : raw.vocab) max_id = std::max(max_id, id);
-  id_to_token.assign(static_cast<size_t>(max_id + 1), std::string());
-  id_known.assign(id_to_token.size(), 0);
-  id_special.assign(id_to_token.size(), 0);
-  std::vector<int32_t> file_order;
-  file_order.reserve(raw.vocab.size());
-  for (auto& [tok, id] : raw.vocab) {
-    const auto index = static_cast<size_t>(id);
-    file_order.push_back(static_cast<int32_t>(id));
-    if (id_known[index])
-      fail(path, ": model.vocab gives id ", id, " to both \"", id_to_token[index], "\" and \"", tok,
-           "\"");
-    id_to_token[index] = std::move(tok);
-    id_known[index] = 1;
-  }
-  vocab.reserve(id_to_token.size() * 2);
-  // A string listed twice keeps its later id, as a JSON object read into a map does in HF.
-  for (const int32_t id : file_order)
-    vocab.insert_or_assign(std::string_view(id_to_token[static_cast<size_t>(id)]), id);
-  // Freed now: the strings live on in id_to_token.
-  raw.vocab = {};
-
-  // Merges.
-  merges.reserve(raw.merges.size());
-  std::string joined;
-  for (size_t rank = 0; rank < raw.merges.size(); ++rank) {
-    const auto& [left, right] = raw.merges[rank];
-    joined.assign(left).append(right);
-    const auto l = vocab.find(left), r = vocab.find(right), m = vocab.find(joined);
-    if (l == vocab.end() || r == vocab.end() || m == vocab.end())
-      fail(path, ": model.merges[", rank, "] = [\"", left, "\", \"", right, "\"] uses a token (\"",
-           l == vocab.end()   ? left
-           : r == vocab.end() ? right
-                              : joined,
-           "\") that is not in model.vocab");
-    merges.insert(l->second, r->second, static_cast<int32_t>(rank), m->second);
-  }
-  raw.merges = {};
+  // Merges still batched, then any that came before the vocabulary in the file.
+  flush_merges();
+  for (const auto& [left, right] : early_merges) add_merge(left, right);
+  flush_merges();
+  early_merges = {};
+  merge_batch = {};
 
   byte_ids.fill(-1);
   if (byte_fallback) {
     char name[8];
     for (int b = 0; b < 256; ++b) {
       std::snprintf(name, sizeof(name), "<0x%02X>", b);
-      if (auto it = vocab.find(name); it != vocab.end()) byte_ids[b] = it->second;
+      byte_ids[b] = vocab.find(name);
     }
   }
   if (model.contains("unk_token") && model["unk_token"].is_string()) {
     const std::string name = model["unk_token"].get<std::string>();
-    auto it = vocab.find(name);
-    if (it == vocab.end()) fail(path, ": model.unk_token \"", name, "\" is not in model.vocab");
-    model_unk = it->second;
+    const int32_t unk_index = vocab.find(name);
+    if (unk_index < 0) fail(path, ": model.unk_token \"", name, "\" is not in model.vocab");
+    model_unk = unk_index;
   }
 
   // Added tokens.
@@ -580,11 +764,9 @@ void TokenizerImpl::add_added_token(AddedToken t) {
   // its string->id mapping (HF still finds it through the model) via shadowed_vocab.
   const auto index = static_cast<size_t>(id);
   if (index < id_to_token.size() && id_known[index] && id_to_token[index] != t.content) {
-    auto it = vocab.find(id_to_token[index]);
-    if (it != vocab.end() && it->first.data() == id_to_token[index].data()) {
+    if (vocab.stored_key(id_to_token[index]) == &id_to_token[index]) {
       shadowed_vocab.push_back(id_to_token[index]);
-      vocab.erase(it);
-      vocab.emplace(std::string_view(shadowed_vocab.back()), id);
+      vocab.assign(&shadowed_vocab.back(), id);
     }
   }
   set_token(id, t.content);
@@ -891,8 +1073,8 @@ void TokenizerImpl::bpe_word(std::string_view word, std::vector<int32_t>& ids) c
 
 void TokenizerImpl::bpe_uncached(std::string_view word, std::vector<int32_t>& ids) const {
   if (ignore_merges)
-    if (auto it = vocab.find(word); it != vocab.end()) {
-      ids.push_back(it->second);
+    if (const int32_t whole = vocab.find(word); whole >= 0) {
+      ids.push_back(whole);
       return;
     }
 
@@ -913,8 +1095,8 @@ void TokenizerImpl::bpe_uncached(std::string_view word, std::vector<int32_t>& id
     const size_t n = utf8::sequence_length(word, pos);
     const std::string_view ch = word.substr(pos, n);
     pos += n;
-    if (auto it = vocab.find(ch); it != vocab.end()) {
-      push(it->second);
+    if (const int32_t single = vocab.find(ch); single >= 0) {
+      push(single);
       last_is_unk = false;
       continue;
     }
@@ -1072,6 +1254,9 @@ Tokenizer Tokenizer::from_file(const std::string& tokenizer_json_path) {
   auto impl = std::make_shared<TokenizerImpl>();
   impl->path = tokenizer_json_path;
   RawTokenizerFile raw;
+  TokenizerImpl* target = impl.get();
+  raw.on_vocab_end = [target, &raw] { target->load_vocab(raw); };
+  raw.on_merge = [target](std::string_view l, std::string_view r) { target->add_merge(l, r); };
   TokenizerSax sax(raw, impl->path);
   if (!json::sax_parse(text, &sax))
     fail(tokenizer_json_path, ": not valid JSON; expected a Hugging Face tokenizer.json");
