@@ -130,7 +130,7 @@ void add_detokenize_command(CLI::App& app, Registry& reg) {
   struct Options {
     TokenizerSource src;
     std::string ids, ids_file, batch_file;
-    bool json = false, skip_special = false;
+    bool json = false, skip_special = false, stream = false;
   };
   auto opt = std::make_shared<Options>();
   auto* sub = app.add_subcommand(
@@ -144,29 +144,44 @@ void add_detokenize_command(CLI::App& app, Registry& reg) {
   file->excludes(batch);
   sub->add_flag("--json", opt->json, "print the text as a JSON string (with a newline)");
   sub->add_flag("--skip-special", opt->skip_special, "drop special tokens");
+  sub->add_flag("--stream", opt->stream,
+                "decode one id at a time as a streaming server does; with --json or --batch-json "
+                "each text becomes the array of pieces emitted");
   reg.add(sub, [opt, sub] {
     const Tokenizer tok = load(opt->src);
+    // Either the text, or (with --stream) the pieces the stream decoder emitted for it.
+    const auto decode = [&](const std::vector<int32_t>& list) -> nlohmann::json {
+      if (!opt->stream) return tok.decode(list, opt->skip_special);
+      StreamDecoder stream(tok, opt->skip_special);
+      nlohmann::json pieces = nlohmann::json::array();
+      for (const int32_t id : list)
+        if (std::string piece = stream.push(id); !piece.empty()) pieces.push_back(std::move(piece));
+      if (std::string rest = stream.flush(); !rest.empty()) pieces.push_back(std::move(rest));
+      return pieces;
+    };
     if (!opt->batch_file.empty()) {
       const nlohmann::json lists = parse_json_file(opt->batch_file);
       if (!lists.is_array()) fail(opt->batch_file, ": expected a JSON array of id arrays");
       nlohmann::json out = nlohmann::json::array();
-      for (const auto& l : lists)
-        out.push_back(tok.decode(ids_from_json(l, opt->batch_file), opt->skip_special));
+      for (const auto& l : lists) out.push_back(decode(ids_from_json(l, opt->batch_file)));
       std::cout << out.dump() << "\n";
       return 0;
     }
-    std::vector<int32_t> list;
+    std::vector<int32_t> given;
     if (!opt->ids_file.empty())
-      list = ids_from_json(parse_json_file(opt->ids_file), opt->ids_file);
+      given = ids_from_json(parse_json_file(opt->ids_file), opt->ids_file);
     else if (sub->count("--ids"))
-      list = parse_id_list(opt->ids);
+      given = parse_id_list(opt->ids);
     else
       fail("detokenize: pass --ids \"1 2 3\", --ids-file FILE.json or --batch-json FILE");
-    const std::string text = tok.decode(list, opt->skip_special);
-    if (opt->json)
-      std::cout << nlohmann::json(text).dump() << "\n";
-    else
-      std::cout << text;
+    const nlohmann::json result = decode(given);
+    if (opt->json) {
+      std::cout << result.dump() << "\n";
+    } else if (result.is_string()) {
+      std::cout << result.get<std::string>();
+    } else {
+      for (const auto& piece : result) std::cout << piece.get<std::string>() << std::flush;
+    }
     return 0;
   });
 }

@@ -307,7 +307,7 @@ class VocabIndex {
       h = std::rotl(h ^ (chunk * 0x87C37B91114253D5ull), 31) * 0x4CF5AD432745937Full;
     }
     uint64_t tail = 0;
-    std::memcpy(&tail, s.data() + i, s.size() - i);
+    if (i < s.size()) std::memcpy(&tail, s.data() + i, s.size() - i);
     h ^= tail * 0x87C37B91114253D5ull;
     // murmur3 fmix64: every input bit reaches the low bits used for the slot index.
     h ^= h >> 33;

@@ -71,8 +71,10 @@ class Tokenizer {
 };
 
 // Incremental detokenizer for streaming output. Each push returns the text that became final
-// with that id (possibly empty); it never returns a partial UTF-8 sequence, and the concatenation
-// of all pushes plus flush() equals decode() of the whole id sequence.
+// with that id (possibly empty); it never returns a partial UTF-8 sequence. The concatenation of
+// all pushes plus flush() equals decode() of the whole id sequence, except where the ids hold an
+// ill-formed byte-fallback run right after text that was already emitted (that text stands; the
+// new bytes decode to U+FFFD on their own).
 class StreamDecoder {
  public:
   explicit StreamDecoder(const Tokenizer& tokenizer, bool skip_special = false);

@@ -227,9 +227,15 @@ const wantText = wantIds.map((ids) => refDecode(ids, false));
 const wantTextSkip = wantIds.map((ids) => refDecode(ids, true));
 const gotText = batch("detokenize", wantIds, ["--tokenizer", tokenizerJsonPath]);
 const gotTextSkip = batch("detokenize", wantIds, ["--model", modelDir, "--skip-special"]);
+// Streaming: one id at a time must add up to the same text (gemstage refuses to print invalid
+// UTF-8 as JSON, so a partial sequence in any piece fails the run as well).
+const gotPieces = batch("detokenize", wantIds, ["--tokenizer", tokenizerJsonPath, "--stream"]);
 wantIds.forEach((ids, i) => {
   compareText("decode", ids, wantText[i], gotText[i]);
   compareText("decode (skip special)", ids, wantTextSkip[i], gotTextSkip[i]);
+  compareText("stream decode", ids, wantText[i], gotPieces[i].join(""));
+  if (gotPieces[i].some((p) => p.includes("\ufffd")) && !wantText[i].includes("\ufffd"))
+    failures.push(`stream decode: a piece holds U+FFFD for ids [${ids.slice(0, 40).join(", ")}]`);
 });
 
 // The single-text paths (--text-file / --text, --ids-file / --ids) on a few entries.
