@@ -1122,16 +1122,21 @@ void TokenizerImpl::bpe_uncached(std::string_view word, std::vector<int32_t>& id
     int32_t rank;
     int32_t pos;
     int32_t merged;
+    int32_t left_id;  // the pair when queued, to validate without a table probe
+    int32_t right_id;
     bool operator>(const Candidate& o) const {
       return rank != o.rank ? rank > o.rank : pos > o.pos;
     }
   };
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
+  std::vector<Candidate> storage;
+  storage.reserve(symbols.size() * 2);
+  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue(
+      std::greater<Candidate>(), std::move(storage));
   const auto consider = [&](int32_t left) {
     const int32_t right = symbols[left].next;
     if (right < 0) return;
     if (const MergeTable::Entry* e = merges.find(symbols[left].id, symbols[right].id))
-      queue.push({e->rank, left, e->merged});
+      queue.push({e->rank, left, e->merged, symbols[left].id, symbols[right].id});
   };
   for (int32_t i = 0; i + 1 < static_cast<int32_t>(symbols.size()); ++i) consider(i);
 
@@ -1141,9 +1146,12 @@ void TokenizerImpl::bpe_uncached(std::string_view word, std::vector<int32_t>& id
     Symbol& left = symbols[top.pos];
     if (!left.alive || left.next < 0) continue;
     Symbol& right = symbols[left.next];
-    // Stale entry: one side was merged into something else since it was queued.
-    const MergeTable::Entry* e = merges.find(left.id, right.id);
-    if (!e || e->merged != top.merged) continue;
+    // One side may have been merged into something else since this was queued. Like HF, the
+    // entry still applies if the pair there now merges to the same token.
+    if (left.id != top.left_id || right.id != top.right_id) {
+      const MergeTable::Entry* e = merges.find(left.id, right.id);
+      if (!e || e->merged != top.merged) continue;
+    }
     left.id = top.merged;
     right.alive = false;
     left.next = right.next;
