@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 #include <queue>
 #include <unordered_map>
+#include <unordered_set>
 #include <utility>
 
 #include "core/error.h"
@@ -1293,6 +1294,8 @@ Tokenizer Tokenizer::from_model_dir(const std::string& dir) {
 
   if (config.contains("added_tokens_decoder") && config["added_tokens_decoder"].is_object()) {
     bool added_any = false;
+    std::unordered_set<int32_t> known_ids;
+    for (const AddedToken& t : impl.added) known_ids.insert(t.id);
     for (const auto& [key, e] : config["added_tokens_decoder"].items()) {
       int64_t id = -1;
       try {
@@ -1303,9 +1306,7 @@ Tokenizer Tokenizer::from_model_dir(const std::string& dir) {
           !e["content"].is_string())
         fail(config_name, ": added_tokens_decoder[\"", key,
              "\"] needs an integer key and a string \"content\"");
-      const bool known = std::any_of(impl.added.begin(), impl.added.end(),
-                                     [&](const AddedToken& t) { return t.id == id; });
-      if (known) continue;
+      if (known_ids.contains(static_cast<int32_t>(id))) continue;
       AddedToken t;
       t.id = static_cast<int32_t>(id);
       t.content = e["content"].get<std::string>();
