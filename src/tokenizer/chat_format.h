@@ -1,0 +1,83 @@
+// Gemma 4 E-series conversation format, following /work/shared/docs/gemma4-chat-format.md.
+// Pinned to template revision B (the later upstream revision, which the DiffusionGemma test ids
+// and gemma4-spec.md 5.2 agree with): `<|think|>\n` opens a thinking system turn, images are
+// inlined with no surrounding newlines, consecutive assistant messages share one model turn, and
+// with thinking off the generation prompt is just `<|turn>model\n`. Tool calls are not rendered.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "tokenizer/tokenizer.h"
+
+namespace gemstage {
+
+struct ChatPart {
+  enum class Kind { kText, kImage };
+  Kind kind = Kind::kText;
+  std::string text;          // kText
+  int32_t image_tokens = 0;  // kImage: N, the soft-token count the image processor produced
+
+  static ChatPart Text(std::string t) { return {Kind::kText, std::move(t), 0}; }
+  static ChatPart Image(int32_t soft_tokens) { return {Kind::kImage, {}, soft_tokens}; }
+};
+
+struct ChatMessage {
+  std::string role;  // system, developer (first message only), user, assistant or model
+  std::vector<ChatPart> parts;
+};
+
+struct ChatOptions {
+  bool add_generation_prompt = true;
+  bool enable_thinking = false;
+};
+
+// The ids the format writes as markers, looked up by their strings in the loaded tokenizer;
+// image ids come from config.json (boi_token_id, image_token_id, eoi_token_id) where it has them.
+struct ChatTokenIds {
+  int32_t bos = -1;
+  int32_t turn_open = -1;              // <|turn>
+  int32_t turn_close = -1;             // <turn|>
+  std::optional<int32_t> think;        // <|think|>
+  std::optional<int32_t> image_open;   // <|image>
+  std::optional<int32_t> image_soft;   // <|image|>
+  std::optional<int32_t> image_close;  // <image|>
+};
+
+// config_json_path may be empty (no config): then every id comes from the tokenizer.
+ChatTokenIds resolve_chat_token_ids(const Tokenizer& tokenizer,
+                                    const std::string& config_json_path = {});
+
+// Where the soft tokens of one image sit in a rendered prompt.
+struct ChatImageSpan {
+  size_t first_soft_token;  // index into ChatPrompt::ids of the first <|image|>
+  int32_t count;
+};
+
+struct ChatPrompt {
+  std::vector<int32_t> ids;
+  std::vector<ChatImageSpan> images;  // in message order
+};
+
+// The prompt as the HF template plus processor would produce it, as text (images expanded to
+// <|image>, N x <|image|>, <image|>). Throws gemstage::Error on an unknown role or misplaced image.
+std::string render_chat_text(std::span<const ChatMessage> messages, const ChatOptions& options);
+
+// The same prompt as ids. Message text is tokenized as HF does after applying the template:
+// special-token strings typed inside it are parsed as those tokens.
+ChatPrompt render_chat(const Tokenizer& tokenizer, const ChatTokenIds& ids,
+                       std::span<const ChatMessage> messages, const ChatOptions& options);
+
+// What a stored assistant reply contributes to history: every <|channel>...<channel|> span (and an
+// unclosed trailing <|channel>...) removed, then trimmed.
+std::string strip_thinking(std::string_view text);
+
+// Generation stops on: generation_config.json eos_token_id if the model directory has one, else
+// config.json's (top level or text_config), plus the tokenizer's <eos>, <turn|> and
+// <|tool_response>, whichever exist. Sorted, no duplicates. model_dir may be empty.
+std::vector<int32_t> load_stop_token_ids(const Tokenizer& tokenizer, const std::string& model_dir);
+
+}  // namespace gemstage
