@@ -20,6 +20,8 @@ void add_dump_command(CLI::App& app, Registry& reg);
 void add_make_random_command(CLI::App& app, Registry& reg);
 void add_export_command(CLI::App& app, Registry& reg);
 void add_check_command(CLI::App& app, Registry& reg);
+void add_generate_command(CLI::App& app, Registry& reg);
+void add_chat_command(CLI::App& app, Registry& reg);
 void add_tokenize_command(CLI::App& app, Registry& reg);
 void add_detokenize_command(CLI::App& app, Registry& reg);
 

@@ -14,6 +14,8 @@ int main(int argc, char** argv) {
   gemstage::cli::add_make_random_command(app, reg);
   gemstage::cli::add_export_command(app, reg);
   gemstage::cli::add_check_command(app, reg);
+  gemstage::cli::add_generate_command(app, reg);
+  gemstage::cli::add_chat_command(app, reg);
   gemstage::cli::add_tokenize_command(app, reg);
   gemstage::cli::add_detokenize_command(app, reg);
   try {

@@ -1397,6 +1397,11 @@ int32_t Tokenizer::require_id(std::string_view token) const {
        "\"; this tokenizer does not belong to a Gemma 4 model");
 }
 
+bool Tokenizer::has_id(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < impl_->id_to_token.size() &&
+         impl_->id_known[static_cast<size_t>(id)];
+}
+
 const std::string& Tokenizer::id_to_token(int32_t id) const {
   const TokenizerImpl& impl = *impl_;
   if (id < 0 || static_cast<size_t>(id) >= impl.id_to_token.size() ||

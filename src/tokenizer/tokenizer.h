@@ -48,6 +48,8 @@ class Tokenizer {
   int32_t require_id(std::string_view token) const;
   // Throws on an id that names no token.
   const std::string& id_to_token(int32_t id) const;
+  // Whether an id names a token (a model's vocabulary may be larger than its tokenizer's).
+  bool has_id(int32_t id) const;
   bool is_special(int32_t id) const;
   // One more than the largest id in the vocabulary or the added tokens.
   size_t vocab_size() const;

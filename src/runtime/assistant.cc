@@ -1,0 +1,71 @@
+#include "runtime/assistant.h"
+
+#include <filesystem>
+
+#include "core/error.h"
+
+namespace gemstage {
+
+namespace fs = std::filesystem;
+
+Assistant::Assistant(std::unique_ptr<Pipeline> p, Tokenizer t)
+    : pipe_(std::move(p)), tok_(std::move(t)) {}
+
+std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_context) {
+  auto pipe = Pipeline::open(path, max_context);
+  const std::string dir = pipe->assets_dir();
+  if (!fs::exists(fs::path(dir) / "tokenizer.json"))
+    fail(dir,
+         " has no tokenizer.json; generate/chat/serve need the checkpoint's tokenizer (random "
+         "checkpoints "
+         "have none: use dump --ids instead)");
+  std::unique_ptr<Assistant> a(new Assistant(std::move(pipe), Tokenizer::from_model_dir(dir)));
+  const fs::path cfg = fs::path(dir) / "config.json";
+  a->chat_ids_ = resolve_chat_token_ids(a->tok_, fs::exists(cfg) ? cfg.string() : std::string());
+  a->stop_ids_ = load_stop_token_ids(a->tok_, dir);
+  a->image_cfg_ = load_processor_config(dir);
+  a->name_ = fs::path(path).lexically_normal().filename().string();
+  if (a->name_.empty())
+    a->name_ = fs::path(path).lexically_normal().parent_path().filename().string();
+  if (static_cast<int64_t>(a->tok_.vocab_size()) > a->pipe_->config().text.vocab_size)
+    fail(dir, ": tokenizer.json has ", a->tok_.vocab_size(),
+         " tokens but the model's vocabulary is ", a->pipe_->config().text.vocab_size,
+         "; the tokenizer does not belong to this model");
+  return a;
+}
+
+PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
+                                       const ChatOptions& options) const {
+  std::vector<ChatMessage> rendered;
+  std::vector<VisionInput> images;
+  for (const ChatInput& m : messages) {
+    ChatMessage cm{m.role, {}};
+    for (const ChatInputPart& p : m.parts) {
+      if (!p.image) {
+        cm.parts.push_back(ChatPart::Text(p.text));
+        continue;
+      }
+      if (!pipe_->vision())
+        fail(pipe_->path(), ": this model has no vision tower, so it cannot take images");
+      const ProcessedImage pi = preprocess_image(*p.image, image_cfg_);
+      images.push_back({pi.max_patches, pi.pixel_values, pi.position_ids});
+      cm.parts.push_back(ChatPart::Image(pi.num_soft_tokens));
+    }
+    rendered.push_back(std::move(cm));
+  }
+  PreparedPrompt out;
+  out.ids = render_chat(tok_, chat_ids_, rendered, options).ids;
+  out.images = static_cast<int>(images.size());
+  if (!images.empty()) out.soft_tokens = pipe_->vision()->encode_all(pool, images, nullptr);
+  return out;
+}
+
+PreparedPrompt Assistant::prepare_raw(const std::string& text, bool add_bos) const {
+  PreparedPrompt out;
+  if (add_bos) out.ids.push_back(chat_ids_.bos);
+  const std::vector<int32_t> t = tok_.encode(text, false);
+  out.ids.insert(out.ids.end(), t.begin(), t.end());
+  return out;
+}
+
+}  // namespace gemstage

@@ -1,0 +1,62 @@
+// Everything a chat front end needs around a model: the pipeline (HF dir or bundle), its
+// tokenizer, the chat-format marker ids, the stop ids and the image processor settings, plus
+// turning a conversation with images into prompt ids and soft tokens. generate, chat and serve
+// all go through here, so they build byte-identical prompts.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "image/image_decode.h"
+#include "image/image_processor.h"
+#include "stage/pipeline.h"
+#include "tokenizer/chat_format.h"
+#include "tokenizer/tokenizer.h"
+
+namespace gemstage {
+
+struct ChatInputPart {
+  std::string text;
+  std::optional<RgbImage> image;  // set for an image part
+};
+
+struct ChatInput {
+  std::string role;  // system, user, assistant / model
+  std::vector<ChatInputPart> parts;
+};
+
+struct PreparedPrompt {
+  std::vector<int32_t> ids;
+  FloatTensor soft_tokens;  // [N, D] for the prompt's placeholder rows (empty without images)
+  int images = 0;
+};
+
+class Assistant {
+ public:
+  // path: HF checkpoint dir or bundle; max_context 0: the model's maximum.
+  static std::unique_ptr<Assistant> open(const std::string& path, int64_t max_context = 0);
+
+  Pipeline& pipeline() { return *pipe_; }
+  const Tokenizer& tokenizer() const { return tok_; }
+  const std::vector<int32_t>& stop_ids() const { return stop_ids_; }
+  const std::string& model_name() const { return name_; }
+
+  // Renders the Gemma 4 chat format (images decoded into soft tokens by the vision tower).
+  PreparedPrompt prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
+                              const ChatOptions& options) const;
+  // A raw prompt: <bos> (unless add_bos is false) + the tokenized text, no chat markers.
+  PreparedPrompt prepare_raw(const std::string& text, bool add_bos = true) const;
+
+ private:
+  Assistant(std::unique_ptr<Pipeline> p, Tokenizer t);
+  std::unique_ptr<Pipeline> pipe_;
+  Tokenizer tok_;
+  ChatTokenIds chat_ids_;
+  std::vector<int32_t> stop_ids_;
+  ImageProcessorConfig image_cfg_;
+  std::string name_;
+};
+
+}  // namespace gemstage

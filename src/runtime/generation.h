@@ -1,0 +1,55 @@
+// Tokens in, tokens out: a generation session over a Pipeline. It remembers what the caches
+// already hold, so a multi-turn chat only prefills the new suffix of each prompt; it stops on
+// stop ids, stop strings, max_tokens and the context limit, and streams UTF-8-complete text.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "runtime/sampler.h"
+#include "stage/pipeline.h"
+#include "tokenizer/tokenizer.h"
+
+namespace gemstage {
+
+struct GenerationOptions {
+  int max_tokens = 256;
+  SamplingParams sampling;
+  std::vector<int32_t> stop_ids;
+  std::vector<std::string> stop_strings;
+  int64_t chunk = 512;  // prefill chunk size
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids, without the stop id
+  std::string text;             // decoded, cut before a stop string
+  std::string finish_reason;    // "stop", "length", "context" (context limit) or "cancelled"
+  int64_t prompt_tokens = 0, reused_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+// Called with each new piece of text; return false to cancel the generation.
+using TextCallback = std::function<bool(std::string_view piece)>;
+
+class GenerationSession {
+ public:
+  GenerationSession(Pipeline& pipeline, const Tokenizer& tokenizer);
+
+  // prompt: the whole conversation so far as ids; soft_tokens fill all of its placeholder rows.
+  // When the prompt starts with what the caches hold, only the rest is prefilled.
+  GenerationResult generate(ThreadPool& pool, const std::vector<int32_t>& prompt,
+                            const FloatTensor* soft_tokens, const GenerationOptions& opt,
+                            const TextCallback& on_text = {});
+  void reset();
+  const std::vector<int32_t>& fed() const { return fed_; }
+
+ private:
+  Pipeline& pipe_;
+  const Tokenizer& tok_;
+  std::vector<int32_t> fed_;  // exactly the ids the caches hold, in order
+};
+
+}  // namespace gemstage

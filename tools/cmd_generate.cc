@@ -1,0 +1,220 @@
+// gemstage generate / chat: text (and images) in, streamed text out.
+#include <unistd.h>
+
+#include <algorithm>
+#include <iostream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "runtime/assistant.h"
+#include "runtime/generation.h"
+#include "tools/cli_common.h"
+#include "tools/commands.h"
+
+namespace gemstage::cli {
+
+namespace {
+
+struct CommonArgs {
+  std::string model;
+  int max_tokens = 256;
+  int threads = 0;
+  int64_t ctx = 4096;
+  int64_t chunk = 512;
+  float temperature = 1.0f, top_p = 0.95f, min_p = 0.0f, repeat_penalty = 1.0f;
+  int top_k = 64, repeat_last_n = 64;
+  uint64_t seed = 0;
+  bool seed_given = false;
+  std::vector<std::string> stop;
+  bool think = false, verbose = false;
+};
+
+void add_common(CLI::App* sub, CommonArgs& a) {
+  sub->add_option("-m,--model", a.model, "Hugging Face checkpoint directory or gemstage bundle")
+      ->required();
+  sub->add_option("-n,--max-tokens", a.max_tokens, "maximum tokens to generate")
+      ->capture_default_str();
+  sub->add_option("--temp,--temperature", a.temperature, "sampling temperature (0: greedy)")
+      ->capture_default_str();
+  sub->add_option("--top-k", a.top_k, "top-k (0: off)")->capture_default_str();
+  sub->add_option("--top-p", a.top_p, "top-p / nucleus (1: off)")->capture_default_str();
+  sub->add_option("--min-p", a.min_p, "min-p (0: off)")->capture_default_str();
+  sub->add_option("--repeat-penalty", a.repeat_penalty, "repetition penalty (1: off)")
+      ->capture_default_str();
+  sub->add_option("--repeat-last-n", a.repeat_last_n,
+                  "tokens the repetition penalty looks back over")
+      ->capture_default_str();
+  sub->add_option("-s,--seed", a.seed, "random seed (default: a fresh one each run)")
+      ->each([&a](const std::string&) { a.seed_given = true; });
+  sub->add_option("--stop", a.stop, "stop string (repeatable)");
+  sub->add_option("-c,--ctx-size", a.ctx, "context size in tokens")->capture_default_str();
+  sub->add_option("-b,--chunk", a.chunk, "prefill chunk size")->capture_default_str();
+  sub->add_option("-t,--threads", a.threads, "worker threads (default: all cores)");
+  sub->add_flag("--think", a.think,
+                "enable the model's thinking mode (<|think|> in the system turn)");
+  sub->add_flag("-v,--verbose", a.verbose, "list unused config fields and tensors");
+}
+
+GenerationOptions generation_options(const CommonArgs& a, const Assistant& as) {
+  GenerationOptions o;
+  o.max_tokens = a.max_tokens;
+  o.sampling.temperature = a.temperature;
+  o.sampling.top_k = a.top_k;
+  o.sampling.top_p = a.top_p;
+  o.sampling.min_p = a.min_p;
+  o.sampling.repetition_penalty = a.repeat_penalty;
+  o.sampling.repeat_last_n = a.repeat_last_n;
+  o.sampling.seed =
+      a.seed_given ? a.seed
+                   : static_cast<uint64_t>(now_seconds() * 1e6) ^ static_cast<uint64_t>(::getpid());
+  o.stop_ids = as.stop_ids();
+  o.stop_strings = a.stop;
+  o.chunk = a.chunk;
+  return o;
+}
+
+void print_stats(const GenerationResult& r) {
+  std::cerr << "\nprompt " << r.prompt_tokens << " tokens";
+  if (r.reused_tokens) std::cerr << " (" << r.reused_tokens << " reused from the cache)";
+  const double pf = static_cast<double>(r.prompt_tokens - r.reused_tokens);
+  std::cerr << "; prefill " << (r.prefill_seconds > 0 ? pf / r.prefill_seconds : 0.0)
+            << " t/s; generated " << r.tokens.size() << " tokens, decode "
+            << (r.decode_seconds > 0 ? static_cast<double>(r.tokens.size()) / r.decode_seconds
+                                     : 0.0)
+            << " t/s; finish: " << r.finish_reason << "\n";
+  if (r.finish_reason == "context")
+    std::cerr << "stopped: the context limit was reached (raise --ctx-size / -c)\n";
+}
+
+struct GenerateArgs : CommonArgs {
+  std::string prompt, system;
+  std::vector<std::string> images;
+  bool raw = false, json = false;
+};
+
+int run_generate(const GenerateArgs& a) {
+  auto as = Assistant::open(a.model, a.ctx);
+  print_model_notes(as->pipeline().notes(), a.verbose);
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  PreparedPrompt p;
+  if (a.raw) {
+    if (!a.images.empty())
+      fail("--raw prompts cannot take --image (images need the chat format's markers)");
+    p = as->prepare_raw(a.prompt);
+  } else {
+    std::vector<ChatInput> msgs;
+    if (!a.system.empty()) msgs.push_back({"system", {{a.system, std::nullopt}}});
+    ChatInput user{"user", {}};
+    for (const std::string& f : a.images) user.parts.push_back({"", decode_image_file(f)});
+    user.parts.push_back({a.prompt, std::nullopt});
+    msgs.push_back(std::move(user));
+    p = as->prepare_chat(pool, msgs, {true, a.think});
+  }
+  GenerationSession session(as->pipeline(), as->tokenizer());
+  const GenerationOptions opt = generation_options(a, *as);
+  const GenerationResult r = session.generate(pool, p.ids, p.images ? &p.soft_tokens : nullptr, opt,
+                                              [&](std::string_view piece) {
+                                                if (!a.json) std::cout << piece << std::flush;
+                                                return true;
+                                              });
+  if (a.json) {
+    const nlohmann::json j = {{"text", r.text},
+                              {"tokens", r.tokens},
+                              {"prompt_ids", p.ids},
+                              {"finish_reason", r.finish_reason},
+                              {"prompt_tokens", r.prompt_tokens},
+                              {"completion_tokens", r.tokens.size()}};
+    std::cout << j.dump() << "\n";
+  } else {
+    std::cout << "\n";
+  }
+  print_stats(r);
+  return 0;
+}
+
+int run_chat(const CommonArgs& a) {
+  auto as = Assistant::open(a.model, a.ctx);
+  print_model_notes(as->pipeline().notes(), a.verbose);
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  GenerationSession session(as->pipeline(), as->tokenizer());
+  const GenerationOptions opt = generation_options(a, *as);
+  const bool tty = isatty(0);
+  std::vector<ChatInput> history;
+  std::vector<RgbImage> pending_images;
+  if (tty)
+    std::cerr << "gemstage chat: /image FILE attaches an image to the next message, /system TEXT "
+                 "sets the system "
+                 "prompt, /reset starts over, /exit quits\n";
+  std::string line;
+  while (true) {
+    if (tty) std::cerr << "> " << std::flush;
+    if (!std::getline(std::cin, line)) break;
+    if (line.empty()) continue;
+    try {
+      if (line == "/exit" || line == "/quit") break;
+      if (line == "/reset") {
+        history.clear();
+        session.reset();
+        std::cerr << "(conversation reset)\n";
+        continue;
+      }
+      if (line.rfind("/image ", 0) == 0) {
+        pending_images.push_back(decode_image_file(line.substr(7)));
+        std::cerr << "(image attached to the next message)\n";
+        continue;
+      }
+      if (line.rfind("/system ", 0) == 0) {
+        history.erase(std::remove_if(history.begin(), history.end(),
+                                     [](const ChatInput& m) { return m.role == "system"; }),
+                      history.end());
+        history.insert(history.begin(), {"system", {{line.substr(8), std::nullopt}}});
+        continue;
+      }
+      ChatInput user{"user", {}};
+      for (RgbImage& img : pending_images) user.parts.push_back({"", std::move(img)});
+      pending_images.clear();
+      user.parts.push_back({line, std::nullopt});
+      history.push_back(std::move(user));
+      const PreparedPrompt p = as->prepare_chat(pool, history, {true, a.think});
+      const GenerationResult r = session.generate(pool, p.ids, p.images ? &p.soft_tokens : nullptr,
+                                                  opt, [](std::string_view piece) {
+                                                    std::cout << piece << std::flush;
+                                                    return true;
+                                                  });
+      std::cout << "\n" << std::flush;
+      print_stats(r);
+      history.push_back({"model", {{strip_thinking(r.text), std::nullopt}}});
+    } catch (const Error& e) {
+      std::cerr << "error: " << e.what() << "\n";
+      if (!history.empty() && history.back().role == "user") history.pop_back();
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<GenerateArgs>();
+  auto* sub = app.add_subcommand("generate", "Generate a reply to one prompt, streamed to stdout");
+  add_common(sub, *a);
+  sub->add_option("-p,--prompt", a->prompt, "the user message (or the whole text with --raw)")
+      ->required();
+  sub->add_option("--system", a->system, "system prompt");
+  sub->add_option("--image", a->images,
+                  "image file (PNG/JPEG) placed before the prompt text (repeatable)");
+  sub->add_flag("--raw", a->raw, "no chat format: <bos> + the prompt text");
+  sub->add_flag("--json", a->json,
+                "print one JSON object (text, tokens, finish_reason, usage) instead of streaming");
+  reg.add(sub, [a] { return run_generate(*a); });
+}
+
+void add_chat_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<CommonArgs>();
+  auto* sub = app.add_subcommand(
+      "chat", "Interactive multi-turn chat that keeps the KV cache between turns");
+  add_common(sub, *a);
+  reg.add(sub, [a] { return run_chat(*a); });
+}
+
+}  // namespace gemstage::cli
