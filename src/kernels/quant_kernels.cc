@@ -72,6 +72,41 @@ void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t
   }
 }
 
+#define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The same codes as quantize_act_row (VCVTPS2DQ rounds to nearest even, like nearbyint).
+GEMSTAGE_VNNI void quantize_act_row_avx512(const float* x, int64_t K, int z, uint8_t* q, float* d,
+                                           int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kQB), v1 = _mm512_loadu_ps(x + b * kQB + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const bool nan =
+        (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)),
+            i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    i0 = _mm512_min_epi32(_mm512_max_epi32(i0, lo), hi);
+    i1 = _mm512_min_epi32(_mm512_max_epi32(i1, lo), hi);
+    nzx[b] = -z * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    alignas(32) uint8_t codes[kQB];
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(i0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(i1));
+    const int64_t c = b / kCB, i = b % kCB, m = std::min(kCB, nb - c * kCB);
+    uint8_t* base = q + c * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * m, codes + 4 * j, 4);
+  }
+}
+
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
 void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
                    ActQ* a) {
   a->K = K;
@@ -82,8 +117,12 @@ void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z
   auto run = [&](size_t b, size_t e) {
     for (size_t s = b; s < e; ++s) {
       const int64_t si = static_cast<int64_t>(s);
-      quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K, a->d.data() + si * a->nb,
-                       a->nzx.data() + si * a->nb);
+      if (interleave && cpu_has_vnni())
+        quantize_act_row_avx512(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
+                                a->nzx.data() + si * a->nb);
+      else
+        quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K,
+                         a->d.data() + si * a->nb, a->nzx.data() + si * a->nb);
     }
   };
   if (S < 8)
@@ -127,8 +166,6 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
 }
 
 // ---- AVX-512 VNNI -----------------------------------------------------------------------------
-
-#define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // One chunk (m blocks) of NX activation rows x NW weight rows into int32 accumulators.
 template <DType T, int NX, int NW, bool kTail>
@@ -343,11 +380,6 @@ GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, siz
   }
 }
 
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
 bool cpu_has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");
