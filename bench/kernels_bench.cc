@@ -137,7 +137,7 @@ void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
 void gemm_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"out", "in", "S", "threads"});
   for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}})
-    b->Args({o, i, 128, 2});
+    for (int th : {1, 2}) b->Args({o, i, 128, th});
   b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

@@ -319,3 +319,28 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
     for (int64_t r = 0; r < N; ++r) ASSERT_EQ(a[r], b[r]) << r;
   }
 }
+
+// A zero activation row gives exact zeros (no 0/0 scale); a NaN activation poisons its outputs
+// as a float matmul would, on every path.
+TEST(QuantMatmulShapes, ZeroAndNanActivations) {
+  for (DType t : {DType::Q8_0, DType::Q4_0}) {
+    const int64_t K = 96, N = 9, S = 3;
+    const auto wf = randn(static_cast<size_t>(N * K), 41, 0.1f);
+    const auto q = quantize_matrix(t, wf.data(), N, K);
+    const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+    auto x = randn(static_cast<size_t>(S * K), 42);
+    for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(K + k)] = 0.0f;  // row 1 zero
+    x[2 * K + 40] = NAN;                                                   // row 2 NaN
+    ThreadPool pool(2);
+    for (QuantIsa isa : {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni}) {
+      if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
+      std::vector<float> y(static_cast<size_t>(S * N));
+      quant_matmul(pool, x.data(), S, w, y.data(), isa);
+      for (int64_t r = 0; r < N; ++r) {
+        EXPECT_TRUE(std::isfinite(y[r]));
+        EXPECT_EQ(y[N + r], 0.0f);
+        EXPECT_TRUE(std::isnan(y[2 * N + r])) << static_cast<int>(isa);
+      }
+    }
+  }
+}

@@ -51,9 +51,13 @@ void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t
   for (int64_t b = 0; b < nb; ++b) {
     const float* xb = x + b * kQB;
     float amax = 0.0f;
-    for (int e = 0; e < kQB; ++e) amax = std::max(amax, std::fabs(xb[e]));
+    bool nan = false;
+    for (int e = 0; e < kQB; ++e) {
+      amax = std::max(amax, std::fabs(xb[e]));
+      nan = nan || std::isnan(xb[e]);
+    }
     const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-    d[b] = amax / 127.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
     int sum = 0;
     for (int e = 0; e < kQB; ++e) {
       // NaN/Inf activations give NaN scales and so NaN outputs, as a float matmul would.
