@@ -5,10 +5,12 @@
 // -z * sum(xq) (z = the weight format's zero point). A block's contribution is then
 //     d * dx * ( sum(u * xq) - z * sum(xq) )          (exact in int32)
 // and with the interleaving, int32 lane i of a VPDPBUSD accumulator is block i of the chunk:
-// 8 (Q8_0) or 4 + unpack (Q4_0) VPDPBUSD per 16 blocks per (weight row, activation row), then
-// one convert + scale + FMA per chunk. Register blocking: decode (S = 1) keeps 8 weight rows in
-// flight against the one activation row; prefill keeps a 4 x 4 tile (each unpacked weight
-// vector is used by 4 activation rows, each activation vector by 4 weight rows).
+// 8 VPDPBUSD per 16 blocks per (weight row, activation row) (Q4_0: after 4 loads and 12
+// AND/shift unpack ops per weight row, shared by the activation rows), then one convert, one
+// scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
+// blocking: decode (S = 1) keeps 8 weight rows in flight against the one activation row; prefill
+// keeps a 4 x 4 tile (each unpacked weight vector is used by 4 activation rows, each activation
+// vector by 4 weight rows).
 //
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
