@@ -301,7 +301,7 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
 INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
                                             ::testing::Values(1, 3, 5, 17),
-                                            ::testing::Values(32, 96, 160, 1056),
+                                            ::testing::Values(32, 96, 160, 512, 1056),
                                             ::testing::Values(1, 7, 13, 37)));
 
 // Decode-shaped GEMV over a row count that splits unevenly across threads and the 8-row tiles.
