@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "kernels/quant.h"
 
 namespace gemstage {
 
@@ -22,6 +23,13 @@ int64_t shape_numel(const Shape& s) {
 }
 
 float weight_at(const WeightView& w, int64_t i) {
+  if (dtype_is_quantized(w.dtype)) {
+    const int64_t n = w.cols(), r = i / n;
+    return dequantize_at(
+        w.dtype,
+        static_cast<const uint8_t*>(w.data) + static_cast<size_t>(r) * quant_row_bytes(w.dtype, n),
+        n, i % n);
+  }
   switch (w.dtype) {
     case DType::F32: {
       float f;
@@ -46,6 +54,15 @@ float weight_at(const WeightView& w, int64_t i) {
 void weight_row_to_f32(const WeightView& w, int64_t row, float* out) {
   const int64_t n = w.cols();
   const int64_t base = row * n;
+  if (dtype_is_quantized(w.dtype)) {
+    const size_t rb = quant_row_bytes(w.dtype, n);
+    if (w.nbytes != 0 && (row < 0 || static_cast<size_t>(row + 1) * rb > w.nbytes))
+      fail("tensor ", w.name, ": row ", row, " outside ", w.nbytes, " bytes of ",
+           dtype_name(w.dtype), " rows of ", rb, " bytes");
+    dequantize_row(w.dtype, static_cast<const uint8_t*>(w.data) + static_cast<size_t>(row) * rb, n,
+                   out);
+    return;
+  }
   switch (w.dtype) {
     case DType::F32:
       std::memcpy(out, static_cast<const float*>(w.data) + base, static_cast<size_t>(n) * 4);

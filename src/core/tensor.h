@@ -42,9 +42,10 @@ struct WeightView {
   bool valid() const { return data != nullptr; }
 };
 
-// Element i of a plain float-typed view as f32 (reference path; not for hot loops).
+// Element i of a float-typed or Q8_0/Q4_0 view as f32 (reference path; not for hot loops).
 float weight_at(const WeightView& w, int64_t i);
-// A contiguous run of a float-typed view converted to f32.
+// Row `row` of a float-typed view converted to f32; Q8_0/Q4_0 views are dequantized
+// (nbytes = rows * quant_row_bytes, see kernels/quant.h).
 void weight_row_to_f32(const WeightView& w, int64_t row, float* out);
 
 }  // namespace gemstage

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/quant.h"
 
 namespace gemstage {
 
@@ -213,6 +214,10 @@ void matmul_force_scalar(bool on) {
 void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y) {
   if (w.shape.size() != 2)
     fail("matmul: weight ", w.name, " is not a matrix: ", shape_str(w.shape));
+  if (dtype_is_quantized(w.dtype)) {
+    quant_matmul(pool, x, S, w, y, g_force_scalar.load() ? QuantIsa::Scalar : quant_best_isa());
+    return;
+  }
   if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
     fail("matmul: weight ", w.name, " has dtype ", dtype_name(w.dtype), " with no kernel");
   const RowsFn fn = pick(w.dtype);
@@ -226,6 +231,19 @@ void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, fl
 
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y) {
   const int64_t K = w.cols(), N = w.rows();
+  if (dtype_is_quantized(w.dtype)) {  // dequantize each row, then the same double dot
+    std::vector<float> row(static_cast<size_t>(K));
+    for (int64_t r = 0; r < N; ++r) {
+      weight_row_to_f32(w, r, row.data());
+      for (int64_t s = 0; s < S; ++s) {
+        double acc = 0.0;
+        for (int64_t k = 0; k < K; ++k)
+          acc += static_cast<double>(x[s * K + k]) * row[static_cast<size_t>(k)];
+        y[s * N + r] = static_cast<float>(acc);
+      }
+    }
+    return;
+  }
   for (int64_t s = 0; s < S; ++s)
     for (int64_t r = 0; r < N; ++r) {
       double acc = 0.0;

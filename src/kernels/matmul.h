@@ -1,6 +1,7 @@
-// y[S, out] = x[S, in] · Wᵀ with W stored [out, in] in any weight dtype (F32, BF16, F16; the
-// quantized block formats plug in here too). Weights are consumed in their stored form: a BF16
-// matrix is widened a register at a time, never materialized as f32.
+// y[S, out] = x[S, in] · Wᵀ with W stored [out, in] in any weight dtype (F32, BF16, F16, and the
+// block-quantized Q8_0 / Q4_0 of kernels/quant.h, whose activations are quantized per call).
+// Weights are consumed in their stored form: a BF16 matrix is widened a register at a time, never
+// materialized as f32.
 #pragma once
 
 #include <cstdint>
@@ -15,7 +16,8 @@ void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, fl
 // Plain scalar reference (double accumulation); every optimized path is tested against it.
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y);
 
-// Which implementation matmul() dispatches to on this CPU ("avx512", "avx2", "scalar").
+// Which implementation matmul() dispatches to on this CPU ("avx512", "avx2", "scalar") for the
+// float weight dtypes; Q8_0/Q4_0 use AVX-512 VNNI, else AVX2, else scalar (quant_best_isa).
 const char* matmul_isa();
 // Forces the portable path (tests compare both on the same machine).
 void matmul_force_scalar(bool on);

@@ -1,0 +1,198 @@
+// Kernel micro-benchmarks at Gemma 4 E2B shapes (hidden 1536, MLP 6144, vocab 262144).
+//
+//   build/gemstage_bench --benchmark_min_time=0.2
+//   build/gemstage_bench --benchmark_filter='Gemv/Q8'
+//
+// GEMV (S = 1, decode) and GEMM (S = 128, a prefill chunk) per weight format F32, BF16, Q8_0,
+// Q4_0. "GB/s" is stored weight bytes read per second (the decode roofline); "GFLOP/s" counts
+// 2 * S * out * in. Times are wall-clock (the pool's workers do the work). Weights are random,
+// generated once per (format, shape) and kept only while consecutive benchmarks use them.
+#include <benchmark/benchmark.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/thread_pool.h"
+#include "kernels/attention.h"
+#include "kernels/matmul.h"
+#include "kernels/ops.h"
+#include "kernels/quant.h"
+
+using namespace gemstage;
+
+namespace {
+
+// Cheap deterministic pseudo-normal-ish values in [-scale, scale].
+struct Lcg {
+  uint64_t s;
+  float next(float scale) {
+    s = s * 6364136223846793005ull + 1442695040888963407ull;
+    const uint32_t a = static_cast<uint32_t>(s >> 40) & 0xffffu,
+                   b = static_cast<uint32_t>(s >> 24) & 0xffffu;
+    return (static_cast<float>(a) + static_cast<float>(b) - 65535.0f) / 65535.0f * scale;
+  }
+};
+
+ThreadPool& pool_of(int threads) {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  auto& p = pools[threads];
+  if (!p) p = std::make_unique<ThreadPool>(threads);
+  return *p;
+}
+
+struct Matrix {
+  DType t;
+  int64_t out, in;
+  std::vector<uint8_t> bytes;
+  WeightView view;
+};
+
+// The one live random matrix (the LM head is 0.2-1.6 GB, so only one is kept at a time).
+const Matrix& matrix(DType t, int64_t out, int64_t in) {
+  static std::unique_ptr<Matrix> cur;
+  if (cur && cur->t == t && cur->out == out && cur->in == in) return *cur;
+  cur.reset();
+  auto m = std::make_unique<Matrix>();
+  m->t = t;
+  m->out = out;
+  m->in = in;
+  const size_t rb =
+      dtype_is_quantized(t) ? quant_row_bytes(t, in) : static_cast<size_t>(in) * dtype_size(t);
+  m->bytes.resize(rb * static_cast<size_t>(out));
+  pool_of(2).parallel_for(
+      static_cast<size_t>(out),
+      [&](size_t b, size_t e) {
+        std::vector<float> row(static_cast<size_t>(in));
+        Lcg rng{b * 2654435761u + 1};
+        for (size_t r = b; r < e; ++r) {
+          for (auto& v : row) v = rng.next(0.05f);
+          uint8_t* dst = m->bytes.data() + r * rb;
+          if (dtype_is_quantized(t)) {
+            quantize_row(t, row.data(), in, dst);
+          } else if (t == DType::F32) {
+            std::memcpy(dst, row.data(), rb);
+          } else {
+            for (int64_t k = 0; k < in; ++k) {
+              const uint16_t h = f32_to_bf16(row[static_cast<size_t>(k)]);
+              std::memcpy(dst + 2 * k, &h, 2);
+            }
+          }
+        }
+      },
+      64);
+  m->view = WeightView{"bench", t, {out, in}, m->bytes.data(), m->bytes.size()};
+  cur = std::move(m);
+  return *cur;
+}
+
+std::vector<float> activations(int64_t n) {
+  std::vector<float> x(static_cast<size_t>(n));
+  Lcg rng{42};
+  for (auto& v : x) v = rng.next(2.0f);
+  return x;
+}
+
+// args: out, in, S, threads
+void BM_Matmul(benchmark::State& state, DType t) {
+  const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
+  const int threads = static_cast<int>(state.range(3));
+  const Matrix& m = matrix(t, out, in);
+  const auto x = activations(S * in);
+  std::vector<float> y(static_cast<size_t>(S * out));
+  ThreadPool& pool = pool_of(threads);
+  for (auto _ : state) {
+    matmul(pool, x.data(), S, m.view, y.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(it * static_cast<double>(m.bytes.size())));
+  state.counters["GB/s"] = benchmark::Counter(it * static_cast<double>(m.bytes.size()) / 1e9,
+                                              benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
+                                                 benchmark::Counter::kIsRate);
+  const QuantIsa qi = quant_best_isa();
+  state.SetLabel(!dtype_is_quantized(t)       ? matmul_isa()
+                 : qi == QuantIsa::Avx512Vnni ? "avx512vnni"
+                 : qi == QuantIsa::Avx2       ? "avx2"
+                                              : "scalar");
+}
+
+void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
+  b->ArgNames({"out", "in", "S", "threads"});
+  if (lm_head) {
+    b->Args({262144, 1536, 1, 1})->Args({262144, 1536, 1, 2});
+  } else {
+    for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}})
+      for (int th : {1, 2}) b->Args({o, i, 1, th});
+  }
+  b->UseRealTime()->Unit(benchmark::kMicrosecond);
+}
+
+void gemm_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"out", "in", "S", "threads"});
+  for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}})
+    for (int th : {1, 2}) b->Args({o, i, 128, th});
+  b->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+struct Fmt {
+  const char* name;
+  DType t;
+};
+constexpr Fmt kFormats[] = {
+    {"F32", DType::F32}, {"BF16", DType::BF16}, {"Q8_0", DType::Q8_0}, {"Q4_0", DType::Q4_0}};
+
+// rmsnorm over E2B hidden rows. args: rows
+void BM_RmsNorm(benchmark::State& state) {
+  const int64_t rows = state.range(0), n = 1536;
+  const auto x = activations(rows * n), w = activations(n);
+  std::vector<float> y(x.size());
+  for (auto _ : state) {
+    rmsnorm_rows(x.data(), rows, n, w.data(), 1e-6f, y.data());
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.SetBytesProcessed(state.iterations() * rows * n * 4 * 2);
+}
+BENCHMARK(BM_RmsNorm)->Arg(1)->Arg(128);
+
+// One query head (head_dim 256 sliding / 512 full) over n_keys cached keys. args: hd, n_keys
+void BM_AttendHead(benchmark::State& state) {
+  const int64_t hd = state.range(0), n = state.range(1);
+  const auto q = activations(hd), k = activations(n * hd), v = activations(n * hd);
+  std::vector<float> scores(static_cast<size_t>(n)), out(static_cast<size_t>(hd));
+  for (auto _ : state) {
+    attend_head(
+        q.data(), hd, n, [&](int64_t j) { return k.data() + j * hd; },
+        [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(it * 2.0 * static_cast<double>(n * hd) * 4));
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(it * 4.0 * static_cast<double>(n * hd) / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_AttendHead)->Args({256, 512})->Args({512, 4096});
+
+const bool registered = [] {
+  for (const Fmt& f : kFormats)
+    gemv_args(benchmark::RegisterBenchmark((std::string("Gemv/") + f.name).c_str(), BM_Matmul, f.t),
+              false);
+  for (const Fmt& f : kFormats)
+    gemm_args(
+        benchmark::RegisterBenchmark((std::string("Gemm/") + f.name).c_str(), BM_Matmul, f.t));
+  for (const Fmt& f : kFormats)
+    gemv_args(
+        benchmark::RegisterBenchmark((std::string("GemvLmHead/") + f.name).c_str(), BM_Matmul, f.t),
+        true);
+  return true;
+}();
+
+}  // namespace
+
+BENCHMARK_MAIN();

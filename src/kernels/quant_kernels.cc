@@ -1,0 +1,447 @@
+// y = x * W^T for Q8_0 / Q4_0 weights, consumed in their stored, chunk-interleaved form.
+//
+// Every call first quantizes the activation rows per block of 32 (f32 scale dx = max|x| / 127,
+// int8 codes xq) into the same interleaved order as a Q8_0 row, plus per block the integer
+// -z * sum(xq) (z = the weight format's zero point). A block's contribution is then
+//     d * dx * ( sum(u * xq) - z * sum(xq) )          (exact in int32)
+// and with the interleaving, int32 lane i of a VPDPBUSD accumulator is block i of the chunk:
+// 8 VPDPBUSD per 16 blocks per (weight row, activation row) (Q4_0: after 4 loads and 12
+// AND/shift unpack ops per weight row, shared by the activation rows), then one convert, one
+// scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
+// blocking: decode (S = 1) keeps 8 weight rows in flight against the one activation row; prefill
+// keeps a 4 x 4 tile (each unpacked weight vector is used by 4 activation rows, each activation
+// vector by 4 weight rows).
+//
+// GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "core/error.h"
+#include "kernels/quant.h"
+
+namespace gemstage {
+
+namespace {
+
+constexpr int64_t kQB = kQuantBlock;
+constexpr int64_t kCB = kQuantChunkBlocks;
+
+int zero_point(DType t) {
+  return t == DType::Q8_0 ? 128 : 8;
+}
+
+// Quantized activations: row s has K codes at q + s*K (interleaved like a Q8_0 row's quant
+// section, or natural order for the scalar path), nb scales at d + s*nb and nb corrections
+// -z*sum(xq) at nzx + s*nb.
+struct ActQ {
+  int64_t K = 0, nb = 0;
+  std::vector<uint8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> nzx;
+};
+
+void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t* q, float* d,
+                      int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  int8_t codes[kQB];
+  for (int64_t b = 0; b < nb; ++b) {
+    const float* xb = x + b * kQB;
+    float amax = 0.0f;
+    bool nan = false;
+    for (int e = 0; e < kQB; ++e) {
+      amax = std::max(amax, std::fabs(xb[e]));
+      nan = nan || std::isnan(xb[e]);
+    }
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    int sum = 0;
+    for (int e = 0; e < kQB; ++e) {
+      // NaN/Inf activations give NaN scales and so NaN outputs, as a float matmul would.
+      const float v = std::clamp(std::nearbyint(xb[e] * id), -127.0f, 127.0f);
+      codes[e] = static_cast<int8_t>(std::isnan(v) ? 0.0f : v);
+      sum += codes[e];
+    }
+    nzx[b] = -z * sum;
+    if (!interleave) {
+      std::memcpy(q + b * kQB, codes, kQB);
+      continue;
+    }
+    const int64_t c = b / kCB, i = b % kCB, m = std::min(kCB, nb - c * kCB);
+    uint8_t* base = q + c * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * m, codes + 4 * j, 4);
+  }
+}
+
+#define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The same codes as quantize_act_row (VCVTPS2DQ rounds to nearest even, like nearbyint).
+GEMSTAGE_VNNI void quantize_act_row_avx512(const float* x, int64_t K, int z, uint8_t* q, float* d,
+                                           int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kQB), v1 = _mm512_loadu_ps(x + b * kQB + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const bool nan =
+        (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)),
+            i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    i0 = _mm512_min_epi32(_mm512_max_epi32(i0, lo), hi);
+    i1 = _mm512_min_epi32(_mm512_max_epi32(i1, lo), hi);
+    nzx[b] = -z * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    alignas(32) uint8_t codes[kQB];
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(i0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(i1));
+    const int64_t c = b / kCB, i = b % kCB, m = std::min(kCB, nb - c * kCB);
+    uint8_t* base = q + c * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * m, codes + 4 * j, 4);
+  }
+}
+
+bool cpu_has_vnni() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+  return ok;
+}
+
+void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
+                   ActQ* a) {
+  a->K = K;
+  a->nb = K / kQB;
+  a->q.resize(static_cast<size_t>(S * K));
+  a->d.resize(static_cast<size_t>(S * a->nb));
+  a->nzx.resize(static_cast<size_t>(S * a->nb));
+  auto run = [&](size_t b, size_t e) {
+    for (size_t s = b; s < e; ++s) {
+      const int64_t si = static_cast<int64_t>(s);
+      if (interleave && cpu_has_vnni())
+        quantize_act_row_avx512(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
+                                a->nzx.data() + si * a->nb);
+      else
+        quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K,
+                         a->d.data() + si * a->nb, a->nzx.data() + si * a->nb);
+    }
+  };
+  if (S < 8)
+    run(0, static_cast<size_t>(S));
+  else
+    pool.parallel_for(static_cast<size_t>(S), run, 4);
+}
+
+// ---- scalar: unpack a row to (u - z) in natural order, integer block dots ---------------------
+
+void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                 int64_t N, float* y, int64_t r0, int64_t r1) {
+  const int64_t K = a.K, nb = a.nb;
+  std::vector<float> wf(static_cast<size_t>(K));
+  std::vector<int8_t> wq(static_cast<size_t>(K));
+  std::vector<float> dw(static_cast<size_t>(nb));
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = wdata + static_cast<size_t>(r) * row_bytes;
+    dequantize_row(t, row, K, wf.data());
+    for (int64_t b = 0; b < nb; ++b) {
+      dw[static_cast<size_t>(b)] = quant_block_scale(t, row, K, b);
+      const float inv = dw[static_cast<size_t>(b)] != 0.0f ? 1.0f / dw[static_cast<size_t>(b)] : 0;
+      // w^ / d is the exact small integer u - z.
+      for (int64_t e = b * kQB; e < (b + 1) * kQB; ++e)
+        wq[static_cast<size_t>(e)] =
+            static_cast<int8_t>(std::nearbyint(wf[static_cast<size_t>(e)] * inv));
+    }
+    for (int64_t s = 0; s < S; ++s) {
+      const int8_t* xq = reinterpret_cast<const int8_t*>(a.q.data()) + s * K;
+      const float* dx = a.d.data() + s * nb;
+      float acc = 0.0f;
+      for (int64_t b = 0; b < nb; ++b) {
+        int32_t dot = 0;
+        for (int64_t e = b * kQB; e < (b + 1) * kQB; ++e)
+          dot += static_cast<int32_t>(wq[static_cast<size_t>(e)]) * xq[e];
+        acc += dw[static_cast<size_t>(b)] * dx[b] * static_cast<float>(dot);
+      }
+      y[s * N + r] = acc;
+    }
+  }
+}
+
+// ---- AVX-512 VNNI -----------------------------------------------------------------------------
+
+// One chunk (m blocks) of NX activation rows x NW weight rows into int32 accumulators.
+template <DType T, int NX, int NW, bool kTail>
+GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* const* xq, int64_t m,
+                                     __mmask16 mk, __m512i (&D)[NX][NW]) {
+  const int64_t gs = kTail ? 4 * m : 64;  // group stride in bytes
+#define ld(p) (kTail ? _mm512_maskz_loadu_epi32(mk, (p)) : _mm512_loadu_si512((p)))
+  if constexpr (T == DType::Q8_0) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[NW];
+      for (int w = 0; w < NW; ++w) wv[w] = ld(wq[w] + j * gs);
+      for (int a = 0; a < NX; ++a) {
+        const __m512i xv = ld(xq[a] + j * gs);
+        for (int w = 0; w < NW; ++w) D[a][w] = _mm512_dpbusd_epi32(D[a][w], wv[w], xv);
+      }
+    }
+  } else {
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      __m512i wl[NW], wh[NW];
+      for (int w = 0; w < NW; ++w) {
+        const __m512i pv = ld(wq[w] + g * gs);
+        wl[w] = _mm512_and_si512(pv, lo4);
+        wh[w] = _mm512_and_si512(_mm512_srli_epi16(pv, 4), lo4);
+      }
+      for (int a = 0; a < NX; ++a) {
+        const __m512i xl = ld(xq[a] + (2 * g) * gs), xh = ld(xq[a] + (2 * g + 1) * gs);
+        for (int w = 0; w < NW; ++w) {
+          D[a][w] = _mm512_dpbusd_epi32(D[a][w], wl[w], xl);
+          D[a][w] = _mm512_dpbusd_epi32(D[a][w], wh[w], xh);
+        }
+      }
+    }
+  }
+#undef ld
+}
+
+// out[a*NW + w] = dot(activation row srow[a], weight row wrow[w]).
+template <DType T, int NX, int NW>
+GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                             float* out) {
+  const int64_t K = A.K, nb = A.nb;
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  __m512 facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = _mm512_setzero_ps();
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+    const __mmask16 mk = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
+    const uint8_t* wq[NW];
+    const uint8_t* xq[NX];
+    for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes;
+    __m512i D[NX][NW];
+    for (int a = 0; a < NX; ++a) {
+      xq[a] = A.q.data() + srow[a] * K + c * 512;
+      const __m512i init = _mm512_maskz_loadu_epi32(mk, A.nzx.data() + srow[a] * nb + b0);
+      for (int w = 0; w < NW; ++w) D[a][w] = init;
+    }
+    if (m == kCB)
+      chunk_vnni<T, NX, NW, false>(wq, xq, m, mk, D);
+    else
+      chunk_vnni<T, NX, NW, true>(wq, xq, m, mk, D);
+    __m512 dw[NW];
+    for (int w = 0; w < NW; ++w)
+      dw[w] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, wrow[w] + 2 * b0));
+    for (int a = 0; a < NX; ++a) {
+      const __m512 dx = _mm512_maskz_loadu_ps(mk, A.d.data() + srow[a] * nb + b0);
+      for (int w = 0; w < NW; ++w)
+        facc[a][w] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[a][w]), _mm512_mul_ps(dw[w], dx), facc[a][w]);
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = _mm512_reduce_add_ps(facc[a][w]);
+}
+
+template <DType T>
+GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                             int64_t N, float* y, int64_t r0, int64_t r1) {
+  float out[32];
+  if (S == 1) {  // decode GEMV: 8 weight rows in flight
+    constexpr int NW = 8;
+    const int64_t s0 = 0;
+    for (int64_t r = r0; r < r1; r += NW) {
+      const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+      const uint8_t* wrow[NW];
+      for (int w = 0; w < NW; ++w)
+        wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+      tile_vnni<T, 1, NW>(A, &s0, wrow, out);
+      for (int w = 0; w < nw; ++w) y[r + w] = out[w];
+    }
+    return;
+  }
+  constexpr int NW = 4;
+  for (int64_t r = r0; r < r1; r += NW) {
+    const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+    const uint8_t* wrow[NW];
+    for (int w = 0; w < NW; ++w)
+      wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+    for (int64_t s = 0; s < S;) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, S - s));
+      const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
+      switch (nx) {
+        case 4:
+          tile_vnni<T, 4, NW>(A, srow, wrow, out);
+          break;
+        case 3:
+          tile_vnni<T, 3, NW>(A, srow, wrow, out);
+          break;
+        case 2:
+          tile_vnni<T, 2, NW>(A, srow, wrow, out);
+          break;
+        default:
+          tile_vnni<T, 1, NW>(A, srow, wrow, out);
+          break;
+      }
+      for (int a = 0; a < nx; ++a)
+        for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
+      s += nx;
+    }
+  }
+}
+
+// ---- AVX2 (maddubs): 8 lanes = half a chunk; Q8_0 uses the sign trick (|q|, sign(x, q)) ------
+
+#define GEMSTAGE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// `bytes` (<= 32) bytes from p, zero-filled: full loads for whole halves, a copy for tails.
+GEMSTAGE_AVX2 inline __m256i load_part(const void* p, int bytes) {
+  if (bytes == 32) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  alignas(32) uint8_t buf[32] = {};
+  std::memcpy(buf, p, static_cast<size_t>(bytes));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+
+GEMSTAGE_AVX2 inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+template <DType T>
+GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                             int64_t N, float* y, int64_t r0, int64_t r1) {
+  constexpr int NW = 4;
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t K = A.K, nb = A.nb;
+  const __m256i ones16 = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t r = r0; r < r1; r += NW) {
+    const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+    const uint8_t* wrow[NW];
+    for (int w = 0; w < NW; ++w)
+      wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+    for (int64_t s = 0; s < S; ++s) {
+      __m256 facc[NW];
+      for (auto& f : facc) f = _mm256_setzero_ps();
+      for (int64_t c = 0; c * kCB < nb; ++c) {
+        const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
+        for (int64_t h = 0; h < 2; ++h) {
+          const int64_t L = std::min<int64_t>(8, m - 8 * h);
+          if (L <= 0) break;
+          const int lb = static_cast<int>(4 * L);
+          const int64_t b0 = c * kCB + 8 * h;
+          const uint8_t* xq = A.q.data() + s * K + c * 512 + 32 * h;
+          __m256i D[NW];
+          const __m256i init = load_part(A.nzx.data() + s * nb + b0, lb);
+          for (auto& dd : D) dd = init;
+          if constexpr (T == DType::Q8_0) {
+            for (int j = 0; j < 8; ++j) {
+              const __m256i xv = load_part(xq + j * gs, lb);
+              for (int w = 0; w < NW; ++w) {
+                const __m256i qv = _mm256_xor_si256(
+                    load_part(wrow[w] + 2 * nb + c * chunk_bytes + 32 * h + j * gs, lb), bias);
+                const __m256i p =
+                    _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
+                D[w] = _mm256_add_epi32(D[w], _mm256_madd_epi16(p, ones16));
+              }
+            }
+          } else {
+            for (int g = 0; g < 4; ++g) {
+              const __m256i xl = load_part(xq + 2 * g * gs, lb),
+                            xh = load_part(xq + (2 * g + 1) * gs, lb);
+              for (int w = 0; w < NW; ++w) {
+                const __m256i pv =
+                    load_part(wrow[w] + 2 * nb + c * chunk_bytes + 32 * h + g * gs, lb);
+                const __m256i wl = _mm256_and_si256(pv, lo4),
+                              wh = _mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4);
+                const __m256i p =
+                    _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
+                D[w] = _mm256_add_epi32(D[w], _mm256_madd_epi16(p, ones16));
+              }
+            }
+          }
+          alignas(32) float dxs[8] = {};
+          std::memcpy(dxs, A.d.data() + s * nb + b0, static_cast<size_t>(lb));
+          const __m256 dx = _mm256_load_ps(dxs);
+          for (int w = 0; w < NW; ++w) {
+            alignas(16) uint16_t hs[8] = {};
+            std::memcpy(hs, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
+            const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+            facc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[w]), _mm256_mul_ps(dw, dx), facc[w]);
+          }
+        }
+      }
+      for (int w = 0; w < nw; ++w) y[s * N + r + w] = hsum8(facc[w]);
+    }
+  }
+}
+
+bool cpu_has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+}  // namespace
+
+QuantIsa quant_best_isa() {
+  if (cpu_has_vnni()) return QuantIsa::Avx512Vnni;
+  if (cpu_has_avx2()) return QuantIsa::Avx2;
+  return QuantIsa::Scalar;
+}
+
+void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y,
+                  QuantIsa isa) {
+  const DType t = w.dtype;
+  const int64_t K = w.cols(), N = w.rows();
+  if (K % kQB != 0)
+    fail("matmul: weight ", w.name, " is ", dtype_name(t), " with input width ", K,
+         ", not a multiple of ", kQB, " (quantized rows are whole 32-weight blocks)");
+  const size_t rb = quant_row_bytes(t, K);
+  if (w.nbytes != rb * static_cast<size_t>(N))
+    fail("matmul: weight ", w.name, " ", dtype_name(t), " ", shape_str(w.shape), " holds ",
+         w.nbytes, " bytes; the format needs ", rb * static_cast<size_t>(N), " (", N, " rows of ",
+         rb, ")");
+  if (S <= 0 || N == 0) return;
+  if (isa == QuantIsa::Avx512Vnni && !cpu_has_vnni()) isa = quant_best_isa();
+  if (isa == QuantIsa::Avx2 && !cpu_has_avx2()) isa = QuantIsa::Scalar;
+  // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
+  const int z = isa == QuantIsa::Avx2 && t == DType::Q8_0 ? 0 : zero_point(t);
+  ActQ A;
+  quantize_acts(pool, x, S, K, isa == QuantIsa::Scalar ? 0 : z, isa != QuantIsa::Scalar, &A);
+  const auto* data = static_cast<const uint8_t*>(w.data);
+  using Fn =
+      void (*)(const ActQ&, int64_t, const uint8_t*, size_t, int64_t, float*, int64_t, int64_t);
+  Fn fn = nullptr;
+  if (isa == QuantIsa::Avx512Vnni)
+    fn = t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
+  else if (isa == QuantIsa::Avx2)
+    fn = t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+  if (!fn) {
+    pool.parallel_for(
+        static_cast<size_t>(N),
+        [&](size_t b, size_t e) {
+          rows_scalar(t, A, S, data, rb, N, y, static_cast<int64_t>(b), static_cast<int64_t>(e));
+        },
+        16);
+    return;
+  }
+  pool.parallel_for(
+      static_cast<size_t>(N),
+      [&](size_t b, size_t e) {
+        fn(A, S, data, rb, N, y, static_cast<int64_t>(b), static_cast<int64_t>(e));
+      },
+      16);
+}
+
+}  // namespace gemstage
