@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <iostream>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -288,6 +289,54 @@ TEST(Bundle, StagedMultimodalEqualsUnstagedAndTheFixture) {
   expect_close(a, d + "logits.npy", 5e-4, "staged multimodal logits");
   EXPECT_EQ(g1, g2);
   EXPECT_EQ(g1, load_npy(d + "decode_ids.npy").to_i64());
+}
+
+}  // namespace
+
+namespace {
+
+// Quantized bundles against the f32 model: logits error and teacher-forced top-1 agreement over
+// the fixture's reference sequence. The tiny model has random (not quantization-aware) weights,
+// so 4-bit is far from f32 here; the bounds are the measured values with a margin, and 8-bit
+// must beat 4-bit.
+struct QuantStats {
+  double max_abs = 0;
+  int agree = 0, n = 0;
+};
+
+QuantStats measure_bundle(const std::string& weights) {
+  const std::string bundle = export_tiny("bundle_" + weights, "0:2,2:6", weights);
+  auto q = Pipeline::open(bundle, 256);
+  auto ref = Pipeline::open(fixture("model"), 256);
+  const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
+  std::vector<int64_t> unused;
+  const FloatTensor a = run_logits(*q, seq, 64, &unused, 0),
+                    b = run_logits(*ref, seq, 64, &unused, 0);
+  QuantStats s;
+  s.max_abs = max_abs_diff(a.data, b.data);
+  const int64_t V = a.dim(1);
+  for (int64_t r = 0; r < a.dim(0); ++r) {
+    const auto ia = std::max_element(a.row(r), a.row(r) + V) - a.row(r);
+    const auto ib = std::max_element(b.row(r), b.row(r) + V) - b.row(r);
+    s.agree += ia == ib;
+    ++s.n;
+  }
+  std::ostringstream log;
+  EXPECT_EQ(check_bundle(bundle, {}, log), 0) << log.str();
+  return s;
+}
+
+TEST(Bundle, QuantizedBundlesAgainstF32) {
+  const QuantStats q8 = measure_bundle("q8_0"), q4 = measure_bundle("q4_0");
+  std::cout << "q8_0: logits max-abs " << q8.max_abs << ", teacher-forced top-1 " << q8.agree << "/"
+            << q8.n << "\n"
+            << "q4_0: logits max-abs " << q4.max_abs << ", teacher-forced top-1 " << q4.agree << "/"
+            << q4.n << "\n";
+  EXPECT_LE(q8.max_abs, 0.5);
+  EXPECT_GE(q8.agree, q8.n * 3 / 4);
+  EXPECT_LE(q4.max_abs, 2.0);
+  EXPECT_GT(q8.agree, q4.agree);
+  EXPECT_LT(q8.max_abs, q4.max_abs);
 }
 
 }  // namespace

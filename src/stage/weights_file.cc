@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "kernels/quant.h"
 
 namespace gemstage {
 
@@ -32,7 +33,9 @@ size_t tensor_bytes(DType t, const Shape& shape) {
   }
   if (t == DType::Q8_0 || t == DType::Q4_0) {
     if (shape.empty()) fail("a ", dtype_name(t), " tensor needs at least one dimension");
-    fail("block-quantized tensors are not available in this build");  // QUANT-MERGE
+    const int64_t in = shape.back();
+    const size_t rows = in ? n / static_cast<size_t>(in) : 0;
+    return rows * quant_row_bytes(t, in);
   }
   return n * dtype_size(t);
 }
