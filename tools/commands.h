@@ -20,5 +20,6 @@ void add_dump_command(CLI::App& app, Registry& reg);
 void add_make_random_command(CLI::App& app, Registry& reg);
 void add_export_command(CLI::App& app, Registry& reg);
 void add_check_command(CLI::App& app, Registry& reg);
+void add_parity_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

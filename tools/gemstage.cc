@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   gemstage::cli::add_make_random_command(app, reg);
   gemstage::cli::add_export_command(app, reg);
   gemstage::cli::add_check_command(app, reg);
+  gemstage::cli::add_parity_command(app, reg);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
