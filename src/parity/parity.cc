@@ -423,7 +423,8 @@ json find_first_divergence(const json& taps, double diverge_cos) {
     j["cos"] = s.value("cos", 1.0);
     j["reason"] = why;
     j["text"] = (layer >= 0 ? "first diverging at layer " + std::to_string(layer)
-                            : "first diverging at the " + stage) +
+                            : "first diverging in the " +
+                                  (stage == "vision" ? std::string("vision tower") : stage)) +
                 " (" + tap + ": " + why + ")";
     return j;
   };
