@@ -405,9 +405,9 @@ TEST(HfDumpScript, DeclaredLayoutMatchesTheFixtures) {
   const json layout = json::parse(slurp(out));
   ASSERT_TRUE(layout.contains("files"));
   std::set<std::string> known(known_tap_names().begin(), known_tap_names().end());
-  const std::map<std::string, int64_t> dims = {{"S", 70},   {"L", 6},   {"P", 32},  {"D", 128},
-                                               {"V", 2048}, {"N", 8},   {"T", 78},  {"Np", 630},
-                                               {"Hv", 64},  {"Ns", 56}, {"Pd", 768}};
+  const std::map<std::string, int64_t> dims = {
+      {"S", 70},   {"L", 6},   {"P", 32},  {"D", 128},  {"V", 2048}, {"N", 8},  {"T", 78},
+      {"Np", 630}, {"Hv", 64}, {"Ns", 56}, {"Pd", 768}, {"H", 336},  {"W", 384}};
   const ReferenceDump mm = load_reference(fixture("multimodal"));
   const json& files = mm.manifest["files"];
   int checked = 0;
