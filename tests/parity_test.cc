@@ -149,6 +149,18 @@ TEST(ParityReference, BadDumpsAreRefusedByName) {
   fs::remove_all(d);
 }
 
+TEST(ParityReference, ReadsTheToleranceLinesHfDumpWrites) {
+  const std::string d = temp_dir("parity_hfref");
+  fs::copy_file(fixture("text/input_ids.npy"), d + "/input_ids.npy");
+  std::ofstream(d + "/manifest.json") << R"J({"files": {"input_ids.npy": {"shape": [24]}},
+    "tolerances": {"hidden_states": "atol 0.0123 (0.001 x max|ref| 12.3)",
+                   "ids (input_ids, llm_input_ids)": "exact"}})J";
+  const ReferenceDump r = load_reference(d);
+  EXPECT_DOUBLE_EQ(*r.tolerance("hidden_states"), 0.0123);
+  EXPECT_FALSE(r.tolerance("input_ids").has_value());
+  fs::remove_all(d);
+}
+
 TEST(ParityRows, TokenClassesFollowTheConfig) {
   const ModelConfig c = load_model_config(fixture("model"));
   EXPECT_EQ(classify_token(c, c.image_token_id), RowClass::Image);

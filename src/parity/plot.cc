@@ -42,6 +42,14 @@ std::string num(double v) {
   return b;
 }
 
+// The last two components of a path ("gemma4-tiny/model"): enough to tell runs apart.
+std::string short_path(std::string p) {
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const std::filesystem::path fp(p);
+  const std::string parent = fp.parent_path().filename().string();
+  return parent.empty() ? fp.filename().string() : parent + "/" + fp.filename().string();
+}
+
 struct Series {
   std::string label, color, dash, marker;  // marker: circle | square
   std::vector<double> cos, max_abs;        // per layer (NaN: absent)
@@ -142,10 +150,8 @@ std::string render_parity_svg(const json& r) {
     << H << "\" viewBox=\"0 0 " << W << " " << H
     << "\" font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
     << "<rect x=\"0\" y=\"0\" width=\"" << W << "\" height=\"" << H << "\" fill=\"#ffffff\"/>\n";
-  const std::string model = std::filesystem::path(r.value("model", "")).filename().string();
-  std::string refname = r.value("reference", "");
-  while (!refname.empty() && refname.back() == '/') refname.pop_back();
-  refname = std::filesystem::path(refname).filename().string();
+  const std::string model = short_path(r.value("model", ""));
+  const std::string refname = short_path(r.value("reference", ""));
   o << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\" font-weight=\"bold\">"
     << esc("parity: " + model + " vs reference " + refname + " (ple-identity " +
            r["options"].value("ple_identity", "pad") + ")")
@@ -249,6 +255,12 @@ std::string render_parity_svg(const json& r) {
     o << "<line x1=\"" << lx << "\" y1=\"" << ly - 4 << "\" x2=\"" << lx + 30 << "\" y2=\""
       << ly - 4 << "\" stroke=\"" << s.color << "\" stroke-width=\"2\""
       << (s.dash.empty() ? "" : " stroke-dasharray=\"" + s.dash + "\"") << "/>\n";
+    if (s.marker == "square")
+      o << "<rect x=\"" << lx + 11 << "\" y=\"" << ly - 8 << "\" width=\"8\" height=\"8\" fill=\""
+        << s.color << "\"/>\n";
+    else
+      o << "<circle cx=\"" << lx + 15 << "\" cy=\"" << ly - 4 << "\" r=\"4\" fill=\""
+        << (s.dash.empty() ? s.color : "#ffffff") << "\" stroke=\"" << s.color << "\"/>\n";
     o << "<text x=\"" << lx + 38 << "\" y=\"" << ly << "\">" << esc(s.label) << "</text>\n";
     ly += 20;
   }
