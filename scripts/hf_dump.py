@@ -201,7 +201,8 @@ def run(a):
         return x
 
     def keep(name, t, layer=None):
-        t = first(t).detach().float().cpu().numpy()
+        # A copy: HF updates some residual tensors in place after the hook has run.
+        t = first(t).detach().float().cpu().numpy().copy()
         if layer is None:
             taps.setdefault(name, t)  # the first call of the prefill pass
         else:
