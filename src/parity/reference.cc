@@ -1,8 +1,10 @@
 #include "parity/reference.h"
 
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <regex>
 
 #include "core/error.h"
 
@@ -23,10 +25,19 @@ std::optional<double> ReferenceDump::tolerance(const std::string& tap) const {
 }
 
 std::optional<double> parse_atol(const std::string& text) {
-  static const std::regex re(R"(atol\s*=?\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?))");
-  std::smatch m;
-  if (!std::regex_search(text, m, re)) return std::nullopt;
-  return std::stod(m[1].str());
+  // The first word "atol" followed by optional spaces or '=' and a number ("atol 1e-2 (...)").
+  for (size_t at = text.find("atol"); at != std::string::npos; at = text.find("atol", at + 1)) {
+    if (at > 0 && (std::isalnum(static_cast<unsigned char>(text[at - 1])) || text[at - 1] == '_'))
+      continue;
+    size_t i = at + 4;
+    while (i < text.size() && (text[i] == ' ' || text[i] == '=')) ++i;
+    if (i == at + 4 || i >= text.size()) continue;
+    const char* begin = text.c_str() + i;
+    char* end = nullptr;
+    const double v = std::strtod(begin, &end);
+    if (end != begin && std::isfinite(v) && v >= 0) return v;
+  }
+  return std::nullopt;
 }
 
 namespace {
