@@ -547,8 +547,17 @@ json run_parity(Pipeline& model, const ReferenceDump& ref, const ParityOptions& 
     dl.data = on.step_logits;
     ours_f["decode_logits"] = dl;
     std::vector<int64_t> ids;
-    for (int64_t i = 0; i < n_steps; ++i) ids.push_back(argmax_first(dl.row(i), V));
+    FloatTensor margin({n_steps});
+    for (int64_t i = 0; i < n_steps; ++i) {
+      const float* row = dl.row(i);
+      ids.push_back(argmax_first(row, V));
+      float second = -INFINITY;
+      for (int64_t v = 0; v < V; ++v)
+        if (v != ids.back()) second = std::max(second, row[v]);
+      margin.data[static_cast<size_t>(i)] = row[ids.back()] - second;
+    }
     ours_i["decode_ids"] = ids;
+    ours_f["decode_top2_margin"] = margin;  // under teacher forcing, as the reference's
   }
   std::vector<uint8_t> patch_valid;
   if (ours_i.count("image_position_ids")) {
