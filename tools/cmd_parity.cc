@@ -54,7 +54,7 @@ int run_parity_cmd(const ParityArgs& a) {
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   nlohmann::json report = run_parity(*model, ref, opt, pool);
 
-  // Gates are evaluated against the report (an unknown metric is an error: exit 1, listing the metrics).
+  // Gates are evaluated against the report (an unknown metric is an error: exit 1).
   std::vector<GateResult> results = evaluate_gates(gates, report);
   bool all_pass = true;
   report["gates"] = nlohmann::json::array();
