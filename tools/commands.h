@@ -24,5 +24,6 @@ void add_generate_command(CLI::App& app, Registry& reg);
 void add_chat_command(CLI::App& app, Registry& reg);
 void add_tokenize_command(CLI::App& app, Registry& reg);
 void add_detokenize_command(CLI::App& app, Registry& reg);
+void add_parity_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

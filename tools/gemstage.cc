@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
   gemstage::cli::add_chat_command(app, reg);
   gemstage::cli::add_tokenize_command(app, reg);
   gemstage::cli::add_detokenize_command(app, reg);
+  gemstage::cli::add_parity_command(app, reg);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
