@@ -43,25 +43,34 @@ TEST(Cli, DumpWritesEveryFixtureTapWithManifestNamesShapesAndDtypes) {
     ++checked;
   }
   EXPECT_GE(checked, 15);
-  EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(), load_npy(fixture("text/decode_ids.npy")).to_i64());
+  EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(),
+            load_npy(fixture("text/decode_ids.npy")).to_i64());
 }
 
 TEST(Cli, BadInputsExitNonZeroWithAMessage) {
   const std::string out = temp_dir("cli_bad");
   EXPECT_NE(run("dump --model /nonexistent --ids x.npy --out " + out, out + "/log1"), 0);
   EXPECT_NE(slurp(out + "/log1").find("config.json"), std::string::npos) << slurp(out + "/log1");
-  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/logits.npy") + " --out " + out, out + "/log2"), 0);
-  EXPECT_NE(slurp(out + "/log2").find("1-D array of token ids"), std::string::npos) << slurp(out + "/log2");
-  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/input_ids.npy") + " --taps nonsense --out " + out,
+  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/logits.npy") +
+                    " --out " + out,
+                out + "/log2"),
+            0);
+  EXPECT_NE(slurp(out + "/log2").find("1-D array of token ids"), std::string::npos)
+      << slurp(out + "/log2");
+  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + fixture("text/input_ids.npy") +
+                    " --taps nonsense --out " + out,
                 out + "/log3"),
             0);
-  EXPECT_NE(slurp(out + "/log3").find("unknown tap 'nonsense'"), std::string::npos) << slurp(out + "/log3");
+  EXPECT_NE(slurp(out + "/log3").find("unknown tap 'nonsense'"), std::string::npos)
+      << slurp(out + "/log3");
 }
 
 // The E2B preset at full width (262144 vocab, 1536 hidden, PLE 256) on a shortened stack.
 TEST(Cli, MakeRandomE2BLoadsInInfoAndDump) {
   const std::string dir = temp_dir("cli_e2b");
-  ASSERT_EQ(run("make-random --preset e2b --layers 3 --seed 7 --out " + dir + "/model --force", dir + "/log"), 0)
+  ASSERT_EQ(run("make-random --preset e2b --layers 3 --seed 7 --out " + dir + "/model --force",
+                dir + "/log"),
+            0)
       << slurp(dir + "/log");
   ASSERT_EQ(run("info --model " + dir + "/model", dir + "/info"), 0) << slurp(dir + "/info");
   const std::string info = slurp(dir + "/info");
@@ -71,8 +80,8 @@ TEST(Cli, MakeRandomE2BLoadsInInfoAndDump) {
   const auto cfg = nlohmann::json::parse(std::ifstream(dir + "/model/config.json"));
   EXPECT_EQ(cfg["text_config"]["hidden_size_per_layer_input"], 256);
   save_npy_i64(dir + "/ids.npy", {5}, {2, 105, 2364, 107, 9259});
-  ASSERT_EQ(run("dump --model " + dir + "/model --ids " + dir + "/ids.npy --decode 2 --taps logits,per_layer_inputs --out " +
-                    dir + "/out",
+  ASSERT_EQ(run("dump --model " + dir + "/model --ids " + dir +
+                    "/ids.npy --decode 2 --taps logits,per_layer_inputs --out " + dir + "/out",
                 dir + "/dump"),
             0)
       << slurp(dir + "/dump");
@@ -83,17 +92,21 @@ TEST(Cli, MakeRandomE2BLoadsInInfoAndDump) {
 
 TEST(Cli, MakeRandomShardsLoadLikeOneFile) {
   const std::string dir = temp_dir("cli_shards");
-  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --out " + dir + "/one", dir + "/l1"), 0) << slurp(dir + "/l1");
-  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --shard-gb 0.002 --out " + dir + "/many", dir + "/l2"), 0)
+  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --out " + dir + "/one", dir + "/l1"), 0)
+      << slurp(dir + "/l1");
+  ASSERT_EQ(run("make-random --preset tiny --dtype f32 --shard-gb 0.002 --out " + dir + "/many",
+                dir + "/l2"),
+            0)
       << slurp(dir + "/l2");
   EXPECT_TRUE(std::filesystem::exists(dir + "/many/model.safetensors.index.json"));
   for (const char* m : {"one", "many"})
-    ASSERT_EQ(run(std::string("dump --model ") + dir + "/" + m + " --ids " + fixture("text/input_ids.npy") +
-                      " --taps logits --out " + dir + "/out_" + m,
+    ASSERT_EQ(run(std::string("dump --model ") + dir + "/" + m + " --ids " +
+                      fixture("text/input_ids.npy") + " --taps logits --out " + dir + "/out_" + m,
                   dir + "/d"),
               0)
         << slurp(dir + "/d");
-  EXPECT_EQ(load_npy(dir + "/out_one/logits.npy").to_f32(), load_npy(dir + "/out_many/logits.npy").to_f32());
+  EXPECT_EQ(load_npy(dir + "/out_one/logits.npy").to_f32(),
+            load_npy(dir + "/out_many/logits.npy").to_f32());
 }
 
 }  // namespace

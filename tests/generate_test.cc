@@ -1,6 +1,7 @@
 // generate / chat end to end on the tiny fixture model and its matching small tokenizer.
 #include <gtest/gtest.h>
 
+#include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -13,7 +14,8 @@ using namespace gemstage::testing;
 namespace {
 
 int run(const std::string& args, const std::string& out, const std::string& err) {
-  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + out + " 2> " + err + " < /dev/null";
+  const std::string cmd =
+      std::string(GEMSTAGE_CLI) + " " + args + " > " + out + " 2> " + err + " < /dev/null";
   return std::system(cmd.c_str());
 }
 std::string slurp(const std::string& p) {
@@ -21,7 +23,9 @@ std::string slurp(const std::string& p) {
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 nlohmann::json generate_json(const std::string& dir, const std::string& args) {
-  EXPECT_EQ(run("generate -m " + fixture("model") + " --json -t 2 " + args, dir + "/out", dir + "/err"), 0)
+  EXPECT_EQ(
+      run("generate -m " + fixture("model") + " --json -t 2 " + args, dir + "/out", dir + "/err"),
+      0)
       << slurp(dir + "/err");
   return nlohmann::json::parse(slurp(dir + "/out"));
 }
@@ -38,7 +42,8 @@ TEST(Generate, GreedyEqualsDumpGreedyDecode) {
   EXPECT_EQ(prompt.front(), 2);
   EXPECT_EQ(prompt[1], 105);
   save_npy_i64(dir + "/p.npy", {static_cast<int64_t>(prompt.size())}, prompt);
-  ASSERT_EQ(run("dump -m " + fixture("model") + " --ids " + dir + "/p.npy --decode 12 --taps decode_ids --out " + dir + "/d",
+  ASSERT_EQ(run("dump -m " + fixture("model") + " --ids " + dir +
+                    "/p.npy --decode 12 --taps decode_ids --out " + dir + "/d",
                 dir + "/o2", dir + "/e2"),
             0)
       << slurp(dir + "/e2");
@@ -63,7 +68,14 @@ TEST(Generate, StopStringCutsTheText) {
   const auto full = generate_json(dir, "-p \"Count with me\" --temp 0 -n 24");
   const std::string text = full["text"];
   ASSERT_GE(text.size(), 6u) << text;
-  const std::string stop = text.substr(3, 2);
+  // An ASCII letter, digit, tab or space inside the reply (random weights: the rest may be any
+  // bytes).
+  auto usable = [](unsigned char ch) { return std::isalnum(ch) || ch == '\t' || ch == ' '; };
+  size_t at = 1;
+  while (at < text.size() && !usable(static_cast<unsigned char>(text[at]))) ++at;
+  if (at == text.size()) at = 0;
+  ASSERT_TRUE(usable(static_cast<unsigned char>(text[at]))) << "no usable ASCII byte in " << text;
+  const std::string stop = text.substr(at, 1);
   const auto cut = generate_json(dir, "-p \"Count with me\" --temp 0 -n 24 --stop '" + stop + "'");
   EXPECT_EQ(cut["text"], text.substr(0, text.find(stop)));
   EXPECT_EQ(cut["finish_reason"], "stop");
@@ -71,26 +83,37 @@ TEST(Generate, StopStringCutsTheText) {
 
 TEST(Generate, ContextLimitIsReportedAndOverlongPromptsRefused) {
   const std::string dir = temp_dir("gen_ctx");
-  const auto j = generate_json(dir, "-p \"Hello there, how are you?\" --temp 0 -n 200 -c 40 --ignore-eos");
+  const auto j =
+      generate_json(dir, "-p \"Hello there, how are you?\" --temp 0 -n 200 -c 40 --ignore-eos");
   EXPECT_EQ(j["finish_reason"], "context");
-  EXPECT_NE(slurp(dir + "/err").find("context limit was reached"), std::string::npos) << slurp(dir + "/err");
-  EXPECT_NE(run("generate -m " + fixture("model") + " -p \"" + std::string(300, 'x') + "\" -c 32", dir + "/o", dir + "/e"), 0);
-  EXPECT_NE(slurp(dir + "/e").find("shorten the prompt or raise --ctx-size"), std::string::npos) << slurp(dir + "/e");
+  EXPECT_NE(slurp(dir + "/err").find("context limit was reached"), std::string::npos)
+      << slurp(dir + "/err");
+  EXPECT_NE(run("generate -m " + fixture("model") + " -p \"" + std::string(300, 'x') + "\" -c 32",
+                dir + "/o", dir + "/e"),
+            0);
+  EXPECT_NE(slurp(dir + "/e").find("shorten the prompt or raise --ctx-size"), std::string::npos)
+      << slurp(dir + "/e");
 }
 
 TEST(Generate, BundleAndImagePrompts) {
   const std::string dir = temp_dir("gen_bundle");
-  ASSERT_EQ(run("export -m " + fixture("model") + " --out " + dir + "/b --stages 0:2,2:6 --weights f32 --max-context 512",
+  ASSERT_EQ(run("export -m " + fixture("model") + " --out " + dir +
+                    "/b --stages 0:2,2:6 --weights f32 --max-context 512",
                 dir + "/o", dir + "/e"),
             0)
       << slurp(dir + "/e");
   const auto a = generate_json(dir, "-p \"Hello\" --temp 0 -n 8");
-  ASSERT_EQ(run("generate -m " + dir + "/b --json -p \"Hello\" --temp 0 -n 8", dir + "/ob", dir + "/eb"), 0) << slurp(dir + "/eb");
+  ASSERT_EQ(
+      run("generate -m " + dir + "/b --json -p \"Hello\" --temp 0 -n 8", dir + "/ob", dir + "/eb"),
+      0)
+      << slurp(dir + "/eb");
   EXPECT_EQ(nlohmann::json::parse(slurp(dir + "/ob"))["tokens"], a["tokens"]);
-  const auto img = generate_json(dir, "-p \"What is this?\" --image " + fixture("multimodal/image.png") + " --temp 0 -n 4");
+  const auto img = generate_json(
+      dir, "-p \"What is this?\" --image " + fixture("multimodal/image.png") + " --temp 0 -n 4");
   int placeholders = 0;
   for (int64_t id : img["prompt_ids"].get<std::vector<int64_t>>()) placeholders += id == 2040;
-  EXPECT_EQ(placeholders, 56);  // the fixture image yields 56 soft tokens at the tiny model's budget
+  EXPECT_EQ(placeholders,
+            56);  // the fixture image yields 56 soft tokens at the tiny model's budget
 }
 
 TEST(Chat, MultiTurnReusesTheCache) {
@@ -99,13 +122,16 @@ TEST(Chat, MultiTurnReusesTheCache) {
     std::ofstream in(dir + "/in");
     in << "Hello\nAnd again\n/exit\n";
   }
-  const std::string cmd = std::string(GEMSTAGE_CLI) + " chat -m " + fixture("model") + " --temp 0 -n 6 --ignore-eos < " + dir +
-                          "/in > " + dir + "/out 2> " + dir + "/err";
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " chat -m " + fixture("model") +
+                          " --temp 0 -n 6 --ignore-eos < " + dir + "/in > " + dir + "/out 2> " +
+                          dir + "/err";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/err");
   const std::string err = slurp(dir + "/err");
   EXPECT_NE(err.find("reused from the cache"), std::string::npos) << err;
   size_t turns = 0;
-  for (size_t p = err.find("generated 6 tokens"); p != std::string::npos; p = err.find("generated 6 tokens", p + 1)) ++turns;
+  for (size_t p = err.find("generated 6 tokens"); p != std::string::npos;
+       p = err.find("generated 6 tokens", p + 1))
+    ++turns;
   EXPECT_EQ(turns, 2u) << err;
 }
 

@@ -340,3 +340,26 @@ TEST(Bundle, QuantizedBundlesAgainstF32) {
 }
 
 }  // namespace
+
+namespace {
+
+// Rolling the caches back and re-feeding gives exactly what a fresh run gives (chat turns whose
+// re-rendered prompt diverges inside the cached reply rely on this).
+TEST(Pipeline, TruncateThenRefeedEqualsFreshRun) {
+  auto p = Pipeline::open(fixture("model"), 256);
+  const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));  // 40 ids, window 8
+  ThreadPool pool(2);
+  p->forward(pool, std::span<const int32_t>(seq).first(36), nullptr, false, nullptr);
+  ASSERT_TRUE(p->truncate(21));
+  EXPECT_EQ(p->n_past(), 21);
+  const FloatTensor a =
+      p->forward(pool, std::span<const int32_t>(seq).subspan(21, 19), nullptr, true, nullptr);
+  p->reset();
+  const FloatTensor b = p->forward(pool, seq, nullptr, true, nullptr);
+  const std::vector<float> tail(b.data.end() - static_cast<std::ptrdiff_t>(a.data.size()),
+                                b.data.end());
+  EXPECT_LE(max_abs_diff(a.data, tail), 1e-6);
+  EXPECT_FALSE(p->truncate(100));
+}
+
+}  // namespace

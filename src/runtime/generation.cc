@@ -50,9 +50,18 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   // Reuse the cached prefix only if the caches hold exactly a prefix of this prompt (and leave at
   // least one new token to produce logits from).
   size_t common = 0;
-  if (fed_.size() < prompt.size() && std::equal(fed_.begin(), fed_.end(), prompt.begin()))
-    common = fed_.size();
-  if (common == 0 && !fed_.empty()) reset();
+  while (common < fed_.size() && common + 1 < prompt.size() && fed_[common] == prompt[common])
+    ++common;
+  if (common < fed_.size()) {
+    // The new prompt diverges inside what is cached (e.g. a reply re-tokenized differently):
+    // roll the caches back to the common prefix, or start over if they cannot go that far.
+    if (common > 0 && pipe_.truncate(static_cast<int64_t>(common))) {
+      fed_.resize(common);
+    } else {
+      reset();
+      common = 0;
+    }
+  }
   res.reused_tokens = static_cast<int64_t>(common);
   const std::span<const int32_t> rest(prompt.data() + common, prompt.size() - common);
   FloatTensor soft_rest;

@@ -8,15 +8,27 @@
 namespace gemstage {
 
 LayerKvCache::LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context)
-    : type_(type), width_(width), window_(window), max_context_(max_context) {
+    : type_(type),
+      width_(width),
+      window_(window),
+      ring_(window + kRollbackSlack),
+      max_context_(max_context) {
   if (type_ == LayerType::Sliding) {
-    k_.assign(static_cast<size_t>(window_ * width_), 0.0f);
-    v_.assign(static_cast<size_t>(window_ * width_), 0.0f);
+    k_.assign(static_cast<size_t>(ring_ * width_), 0.0f);
+    v_.assign(static_cast<size_t>(ring_ * width_), 0.0f);
   }
 }
 
+bool LayerKvCache::truncate(int64_t n) {
+  if (n < 0 || n > n_) return false;
+  // After the rollback a query at n needs positions n-window+1..n-1 still in the ring.
+  if (type_ == LayerType::Sliding && n_ - n > ring_ - window_) return false;
+  n_ = n;
+  return true;
+}
+
 int64_t LayerKvCache::first_held() const {
-  return type_ == LayerType::Sliding ? std::max<int64_t>(0, n_ - window_) : 0;
+  return type_ == LayerType::Sliding ? std::max<int64_t>(0, n_ - ring_) : 0;
 }
 
 void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
@@ -34,7 +46,7 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
     }
   }
   // Only the last `window` rows of a long chunk survive in a ring.
-  const int64_t skip = type_ == LayerType::Sliding ? std::max<int64_t>(0, rows - window_) : 0;
+  const int64_t skip = type_ == LayerType::Sliding ? std::max<int64_t>(0, rows - ring_) : 0;
   for (int64_t r = skip; r < rows; ++r) {
     const int64_t s = slot(n_ + r);
     std::memcpy(k_.data() + s * width_, k + r * width_,
@@ -63,6 +75,25 @@ size_t KvCache::bytes() const {
   for (const auto& l : layers_)
     if (l) n += l->bytes();
   return n;
+}
+
+}  // namespace gemstage
+
+namespace gemstage {
+
+bool KvCache::can_truncate(int64_t n) const {
+  if (n < 0 || n > n_past_) return false;
+  for (const auto& l : layers_)
+    if (l && l->type() == LayerType::Sliding && l->size() - n > kRollbackSlack) return false;
+  return true;
+}
+
+bool KvCache::truncate(int64_t n) {
+  if (!can_truncate(n)) return false;
+  for (const auto& l : layers_)
+    if (l) l->truncate(n);
+  n_past_ = n;
+  return true;
 }
 
 }  // namespace gemstage

@@ -11,6 +11,9 @@
 
 namespace gemstage {
 
+// Rows a sliding ring keeps beyond the window, so a cache can be rolled back this far.
+constexpr int64_t kRollbackSlack = 512;
+
 class LayerKvCache {
  public:
   LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context);
@@ -24,13 +27,16 @@ class LayerKvCache {
   const float* v_at(int64_t pos) const { return v_.data() + slot(pos) * width_; }
   // Appends rows for positions size()..size()+rows-1.
   void append(const float* k, const float* v, int64_t rows);
+  // Forgets positions n.. (a chat whose new prompt diverges from what was cached). Sliding rings
+  // keep kRollbackSlack extra rows so the window before n is still intact; false if too far back.
+  bool truncate(int64_t n);
   size_t bytes() const { return (k_.capacity() + v_.capacity()) * sizeof(float); }
 
  private:
-  int64_t slot(int64_t pos) const { return type_ == LayerType::Sliding ? pos % window_ : pos; }
+  int64_t slot(int64_t pos) const { return type_ == LayerType::Sliding ? pos % ring_ : pos; }
 
   LayerType type_;
-  int64_t width_, window_, max_context_;
+  int64_t width_, window_, ring_, max_context_;
   int64_t n_ = 0;
   std::vector<float> k_, v_;
 };
@@ -47,6 +53,9 @@ class KvCache {
   LayerKvCache* own(int layer) { return layers_[static_cast<size_t>(layer)].get(); }
   const LayerKvCache* own(int layer) const { return layers_[static_cast<size_t>(layer)].get(); }
   size_t bytes() const;
+  // Rolls every layer back to n positions; false (and unchanged) if a sliding ring cannot.
+  bool truncate(int64_t n);
+  bool can_truncate(int64_t n) const;
 
  private:
   std::vector<std::unique_ptr<LayerKvCache>> layers_;

@@ -119,6 +119,16 @@ void Pipeline::reset(int64_t max_context) {
   build_caches();
 }
 
+bool Pipeline::truncate(int64_t n) {
+  if (n < 0 || n > n_past_) return false;
+  for (auto& rs : stages_)
+    if (rs->cache && !rs->cache->can_truncate(n)) return false;
+  for (auto& rs : stages_)
+    if (rs->cache) rs->cache->truncate(n);
+  n_past_ = n;
+  return true;
+}
+
 const TextModel& Pipeline::embeddings_model() const {
   for (const auto& rs : stages_)
     if (rs->decl.role == StageRole::Embeddings) return *rs->model;

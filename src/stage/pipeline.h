@@ -36,6 +36,8 @@ class Pipeline {
   int64_t max_context() const { return max_context_; }
   // Drops every KV cache and sizes new ones for max_context (0: keep the current size).
   void reset(int64_t max_context = 0);
+  // Forgets positions n.. in every stage's caches; false (nothing changed) if they cannot.
+  bool truncate(int64_t n);
 
   // Runs one chunk of ids at positions n_past().. through every stage; soft_tokens fill the
   // placeholder rows of this chunk in order. Returns logits for every row or only the last.
