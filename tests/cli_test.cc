@@ -110,3 +110,27 @@ TEST(Cli, MakeRandomShardsLoadLikeOneFile) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, BenchJsonHasLlamaBenchFields) {
+  const std::string dir = temp_dir("cli_bench");
+  ASSERT_EQ(
+      run("bench -m " + fixture("model") + " -p 8 -n 4 -d 0,16 -r 2 --json > " + dir + "/out.json",
+          dir + "/log"),
+      0)
+      << slurp(dir + "/log");
+  const auto j = nlohmann::json::parse(std::ifstream(dir + "/out.json"));
+  ASSERT_EQ(j.size(), 4u);  // pp8, tg4 at depths 0 and 16
+  for (const auto& e : j) {
+    for (const char* k : {"n_prompt", "n_gen", "n_depth", "avg_ts", "stddev_ts",
+                          "read_bandwidth_gbs", "decode_bound_ts"})
+      EXPECT_TRUE(e.contains(k)) << k;
+    EXPECT_GT(e["avg_ts"].get<double>(), 0.0);
+    EXPECT_EQ(e["samples_ts"].size(), 2u);
+  }
+  EXPECT_EQ(j[3]["n_depth"], 16);
+  EXPECT_EQ(j[3]["n_gen"], 4);
+}
+
+}  // namespace

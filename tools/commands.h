@@ -22,6 +22,7 @@ void add_export_command(CLI::App& app, Registry& reg);
 void add_check_command(CLI::App& app, Registry& reg);
 void add_generate_command(CLI::App& app, Registry& reg);
 void add_chat_command(CLI::App& app, Registry& reg);
+void add_bench_command(CLI::App& app, Registry& reg);
 void add_tokenize_command(CLI::App& app, Registry& reg);
 void add_detokenize_command(CLI::App& app, Registry& reg);
 void add_parity_command(CLI::App& app, Registry& reg);

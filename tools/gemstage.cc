@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   gemstage::cli::add_check_command(app, reg);
   gemstage::cli::add_generate_command(app, reg);
   gemstage::cli::add_chat_command(app, reg);
+  gemstage::cli::add_bench_command(app, reg);
   gemstage::cli::add_tokenize_command(app, reg);
   gemstage::cli::add_detokenize_command(app, reg);
   gemstage::cli::add_parity_command(app, reg);

@@ -129,6 +129,22 @@ bool Pipeline::truncate(int64_t n) {
   return true;
 }
 
+double Pipeline::decode_weight_bytes() const {
+  double b = 0;
+  for (const auto& rs : stages_) {
+    const TextWeights& w = rs->model->weights();
+    if (rs->decl.role == StageRole::FinalNormHead) b += static_cast<double>(w.embed_tokens.nbytes);
+    if (rs->decl.role != StageRole::TransformerLayers) continue;
+    for (const TextLayerWeights& l : w.layers)
+      if (l.bound)
+        for (const WeightView* v :
+             {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj,
+              &l.per_layer_input_gate, &l.per_layer_projection})
+          b += static_cast<double>(v->nbytes);
+  }
+  return b;
+}
+
 const TextModel& Pipeline::embeddings_model() const {
   for (const auto& rs : stages_)
     if (rs->decl.role == StageRole::Embeddings) return *rs->model;

@@ -51,6 +51,9 @@ class Pipeline {
                       const FloatTensor* soft_tokens, int64_t chunk, bool all_logits,
                       TapRecorder* taps, const TextRunOptions& opt = {});
 
+  // Bytes of every matrix the transformer and head stages read for one decoded token.
+  double decode_weight_bytes() const;
+
   // The stage holding the embedding / PLE weights (used by checks and tools).
   const TextModel& embeddings_model() const;
   // The embeddings stage's vision tower; null for checkpoints without vision_config.

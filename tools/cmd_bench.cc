@@ -1,0 +1,210 @@
+// gemstage bench: llama-bench-style throughput (pp = prefill, tg = decode) at given depths,
+// plus load time, peak RSS, the machine's measured read bandwidth and the decode bound it implies.
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <iomanip>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <sstream>
+
+#include "core/error.h"
+#include "stage/pipeline.h"
+#include "tools/cli_common.h"
+#include "tools/commands.h"
+
+namespace gemstage::cli {
+
+namespace {
+
+struct BenchArgs {
+  std::string model;
+  std::string prompts = "128", gens = "32", depths = "0";
+  int threads = 0, reps = 5;
+  bool json = false;
+};
+
+std::vector<int64_t> int_list(const std::string& s, const char* flag) {
+  std::vector<int64_t> out;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    try {
+      size_t used = 0;
+      const long long v = std::stoll(part, &used);
+      if (used != part.size() || v < 0) throw std::invalid_argument(part);
+      out.push_back(v);
+    } catch (const std::exception&) {
+      fail(flag, ": '", part,
+           "' is not a non-negative integer (use a comma-separated list such as 128,512)");
+    }
+  }
+  return out;
+}
+
+// Sustained read bandwidth: sum a buffer much larger than the caches with every thread.
+double measure_read_gbs(ThreadPool& pool) {
+  const size_t n = size_t{1} << 28;  // 1 GiB of floats
+  std::vector<float> buf(n / sizeof(float) * sizeof(float) / 4);
+  pool.parallel_for(
+      buf.size(),
+      [&](size_t b, size_t e) { std::memset(buf.data() + b, 1, (e - b) * sizeof(float)); }, 4096);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<double> partial(static_cast<size_t>(pool.size()), 0.0);
+    const double t0 = now_seconds();
+    pool.parallel_for(
+        buf.size(),
+        [&](size_t b, size_t e) {
+          float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+          for (size_t i = b; i + 4 <= e; i += 4) {
+            s0 += buf[i];
+            s1 += buf[i + 1];
+            s2 += buf[i + 2];
+            s3 += buf[i + 3];
+          }
+          partial[b * partial.size() / buf.size()] += s0 + s1 + s2 + s3;
+        },
+        4096);
+    const double dt = now_seconds() - t0;
+    volatile double sink = partial[0];
+    (void)sink;
+    best = std::max(best, static_cast<double>(buf.size() * sizeof(float)) / dt / 1e9);
+  }
+  return best;
+}
+
+// Weight bytes a decoded token reads: every matrix except the gathered tables (token embedding
+// and PLE rows in the embeddings stage), plus one row of each table.
+double bytes_per_token(const Pipeline& p) {
+  const TextWeights& w = p.embeddings_model().weights();
+  double b = static_cast<double>(w.per_layer_model_projection.nbytes);
+  b += static_cast<double>(w.embed_tokens.nbytes) / std::max<int64_t>(1, w.embed_tokens.rows());
+  b += static_cast<double>(w.embed_tokens_per_layer.nbytes) /
+       std::max<int64_t>(1, w.embed_tokens_per_layer.rows());
+  return b + p.decode_weight_bytes();
+}
+
+int run_bench(const BenchArgs& a) {
+  const double t0 = now_seconds();
+  auto p = Pipeline::open(a.model);
+  const double t_load = now_seconds() - t0;
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  const auto prompts = int_list(a.prompts, "-p"), gens = int_list(a.gens, "-n"),
+             depths = int_list(a.depths, "-d");
+  const int64_t V = p->config().text.vocab_size;
+  std::mt19937 rng(1);
+  auto random_ids = [&](int64_t n) {
+    std::vector<int32_t> ids(static_cast<size_t>(n));
+    const std::vector<int> avoid = p->config().placeholder_token_ids();
+    for (auto& x : ids) do
+        x = static_cast<int32_t>(10 +
+                                 rng() % static_cast<uint32_t>(std::min<int64_t>(V - 10, 200000)));
+      while (std::find(avoid.begin(), avoid.end(), x) != avoid.end());
+    return ids;
+  };
+  struct Row {
+    int64_t n_prompt, n_gen, n_depth;
+    std::vector<double> ts;
+  };
+  std::vector<Row> rows;
+  for (int64_t d : depths) {
+    for (int64_t np : prompts)
+      if (np > 0) rows.push_back({np, 0, d, {}});
+    for (int64_t ng : gens)
+      if (ng > 0) rows.push_back({0, ng, d, {}});
+  }
+  const int64_t model_ctx = p->max_context();
+  for (Row& r : rows) {
+    p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
+    for (int rep = 0; rep < a.reps; ++rep) {
+      p->reset();
+      if (r.n_depth > 0) p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
+      const double ts = now_seconds();
+      if (r.n_prompt > 0) {
+        p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
+      } else {
+        for (int64_t i = 0; i < r.n_gen; ++i) {
+          const std::vector<int32_t> one = random_ids(1);
+          p->forward(pool, one, nullptr, false, nullptr);
+        }
+      }
+      const double dt = now_seconds() - ts;
+      r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
+    }
+  }
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  const double rss_gb = static_cast<double>(ru.ru_maxrss) * 1024 / 1e9;
+  const double gbs = measure_read_gbs(pool);
+  const double bpt = bytes_per_token(*p);
+  auto stats = [](const std::vector<double>& v) {
+    double m = 0, s = 0;
+    for (double x : v) m += x;
+    m /= static_cast<double>(v.size());
+    for (double x : v) s += (x - m) * (x - m);
+    return std::pair{m, v.size() > 1 ? std::sqrt(s / static_cast<double>(v.size() - 1)) : 0.0};
+  };
+  if (a.json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const Row& r : rows) {
+      const auto [m, sd] = stats(r.ts);
+      out.push_back({{"model_filename", a.model},
+                     {"n_threads", pool.size()},
+                     {"n_prompt", r.n_prompt},
+                     {"n_gen", r.n_gen},
+                     {"n_depth", r.n_depth},
+                     {"avg_ts", m},
+                     {"stddev_ts", sd},
+                     {"samples_ts", r.ts},
+                     {"load_seconds", t_load},
+                     {"peak_rss_gb", rss_gb},
+                     {"read_bandwidth_gbs", gbs},
+                     {"decode_bound_ts", gbs * 1e9 / bpt}});
+    }
+    std::cout << out.dump(2) << "\n";
+    return 0;
+  }
+  std::cout << "| model | threads | test | t/s |\n| --- | ---: | ---: | ---: |\n";
+  for (const Row& r : rows) {
+    const auto [m, sd] = stats(r.ts);
+    std::ostringstream test;
+    test << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen));
+    if (r.n_depth) test << " @ d" << r.n_depth;
+    std::cout << "| " << a.model << " | " << pool.size() << " | " << test.str() << " | "
+              << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
+  }
+  std::cout << std::setprecision(3) << "load " << t_load << " s; peak RSS " << rss_gb
+            << " GB; read bandwidth " << gbs << " GB/s with " << pool.size()
+            << " threads; a decoded token reads " << bpt / 1e9
+            << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
+  return 0;
+}
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<BenchArgs>();
+  auto* sub = app.add_subcommand(
+      "bench", "Measure prefill (pp) and decode (tg) tokens/s, llama-bench style");
+  sub->add_option("-m,--model", a->model, "Hugging Face checkpoint directory or gemstage bundle")
+      ->required();
+  sub->add_option("-p,--n-prompt", a->prompts, "prompt lengths, comma-separated")
+      ->capture_default_str();
+  sub->add_option("-n,--n-gen", a->gens, "generated token counts, comma-separated")
+      ->capture_default_str();
+  sub->add_option("-d,--n-depth", a->depths, "context depths to run each test at, comma-separated")
+      ->capture_default_str();
+  sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  sub->add_flag("--json", a->json,
+                "print a JSON array (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, ...)");
+  reg.add(sub, [a] { return run_bench(*a); });
+}
+
+}  // namespace gemstage::cli
