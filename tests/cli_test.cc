@@ -116,7 +116,8 @@ namespace {
 TEST(Cli, BenchJsonHasLlamaBenchFields) {
   const std::string dir = temp_dir("cli_bench");
   const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + fixture("model") +
-                          " -p 8 -n 4 -d 0,16 -r 2 --json > " + dir + "/out.json 2> " + dir + "/log";
+                          " -p 8 -n 4 -d 0,16 -r 2 --json > " + dir + "/out.json 2> " + dir +
+                          "/log";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
   const auto j = nlohmann::json::parse(std::ifstream(dir + "/out.json"));
   ASSERT_EQ(j.size(), 4u);  // pp8, tg4 at depths 0 and 16

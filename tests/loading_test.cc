@@ -31,15 +31,6 @@ std::string safetensors_bytes(const std::string& header, const std::string& data
   return out + header + data;
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 void expect_safetensors_error(const std::string& bytes, const std::string& needle) {
   const std::string dir = temp_dir("st_bad");
   const std::string p = dir + "/model.safetensors";

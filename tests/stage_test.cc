@@ -19,15 +19,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
 TextConfig preset_text(int L, int period, int shared) {
   TextConfig t;
   t.num_hidden_layers = L;

@@ -6,9 +6,11 @@
 
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "core/tensor.h"
 #include "io/npy.h"
 
@@ -26,10 +28,21 @@ inline std::vector<int32_t> load_ids(const std::string& path) {
 
 inline std::string temp_dir(const std::string& name) {
   // Per process, so the release and sanitizer suites (or parallel ctest runs) never collide.
-  const auto p = std::filesystem::temp_directory_path() / ("gemstage_test_" + std::to_string(::getpid()) + "_" + name);
+  const auto p = std::filesystem::temp_directory_path() /
+                 ("gemstage_test_" + std::to_string(::getpid()) + "_" + name);
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
   return p.string();
+}
+
+// The message of the gemstage::Error that fn throws, or "(no error)".
+inline std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
 }
 
 inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
