@@ -133,3 +133,27 @@ TEST(Cli, BenchJsonHasLlamaBenchFields) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(Cli, InfoAndDumpAcceptBundles) {
+  const std::string dir = temp_dir("cli_bundle_info");
+  ASSERT_EQ(run("export -m " + fixture("model") + " --out " + dir +
+                    "/b --stages 0:2,2:6 --weights q8_0 --max-context 64",
+                dir + "/l1"),
+            0)
+      << slurp(dir + "/l1");
+  ASSERT_EQ(run("info -m " + dir + "/b", dir + "/info"), 0) << slurp(dir + "/info");
+  const std::string info = slurp(dir + "/info");
+  EXPECT_NE(info.find("(gemstage bundle)"), std::string::npos) << info;
+  EXPECT_NE(info.find("layers_2_6"), std::string::npos) << info;
+  EXPECT_NE(info.find("weights q8_0"), std::string::npos) << info;
+  ASSERT_EQ(run("dump -m " + dir + "/b --ids " + fixture("text/input_ids.npy") +
+                    " --decode 4 --taps decode_ids --out " + dir + "/d",
+                dir + "/l2"),
+            0)
+      << slurp(dir + "/l2");
+  EXPECT_EQ(load_npy(dir + "/d/decode_ids.npy").shape, (Shape{4}));
+}
+
+}  // namespace

@@ -2,9 +2,12 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <optional>
+#include <set>
 #include <sstream>
 
 #include "core/error.h"
+#include "stage/bundle.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -43,17 +46,32 @@ std::string human_count(double n) {
 }
 
 int run_info(const InfoArgs& a) {
-  auto m = Gemma4Model::open(a.model);
-  print_model_notes(m->notes(), a.verbose);
-  const ModelConfig& c = m->config();
+  ModelConfig c;
+  std::shared_ptr<TensorSource> src;
+  std::vector<std::string> notes;
+  std::optional<BundleManifest> bundle;
+  if (is_bundle_dir(a.model)) {
+    bundle = read_bundle_manifest(a.model);
+    c = bundle->config;
+    src = open_bundle_tensors(a.model, *bundle);
+    notes = c.warnings;
+  } else {
+    auto m = Gemma4Model::open(a.model);
+    c = m->config();
+    notes = m->notes();
+    src = std::make_shared<TensorStore>(TensorStore::open_dir(a.model));
+  }
+  print_model_notes(notes, a.verbose);
   const TextConfig& t = c.text;
-  const TensorStore& st = m->store();
+  const TensorSource& st = *src;
 
   // Parameter counts by part, from the tensors actually stored.
   std::map<std::string, std::pair<double, double>> parts;  // part -> (params, bytes)
   const std::string p = c.text_prefix();
+  std::set<std::string> seen;
   for (const std::string& k : st.keys()) {
-    const SafetensorsEntry* e = st.entry(k);
+    if (!seen.insert(k).second) continue;
+    const WeightView e = st.view(k);
     std::string part = "other";
     if (k == p + "embed_tokens.weight")
       part = "text: token embedding (tied LM head)";
@@ -75,11 +93,11 @@ int run_info(const InfoArgs& a) {
       part = "vision tower + embedder";
     else if (k.rfind("model.audio_tower.", 0) == 0 || k.rfind("model.embed_audio.", 0) == 0)
       part = "audio tower (not run)";
-    parts[part].first += static_cast<double>(shape_numel(e->shape));
-    parts[part].second += static_cast<double>(e->end - e->begin);
+    parts[part].first += static_cast<double>(shape_numel(e.shape));
+    parts[part].second += static_cast<double>(e.nbytes);
   }
 
-  std::cout << "model        " << m->dir() << "\n";
+  std::cout << "model        " << a.model << (bundle ? " (gemstage bundle)" : "") << "\n";
   std::cout << "architecture " << (c.architecture.empty() ? "(none given)" : c.architecture)
             << (c.multimodal ? " (multimodal layout)" : " (text-only layout)") << "\n";
   std::cout << "text         D=" << t.hidden_size << " layers=" << t.num_hidden_layers
@@ -108,6 +126,17 @@ int run_info(const InfoArgs& a) {
   std::cout << "  " << std::left << std::setw(48) << "total" << std::right << std::setw(12)
             << human_count(total_p) << std::setw(14) << human_bytes(total_b) << "\n\n";
 
+  if (bundle) {
+    std::cout << "stages (weights " << bundle->weights_format << ", PLE table "
+              << bundle->ple_weights_format << ", max_context " << bundle->max_context << ")\n";
+    for (const BundleStage& bs : bundle->stages)
+      std::cout << "  " << std::left << std::setw(16) << bs.decl.id << std::setw(20)
+                << stage_role_name(bs.decl.role) << std::setw(10)
+                << (bs.decl.role == StageRole::TransformerLayers ? bs.decl.layers.str() : "-")
+                << std::right << std::setw(14) << human_bytes(static_cast<double>(bs.bytes)) << "  "
+                << bs.weights_file << "\n";
+    std::cout << "\n";
+  }
   std::cout << "layers\n   #  type                head_dim kv_heads  mlp    kv\n";
   double kv_per_token = 0;
   for (size_t i = 0; i < t.layers.size(); ++i) {

@@ -288,6 +288,13 @@ std::string sha256_file(const std::string& path) {
   return os.str();
 }
 
+std::shared_ptr<TensorSource> open_bundle_tensors(const std::string& dir, const BundleManifest& m) {
+  std::vector<std::shared_ptr<TensorSource>> files;
+  for (const BundleStage& s : m.stages)
+    files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
+  return std::make_shared<UnionSource>(std::move(files));
+}
+
 bool is_bundle_dir(const std::string& path) {
   const fs::path m = fs::path(path) / "manifest.json";
   if (!fs::exists(m)) return false;

@@ -10,12 +10,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <ostream>
 #include <string>
 #include <vector>
 
 #include "gemma4/config.h"
+#include "io/safetensors.h"
 #include "stage/contract.h"
 
 namespace gemstage {
@@ -71,5 +73,9 @@ struct CheckOptions {
 int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log);
 
 std::string sha256_file(const std::string& path);
+
+// Every stage's weights of a bundle as one tensor source (a key held by two stages, such as the
+// tied embedding, resolves to the first).
+std::shared_ptr<TensorSource> open_bundle_tensors(const std::string& dir, const BundleManifest& m);
 
 }  // namespace gemstage
