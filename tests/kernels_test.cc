@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <tuple>
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
@@ -183,6 +184,108 @@ TEST(Attention, HeadMatchesDoubleReferenceOnOddSizes) {
         [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
     attention_reference(q.data(), k.data(), v.data(), hd, n, ref.data());
     for (int i = 0; i < hd; ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << "hd " << hd << " n " << n;
+  }
+}
+
+TEST(Attention, GroupMatchesPerHeadReferenceOnOddSizes) {
+  // G query heads against one shared KV head, as the decoder calls it for grouped-query layers.
+  for (auto [G, hd, n] : {std::tuple{3, 37, 13}, std::tuple{8, 64, 1}, std::tuple{2, 5, 129}}) {
+    const auto q = randn(static_cast<size_t>(G * hd), 21),
+               k = randn(static_cast<size_t>(n * hd), 22),
+               v = randn(static_cast<size_t>(n * hd), 23);
+    std::vector<float> scores(static_cast<size_t>(G * n)), out(static_cast<size_t>(G * hd)),
+        ref(static_cast<size_t>(hd));
+    attend_group(
+        q.data(), G, hd, n, [&](int64_t j) { return k.data() + j * hd; },
+        [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
+    for (int g = 0; g < G; ++g) {
+      attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
+      for (int i = 0; i < hd; ++i)
+        EXPECT_NEAR(out[static_cast<size_t>(g * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
+            << "G " << G << " head " << g << " hd " << hd << " n " << n;
+    }
+  }
+}
+
+// The AVX-512 twins against the scalar reference (vector_ops_force_scalar) on odd sizes, so
+// both the full-vector body and the masked tail run.
+class VectorOps : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!vector_ops_use_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+  }
+  void TearDown() override { vector_ops_force_scalar(false); }
+  template <typename Fn>
+  static auto scalar(Fn fn) {
+    vector_ops_force_scalar(true);
+    auto r = fn();
+    vector_ops_force_scalar(false);
+    return r;
+  }
+};
+
+TEST_F(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
+  for (int n : {1, 15, 17, 203}) {
+    // Mixed scales: |x| < 0.3 exercises the series branch, large |x| the saturation.
+    auto g = randn(static_cast<size_t>(n), 31, 3.0f);
+    for (int i = 0; i < n; i += 3) g[static_cast<size_t>(i)] *= 0.02f;
+    const auto u = randn(static_cast<size_t>(n), 32);
+    auto run = [&] {
+      std::vector<float> out(static_cast<size_t>(n));
+      gelu_tanh_mul(g.data(), u.data(), n, out.data());
+      return out;
+    };
+    const auto want = scalar(run), got = run();
+    for (int i = 0; i < n; ++i) {
+      const float w = want[static_cast<size_t>(i)];
+      EXPECT_NEAR(got[static_cast<size_t>(i)], w, 4e-7f * std::max(1.0f, std::fabs(w)))
+          << "n " << n << " x " << g[static_cast<size_t>(i)];
+    }
+  }
+  const float big[3] = {-20.0f, 20.0f, 1e6f}, one[3] = {1, 1, 1};
+  float out[3];
+  gelu_tanh_mul(big, one, 3, out);
+  EXPECT_EQ(out[0], -0.0f);
+  EXPECT_EQ(out[1], 20.0f);
+  EXPECT_EQ(out[2], 1e6f);
+}
+
+TEST_F(VectorOps, SoftcapAndSoftmaxMatchScalar) {
+  for (int n : {1, 16, 31, 1001}) {
+    const auto x = randn(static_cast<size_t>(n), 41, 40.0f);
+    auto capped = [&] {
+      auto y = x;
+      softcap(y.data(), n, 30.0f);
+      return y;
+    };
+    auto soft = [&] {
+      auto y = x;
+      softmax_inplace(y.data(), n);
+      return y;
+    };
+    const auto cw = scalar(capped), cg = capped(), sw = scalar(soft), sg = soft();
+    for (int i = 0; i < n; ++i) {
+      EXPECT_NEAR(cg[static_cast<size_t>(i)], cw[static_cast<size_t>(i)], 4e-6) << n;
+      EXPECT_NEAR(sg[static_cast<size_t>(i)], sw[static_cast<size_t>(i)],
+                  4e-7 * std::max(1e-3f, sw[static_cast<size_t>(i)]) + 1e-12)
+          << n;
+    }
+  }
+}
+
+TEST_F(VectorOps, DotAndAxpyMatchScalar) {
+  for (int n : {1, 7, 16, 33, 512, 515}) {
+    const auto a = randn(static_cast<size_t>(n), 51), b = randn(static_cast<size_t>(n), 52);
+    const float want = scalar([&] { return dot_f32(a.data(), b.data(), n); });
+    EXPECT_NEAR(dot_f32(a.data(), b.data(), n), want, 1e-5 * std::sqrt(n)) << n;
+    auto ax = [&] {
+      auto y = b;
+      axpy_f32(0.37f, a.data(), y.data(), n);
+      return y;
+    };
+    const auto yw = scalar(ax), yg = ax();
+    for (int i = 0; i < n; ++i)
+      EXPECT_NEAR(yg[static_cast<size_t>(i)], yw[static_cast<size_t>(i)], 1e-6) << n;
   }
 }
 

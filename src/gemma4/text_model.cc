@@ -174,16 +174,27 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   const int64_t window = cfg_.sliding_window;
 
   std::vector<float> attn(static_cast<size_t>(S * H * hd), 0.0f);
-  pool.parallel_for(static_cast<size_t>(S * H), [&](size_t b, size_t e) {
+  // One task per (row, KV head, slice of its G query heads). The slices exist only for decode,
+  // where S * Hkv tasks (often 1) would leave threads idle: each slice re-reads the group's keys,
+  // so there are just enough of them to occupy the pool.
+  const int64_t per_group = S * Hkv;
+  int64_t slices = 1;
+  if (per_group < pool.size())
+    slices = std::min<int64_t>(G, (pool.size() + per_group - 1) / per_group);
+  const int64_t slice_heads = (G + slices - 1) / slices;
+  slices = (G + slice_heads - 1) / slice_heads;
+  pool.parallel_for(static_cast<size_t>(per_group * slices), [&](size_t b, size_t e) {
     std::vector<float> scores;
     for (size_t task = b; task < e; ++task) {
-      const int64_t r = static_cast<int64_t>(task) / H, h = static_cast<int64_t>(task) % H;
-      const int64_t pos = start + r, kvh = h / G;
+      const int64_t t = static_cast<int64_t>(task);
+      const int64_t r = t / (Hkv * slices), kvh = t / slices % Hkv, part = t % slices;
+      const int64_t h0 = kvh * G + part * slice_heads;
+      const int64_t ng = std::min(slice_heads, G - part * slice_heads);
+      const int64_t pos = start + r;
       // Sliding: keys in (pos - W, pos]; full: [0, pos].
       const int64_t lo = ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
       const int64_t n = pos - lo + 1;
-      scores.resize(static_cast<size_t>(n));
-      const float* qv = q.data() + (r * H + h) * hd;
+      scores.resize(static_cast<size_t>(ng * n));
       // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
       auto key = [&](int64_t j) {
         const int64_t p = lo + j;
@@ -193,7 +204,8 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
         const int64_t p = lo + j;
         return (p < start ? past->v_at(p) : cv.data() + (p - start) * kvw) + kvh * hd;
       };
-      attend_head(qv, hd, n, key, val, scores.data(), attn.data() + (r * H + h) * hd);
+      attend_group(q.data() + (r * H + h0) * hd, ng, hd, n, key, val, scores.data(),
+                   attn.data() + (r * H + h0) * hd);
     }
   });
   std::vector<float> branch(static_cast<size_t>(S * D));

@@ -3,9 +3,12 @@
 #include <cmath>
 #include <vector>
 
+#include "kernels/vec_avx512.h"
+
 namespace gemstage {
 
 float dot_f32(const float* a, const float* b, int64_t n) {
+  if (vector_ops_use_avx512()) return avx512::dot(a, b, n);
   // Four partial sums let the compiler vectorize without -ffast-math.
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   int64_t i = 0;
@@ -20,6 +23,7 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 void axpy_f32(float a, const float* x, float* y, int64_t n) {
+  if (vector_ops_use_avx512()) return avx512::axpy(a, x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 

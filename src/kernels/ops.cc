@@ -1,9 +1,23 @@
 #include "kernels/ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 
+#include "kernels/vec_avx512.h"
+
 namespace gemstage {
+
+namespace {
+std::atomic<bool> g_force_scalar{false};
+}  // namespace
+
+bool vector_ops_use_avx512() {
+  return avx512::available() && !g_force_scalar.load(std::memory_order_relaxed);
+}
+void vector_ops_force_scalar(bool on) {
+  g_force_scalar.store(on);
+}
 
 void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
   for (int64_t r = 0; r < rows; ++r) {
@@ -27,10 +41,12 @@ float gelu_tanh(float x) {
 }
 
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  if (vector_ops_use_avx512()) return avx512::gelu_tanh_mul(gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
 }
 
 void softcap(float* x, int64_t n, float cap) {
+  if (vector_ops_use_avx512()) return avx512::softcap(x, n, cap);
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
@@ -85,6 +101,7 @@ void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
 }
 
 void softmax_inplace(float* s, int64_t n) {
+  if (vector_ops_use_avx512()) return avx512::softmax_inplace(s, n);
   float m = -INFINITY;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
   float sum = 0.0f;

@@ -1,11 +1,18 @@
 // Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
-// formula it implements; the scalar code here *is* the reference until a SIMD twin is added.
+// formula it implements; the scalar code in ops.cc is the reference, and gelu_tanh_mul, softcap,
+// softmax_inplace (and attention.h's dot/axpy) dispatch to AVX-512 twins (vec_avx512.h) on CPUs
+// that have it.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
 namespace gemstage {
+
+// Whether the dispatching kernels take their AVX-512 path; forcing scalar lets tests compare both
+// on one machine.
+bool vector_ops_use_avx512();
+void vector_ops_force_scalar(bool on);
 
 // Gemma4RMSNorm: y = x * (mean(x^2) + eps)^(-1/2) * w. The weight is used as-is (not 1 + w).
 // w == nullptr is the scale-free variant (attention V, the multimodal embedders).

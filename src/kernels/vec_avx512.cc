@@ -1,0 +1,146 @@
+#include "kernels/vec_avx512.h"
+
+// GCC 12 reports false "uninitialized" warnings inside its AVX-512 intrinsic headers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <cmath>
+
+#define GEMSTAGE_AVX512F __attribute__((target("avx512f")))
+
+namespace gemstage::avx512 {
+
+namespace {
+
+// Lanes [0, n) of a vector: full loads in the body, masked loads for the tail, so odd sizes
+// never read past the end.
+GEMSTAGE_AVX512F inline __mmask16 tail_mask(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << n) - 1u);
+}
+
+GEMSTAGE_AVX512F inline __m512 exp_ps(__m512 x) {
+  // min/max take the constant first so a NaN in x comes through (the second operand is
+  // returned when either is NaN).
+  x = _mm512_min_ps(_mm512_set1_ps(88.7f), x);
+  x = _mm512_max_ps(_mm512_set1_ps(-103.9f), x);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // ln 2 split in a part exact in float (n * hi has no rounding error for |n| < 256) and the rest.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-6f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);  // p * 2^n, underflowing gracefully to 0
+}
+
+GEMSTAGE_AVX512F inline __m512 tanh_ps(__m512 u) {
+  // Sign-bit logic on the integer view: the float and/or forms need AVX-512DQ.
+  const __m512i sign_bit = _mm512_set1_epi32(static_cast<int>(0x80000000u));
+  const __m512i ui = _mm512_castps_si512(u);
+  const __m512 a = _mm512_castsi512_ps(_mm512_andnot_si512(sign_bit, ui));
+  // Small |u|: the Taylor series to u^9; the next term is below 3e-8 relative at 0.3.
+  const __m512 u2 = _mm512_mul_ps(u, u);
+  __m512 p = _mm512_set1_ps(62.0f / 2835.0f);
+  p = _mm512_fmadd_ps(p, u2, _mm512_set1_ps(-17.0f / 315.0f));
+  p = _mm512_fmadd_ps(p, u2, _mm512_set1_ps(2.0f / 15.0f));
+  p = _mm512_fmadd_ps(p, u2, _mm512_set1_ps(-1.0f / 3.0f));
+  p = _mm512_mul_ps(p, u2);
+  const __m512 small = _mm512_fmadd_ps(p, u, u);
+  // Otherwise 1 - 2 / (e^{2|u|} + 1), no cancellation worth speaking of once |u| >= 0.3.
+  const __m512 e = exp_ps(_mm512_add_ps(a, a));
+  const __m512 big =
+      _mm512_sub_ps(_mm512_set1_ps(1.0f),
+                    _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  const __m512 big_signed = _mm512_castsi512_ps(
+      _mm512_or_si512(_mm512_castps_si512(big), _mm512_and_si512(ui, sign_bit)));
+  const __mmask16 is_small = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.3f), _CMP_LT_OQ);
+  return _mm512_mask_blend_ps(is_small, big_signed, small);
+}
+
+GEMSTAGE_AVX512F inline __m512 gelu_tanh_ps(__m512 x) {
+  const __m512 x3 = _mm512_mul_ps(_mm512_mul_ps(x, x), x);
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                     _mm512_fmadd_ps(_mm512_set1_ps(0.044715f), x3, x));
+  const __m512 half_x = _mm512_mul_ps(_mm512_set1_ps(0.5f), x);
+  return _mm512_fmadd_ps(half_x, tanh_ps(inner), half_x);
+}
+
+}  // namespace
+
+bool available() {
+  static const bool ok = __builtin_cpu_supports("avx512f");
+  return ok;
+}
+
+GEMSTAGE_AVX512F void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 g = _mm512_maskz_loadu_ps(m, gate + i), u = _mm512_maskz_loadu_ps(m, up + i);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(gelu_tanh_ps(g), u));
+  }
+}
+
+GEMSTAGE_AVX512F void softcap(float* x, int64_t n, float cap) {
+  const __m512 c = _mm512_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+    _mm512_mask_storeu_ps(x + i, m, _mm512_mul_ps(c, tanh_ps(_mm512_div_ps(v, c))));
+  }
+}
+
+GEMSTAGE_AVX512F void softmax_inplace(float* s, int64_t n) {
+  if (n <= 0) return;
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, s + i));
+  }
+  const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + i), vmax));
+    _mm512_mask_storeu_ps(s + i, m, e);
+    sum = _mm512_mask_add_ps(sum, m, sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    _mm512_mask_storeu_ps(s + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + i), inv));
+  }
+}
+
+GEMSTAGE_AVX512F float dot(const float* a, const float* b, int64_t n) {
+  // Two accumulators hide the FMA latency for the 256/512-wide heads that dominate.
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+}
+
+GEMSTAGE_AVX512F void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = tail_mask(n - i);
+    const __m512 r =
+        _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i));
+    _mm512_mask_storeu_ps(y + i, m, r);
+  }
+}
+
+}  // namespace gemstage::avx512

@@ -1,0 +1,24 @@
+// AVX-512 twins of the elementwise kernels in ops.h / attention.h. ops.cc and attention.cc
+// dispatch to them at run time when the CPU has AVX-512F and the portable path is not forced;
+// the scalar functions there stay the reference the tests compare these against.
+//
+// Accuracy (measured by tests/kernels_test.cc against the scalar std:: versions):
+//   exp: Cody-Waite reduction to r in [-ln2/2, ln2/2] and a degree-7 Taylor polynomial, about
+//        1 ulp;  tanh: odd Taylor polynomial for |u| < 0.3 (relative error < 3e-8), else
+//        1 - 2 / (exp(2|u|) + 1), a few ulp. Both far inside the fixtures' tolerances, which
+//        compare against a float32 reference whose own tanh differs from glibc's by ulps.
+#pragma once
+
+#include <cstdint>
+
+namespace gemstage::avx512 {
+
+bool available();  // AVX-512F on this CPU
+
+void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out);
+void softcap(float* x, int64_t n, float cap);
+void softmax_inplace(float* s, int64_t n);
+float dot(const float* a, const float* b, int64_t n);
+void axpy(float a, const float* x, float* y, int64_t n);
+
+}  // namespace gemstage::avx512
