@@ -205,6 +205,7 @@ struct Server::Impl {
   void submit(const std::shared_ptr<Job>& job);
   void handle_generation(const httplib::Request& req, httplib::Response& res, bool chat);
   void shutdown();
+  void end_idle_connections();
 };
 
 // ------------------------------------------------------------------------------------------
@@ -662,6 +663,35 @@ void Server::Impl::setup_routes() {
   }
 }
 
+// The library's threads wait up to their keep-alive timeout (5 s) on an idle connection before
+// they notice the server stopped, and it offers no way to end that wait. Shutting down the read
+// side of every connection accepted on our port ends it at once: the waiting read sees EOF and
+// the thread closes the socket, while anything still being written goes out unharmed. Runs after
+// the listener closed and every reply was handed over, so nothing we still want to read is lost.
+void Server::Impl::end_idle_connections() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return;
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    struct stat st;
+    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    std::string host;
+    int local_port = -1;
+    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+        !numeric_address(ss, len, host, local_port) || local_port != port)
+      continue;
+    len = sizeof(ss);
+    // Connected sockets only: the listening socket has no peer.
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
+    ::shutdown(static_cast<int>(fd), SHUT_RD);
+  }
+  closedir(dir);
+}
+
 void Server::Impl::shutdown() {
   {
     std::lock_guard<std::mutex> lk(q_mu);
@@ -690,6 +720,7 @@ void Server::Impl::shutdown() {
     streams_cv.wait_for(lk, std::chrono::seconds(10), [&] { return open_streams == 0; });
   }
   http.stop();
+  end_idle_connections();
   if (listener.joinable()) listener.join();
   {
     std::lock_guard<std::mutex> lk(q_mu);
@@ -721,6 +752,12 @@ void Server::start() {
   m.http.set_payload_max_length(m.opt.max_body);
   m.http.set_tcp_nodelay(true);  // stream chunks are small; send each at once
   m.setup_routes();
+  // Remember the listening socket as the library creates it (keeping its default options).
+  int listen_fd = -1;
+  m.http.set_socket_options([&listen_fd](socket_t sock) {
+    httplib::default_socket_options(sock);
+    if (listen_fd < 0) listen_fd = sock;
+  });
   if (m.opt.port == 0) {
     m.port = m.http.bind_to_any_port(m.opt.host);
   } else {
@@ -729,6 +766,10 @@ void Server::start() {
   if (m.port < 0)
     fail("cannot listen on ", m.opt.host, ":", m.opt.port,
          " (address in use, not an address of this machine, or a privileged port)");
+  // The library listens with a compiled-in backlog of 5: a burst of clients connecting at once
+  // overflows it and the kernel drops SYNs, which costs each unlucky client a 1 s retransmit.
+  // Listening again on the bound socket raises the backlog (Linux updates it in place).
+  if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
   m.listener = std::thread([&m] { m.http.listen_after_bind(); });
   m.loader = std::thread([&m] { m.load(); });
 }
