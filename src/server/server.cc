@@ -235,6 +235,13 @@ void Server::Impl::load() {
     for (auto& s : slots) s->worker = std::thread([this, slot = s.get()] { worker(*slot); });
     ready.store(true);
   } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lk(q_mu);
+      workers_stop = true;
+    }
+    q_cv.notify_all();
+    for (auto& s : slots)
+      if (s->worker.joinable()) s->worker.join();
     slots.clear();
     std::lock_guard<std::mutex> lk(load_mu);
     load_error = e.what();
@@ -393,6 +400,67 @@ struct StreamState {
   }
 };
 
+// One call of a streamed reply's content provider: waits briefly for new text and writes it,
+// with no lock held, so a slow reader only ever stalls its own thread. False ends the stream.
+bool stream_step(StreamState& st, httplib::DataSink& sink) {
+  Job& j = *st.job;
+  auto write = [&](const json& chunk) {
+    const std::string ev = sse_event(chunk);
+    return sink.write(ev.data(), ev.size());
+  };
+  auto gone = [&] {
+    j.request_cancel(CancelReason::kClientGone);
+    return false;
+  };
+  if (!st.sent_role) {
+    st.sent_role = true;
+    // OpenAI's first chunk carries the role; clients key the message off it.
+    if (st.chat &&
+        !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
+      return gone();
+  }
+  std::string piece;
+  bool done = false;
+  std::optional<ApiError> error;
+  std::string finish;
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  {
+    std::unique_lock<std::mutex> lk(j.mu);
+    j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
+    piece.swap(j.pending);
+    done = j.done;
+    error = j.error;
+    finish = j.finish_reason;
+    prompt_tokens = j.prompt_tokens;
+    completion_tokens = j.completion_tokens;
+  }
+  if (!piece.empty()) {
+    const json chunk = st.chat ? chat_chunk_json(st.meta, {{"content", piece}}, std::nullopt)
+                               : text_completion_chunk_json(st.meta, piece, std::nullopt);
+    if (!write(chunk)) return gone();
+  }
+  if (!done) return st.client->alive() ? true : gone();
+  if (error || finish == "cancelled") {
+    // Cut short (shutdown, or a fault after the 200 went out): an error event, and no
+    // [DONE], so no client mistakes the partial reply for a whole one.
+    write(error_json(error ? *error : shutting_down_error()));
+    sink.done();
+    return true;
+  }
+  const std::string fr = openai_finish_reason(finish);
+  const json last = st.chat ? chat_chunk_json(st.meta, json::object(), fr)
+                            : text_completion_chunk_json(st.meta, "", fr);
+  if (!write(last)) return gone();
+  if (st.include_usage &&
+      !write(usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
+                              prompt_tokens, completion_tokens)))
+    return gone();
+  static constexpr std::string_view kDone = "data: [DONE]\n\n";
+  if (!sink.write(kDone.data(), kDone.size())) return gone();
+  sink.done();
+  return true;
+}
+
 }  // namespace
 
 void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
@@ -459,67 +527,14 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   res.set_header("Cache-Control", "no-cache");
   res.set_chunked_content_provider(
       "text/event-stream",
-      // Called again and again until sink.done(); each call waits briefly for new text and
-      // writes it with no lock held, so a slow reader only ever stalls its own thread.
+      // Called again and again until sink.done().
       [st](size_t, httplib::DataSink& sink) {
-        Job& j = *st->job;
-        auto write = [&](const json& chunk) {
-          const std::string ev = sse_event(chunk);
-          return sink.write(ev.data(), ev.size());
-        };
-        auto gone = [&] {
-          j.request_cancel(CancelReason::kClientGone);
+        try {
+          return stream_step(*st, sink);
+        } catch (const std::exception&) {  // out of memory building a chunk: end this stream
+          st->job->request_cancel(CancelReason::kClientGone);
           return false;
-        };
-        if (!st->sent_role) {
-          st->sent_role = true;
-          // OpenAI's first chunk carries the role; clients key the message off it.
-          if (st->chat && !write(chat_chunk_json(st->meta, {{"role", "assistant"}, {"content", ""}},
-                                                 std::nullopt)))
-            return gone();
         }
-        std::string piece;
-        bool done = false;
-        std::optional<ApiError> error;
-        std::string finish;
-        int64_t prompt_tokens = 0, completion_tokens = 0;
-        {
-          std::unique_lock<std::mutex> lk(j.mu);
-          j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
-          piece.swap(j.pending);
-          done = j.done;
-          error = j.error;
-          finish = j.finish_reason;
-          prompt_tokens = j.prompt_tokens;
-          completion_tokens = j.completion_tokens;
-        }
-        if (!piece.empty()) {
-          const json chunk = st->chat
-                                 ? chat_chunk_json(st->meta, {{"content", piece}}, std::nullopt)
-                                 : text_completion_chunk_json(st->meta, piece, std::nullopt);
-          if (!write(chunk)) return gone();
-        }
-        if (!done) return st->client->alive() ? true : gone();
-        if (error || finish == "cancelled") {
-          // Cut short (shutdown, or a fault after the 200 went out): an error event, and no
-          // [DONE], so no client mistakes the partial reply for a whole one.
-          write(error_json(error ? *error : shutting_down_error()));
-          sink.done();
-          return true;
-        }
-        const std::string fr = openai_finish_reason(finish);
-        const json last = st->chat ? chat_chunk_json(st->meta, json::object(), fr)
-                                   : text_completion_chunk_json(st->meta, "", fr);
-        if (!write(last)) return gone();
-        if (st->include_usage &&
-            !write(usage_chunk_json(st->meta,
-                                    st->chat ? "chat.completion.chunk" : "text_completion",
-                                    prompt_tokens, completion_tokens)))
-          return gone();
-        static constexpr std::string_view kDone = "data: [DONE]\n\n";
-        if (!sink.write(kDone.data(), kDone.size())) return gone();
-        sink.done();
-        return true;
       },
       // Released with the response; success is false when the library gave up on the stream
       // (write error, or the server stopping), so the generation must not run on.
