@@ -1047,3 +1047,42 @@ TEST(ServerHttp, ManyConcurrentClients) {
 }
 
 }  // namespace
+
+// ------------------------------------------------------------------------------------------
+// The CLI around it.
+
+namespace {
+
+int run_cli(const std::string& args, const std::string& err) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > /dev/null 2> " + err;
+  const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(ServeCli, AModelThatCannotLoadExitsWithItsError) {
+  const std::string dir = temp_dir("serve_cli_bad_model");
+  EXPECT_EQ(run_cli("serve -m " + dir + "/missing --port 0", dir + "/err"), 1);
+  const std::string err = slurp(dir + "/err");
+  EXPECT_NE(err.find("listening on http://127.0.0.1:"), std::string::npos) << err;
+  EXPECT_NE(err.find("error: "), std::string::npos) << err;
+}
+
+TEST(ServeCli, APortInUseIsAClearError) {
+  auto s = start(tiny_options());
+  const std::string dir = temp_dir("serve_cli_port");
+  EXPECT_EQ(run_cli("serve -m " + fixture("model") + " --port " + std::to_string(s->port()),
+                    dir + "/err"),
+            1);
+  const std::string err = slurp(dir + "/err");
+  EXPECT_NE(err.find("cannot listen on 127.0.0.1:" + std::to_string(s->port())), std::string::npos)
+      << err;
+}
+
+TEST(ServeCli, FlagsAreChecked) {
+  const std::string dir = temp_dir("serve_cli_flags");
+  EXPECT_NE(run_cli("serve -m " + fixture("model") + " --port 70000", dir + "/err"), 0);
+  EXPECT_NE(run_cli("serve -m " + fixture("model") + " -np 0", dir + "/err"), 0);
+  EXPECT_NE(slurp(dir + "/err").find("parallel"), std::string::npos) << slurp(dir + "/err");
+}
+
+}  // namespace

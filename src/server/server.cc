@@ -767,10 +767,13 @@ void Server::start() {
   m.http.set_payload_max_length(m.opt.max_body);
   m.http.set_tcp_nodelay(true);  // stream chunks are small; send each at once
   m.setup_routes();
-  // Remember the listening socket as the library creates it (keeping its default options).
+  // The library's default socket options set SO_REUSEPORT, which lets a second server bind the
+  // same port and silently take half of its connections. SO_REUSEADDR alone still allows a quick
+  // restart over connections in TIME_WAIT. The callback also hands us the listening socket.
   int listen_fd = -1;
   m.http.set_socket_options([&listen_fd](socket_t sock) {
-    httplib::default_socket_options(sock);
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     if (listen_fd < 0) listen_fd = sock;
   });
   if (m.opt.port == 0) {

@@ -52,6 +52,12 @@ const server = await startServer(cli, model, ["-np", "2", "-t", "2", "--shutdown
 const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0,
                             timeout: 60000 * SLOW });
 
+await step("GET /health: ready, with the slots -np asked for", async () => {
+  const r = await fetch(`${server.url}/health`);
+  eq(r.status, 200, "status");
+  eq(await r.json(), { queued: 0, slots: 2, slots_busy: 0, status: "ok" }, "health");
+});
+
 await step("GET /v1/models", async () => {
   const models = await client.models.list();
   eq(models.data.map((m) => m.id), ["model"], "model ids");
