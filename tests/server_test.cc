@@ -391,6 +391,8 @@ TEST(ServerApi, MalformedJsonIsA400) {
     EXPECT_EQ(e->status(), 400);
     EXPECT_EQ(e->code(), "invalid_json");
     EXPECT_EQ(e->param(), "");
+    // The message may quote the client's bytes, invalid UTF-8 included; the reply still builds.
+    EXPECT_NO_THROW(wire_json(error_json(*e)));
   }
   EXPECT_TRUE(parse_json_body(" {\"a\": 1} ").is_object());
 }
@@ -581,6 +583,10 @@ class RawClient {
                             "Content-Length: " +
                             std::to_string(b.size()) + "\r\n\r\n" + b;
     ASSERT_EQ(send(fd_, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+  }
+  void post_raw(const std::string& bytes) {
+    // The server may close on us part-way; that is an answer too.
+    (void)send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
   }
   // Reads until `needle` arrived (true) or the timeout / end of stream (false).
   bool read_until(const std::string& needle, double timeout_s) {
@@ -1048,6 +1054,98 @@ TEST(ServerHttp, ManyConcurrentClients) {
 }
 
 }  // namespace
+
+// Random mutations of valid bodies, truncated bodies and raw garbage on the socket: every reply
+// is a 200 or a 4xx in the error shape, and the server serves normally afterwards.
+TEST(ServerHttp, GarbageNeverBreaksTheServer) {
+  auto s = start(tiny_options());
+  std::mt19937 rng(20260405);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  const std::vector<json> values = {nullptr,
+                                    true,
+                                    0,
+                                    -1,
+                                    7,
+                                    1.5,
+                                    -1e308,
+                                    18446744073709551615ull,
+                                    "",
+                                    "x",
+                                    std::string(3000, 'z'),
+                                    json::array(),
+                                    {1, "a", nullptr},
+                                    json::object(),
+                                    {{"type", "text"}},
+                                    {{"url", "data:image/png;base64,AAAA"}}};
+  const std::vector<json::json_pointer> fields = {
+      json::json_pointer("/messages"),
+      json::json_pointer("/messages/0"),
+      json::json_pointer("/messages/0/role"),
+      json::json_pointer("/messages/0/content"),
+      json::json_pointer("/messages/0/content/0"),
+      json::json_pointer("/messages/0/content/0/type"),
+      json::json_pointer("/messages/0/content/1/image_url"),
+      json::json_pointer("/messages/0/content/1/image_url/url"),
+      json::json_pointer("/max_tokens"),
+      json::json_pointer("/temperature"),
+      json::json_pointer("/top_p"),
+      json::json_pointer("/seed"),
+      json::json_pointer("/stop"),
+      json::json_pointer("/n"),
+      json::json_pointer("/stream"),
+      json::json_pointer("/stream_options"),
+      json::json_pointer("/stream_options/include_usage"),
+      json::json_pointer("/prompt")};
+  const json base = {
+      {"messages",
+       {user({{{"type", "text"}, {"text", "Hi"}},
+              {{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}}})}},
+      {"max_tokens", 3},
+      {"stream", false}};
+  auto c = client(*s);
+  for (int i = 0; i < 200; ++i) {
+    json body = base;
+    for (size_t k = 0, n = 1 + pick(3); k < n; ++k) {
+      try {
+        body[fields[pick(fields.size())]] = values[pick(values.size())];
+      } catch (const json::exception&) {  // a path through a non-container: leave it
+      }
+    }
+    std::string text = body.dump();
+    if (i % 5 == 0) text.resize(pick(text.size()));
+    const char* path = i % 2 ? "/v1/chat/completions" : "/v1/completions";
+    const auto r = c.Post(path, text, "application/json");
+    ASSERT_TRUE(r) << "no reply to " << text.substr(0, 300);
+    if (r->status == 200) continue;
+    EXPECT_TRUE(r->status == 400 || r->status == 413) << r->status << " " << r->body;
+    // The shape, whatever the code and param are.
+    const json e = json::parse(r->body, nullptr, false);
+    ASSERT_FALSE(e.is_discarded()) << r->body;
+    auto str = [](const json& v) { return v.is_string() ? v.get<std::string>() : std::string(); };
+    expect_error_reply(r, r->status, str(e["error"]["code"]), str(e["error"]["param"]));
+  }
+  for (int i = 0; i < 20; ++i) {
+    RawClient raw(s->port());
+    std::string junk(1 + pick(2000), '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    if (i % 2)
+      junk =
+          "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(junk.size()) +
+          "\r\n\r\n" + junk;
+    raw.post_raw(junk);
+    // A well-framed request with a garbage body gets its 400; bare garbage is abandoned.
+    if (i % 2) {
+      EXPECT_TRUE(raw.read_until("invalid_json", 5.0 * kSlow)) << raw.received.substr(0, 300);
+      EXPECT_EQ(raw.received.rfind("HTTP/1.1 400", 0), 0u) << raw.received.substr(0, 100);
+    }
+  }
+  const auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  const auto ok = post(*s, "/v1/chat/completions", chat_body({{"max_tokens", 4}}));
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
 
 // ------------------------------------------------------------------------------------------
 // The CLI around it.

@@ -501,11 +501,13 @@ json models_json(const std::string& model, int64_t created) {
                                  {"owned_by", "gemstage"}}})}};
 }
 
+std::string wire_json(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
 std::string sse_event(const json& chunk) {
-  // dump() escapes newlines inside strings, so one event is always one "data:" line. Invalid
-  // UTF-8 cannot reach here (the stream decoder emits whole characters) but is replaced rather
-  // than thrown on, so a stream can never die mid-way over one byte.
-  return "data: " + chunk.dump(-1, ' ', false, json::error_handler_t::replace) + "\n\n";
+  // dump() escapes newlines inside strings, so one event is always one "data:" line.
+  return "data: " + wire_json(chunk) + "\n\n";
 }
 
 }  // namespace gemstage::server

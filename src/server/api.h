@@ -121,6 +121,10 @@ nlohmann::json usage_chunk_json(const ResponseMeta& m, const std::string& object
                                 int64_t prompt_tokens, int64_t completion_tokens);
 nlohmann::json models_json(const std::string& model, int64_t created);
 
+// JSON text for the wire. Invalid UTF-8 (which can reach an error message quoting a client's
+// bytes) is replaced rather than thrown on, so building a reply can never fail.
+std::string wire_json(const nlohmann::json& j);
+
 // "data: <json>\n\n", the server-sent-events framing of one stream chunk.
 std::string sse_event(const nlohmann::json& chunk);
 

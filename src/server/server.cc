@@ -134,7 +134,7 @@ struct Slot {
 
 void set_error(httplib::Response& res, const ApiError& e) {
   res.status = e.status();
-  res.set_content(error_json(e).dump(), "application/json");
+  res.set_content(wire_json(error_json(e)), "application/json");
 }
 
 ApiError shutting_down_error() {
@@ -503,7 +503,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
         chat
             ? chat_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens)
             : text_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens);
-    res.set_content(out.dump(-1, ' ', false, json::error_handler_t::replace), "application/json");
+    res.set_content(wire_json(out), "application/json");
     return;
   }
 
@@ -633,7 +633,7 @@ void Server::Impl::setup_routes() {
   http.Post("/v1/chat/completions", guarded(true));
   http.Post("/v1/completions", guarded(false));
   http.Get("/v1/models", [this](const Request&, Response& res) {
-    res.set_content(models_json(model_name, created).dump(), "application/json");
+    res.set_content(wire_json(models_json(model_name, created)), "application/json");
   });
   http.Get("/health", [this](const Request&, Response& res) {
     json j;
@@ -650,7 +650,7 @@ void Server::Impl::setup_routes() {
            {"slots_busy", busy},
            {"queued", queue.size()}};
     }
-    res.set_content(j.dump(), "application/json");
+    res.set_content(wire_json(j), "application/json");
   });
   http.Get("/", [](const Request&, Response& res) {
     res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
