@@ -357,6 +357,16 @@ TEST(ServerApi, RefusesOversizedImages) {
       {body, "messages[0].content[0].image_url.url", "invalid_image", "over the limit of 300"});
   small.max_image_pixels = 391;
   EXPECT_NO_THROW(parse_chat_request(body, small));
+  // Four of them fit the request's budget; the fifth does not.
+  json parts = json::array();
+  for (int i = 0; i < 5; ++i)
+    parts.push_back({{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}});
+  json five = {{"messages", {user(parts)}}};
+  expect_refused([&](const json& b) { parse_chat_request(b, small); },
+                 {five, "messages[0].content[4].image_url.url", "invalid_image",
+                  "budget of 1564 pixels for all its images"});
+  five["messages"][0]["content"].erase(4);
+  EXPECT_NO_THROW(parse_chat_request(five, small));
 }
 
 TEST(ServerApi, RefusesEveryInvalidCompletionBody) {

@@ -1,5 +1,6 @@
 #include "server/api.h"
 
+#include <algorithm>
 #include <array>
 #include <limits>
 
@@ -193,8 +194,18 @@ void parse_common(const json& body, Request& r) {
 // Accepted role names; "developer" is OpenAI's newer name for the system message.
 constexpr std::array<std::string_view, 4> kRoles = {"system", "developer", "user", "assistant"};
 
+// Each image may have up to max_image_pixels, and a request's images together this many times
+// that: a few large pictures are fine, but a body of small-compressing, huge images must not make
+// one request allocate gigabytes of RGB before the model ever sees it.
+constexpr int64_t kRequestImageBudget = 4;
+
+struct ImageBudget {
+  size_t count = 0;
+  int64_t pixels_left = 0;
+};
+
 RgbImage decode_data_url(const std::string& url, const std::string& param,
-                         const RequestLimits& limits, size_t image_number) {
+                         const RequestLimits& limits, ImageBudget& budget) {
   if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
     bad_request(param, "unsupported_image_url",
                 "remote image URLs are not fetched (a server that fetches whatever URL a "
@@ -221,17 +232,24 @@ RgbImage decode_data_url(const std::string& url, const std::string& param,
   if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
   if (bytes->empty()) bad_request(param, "invalid_image", "the data URL holds no image bytes");
   ImageLimits il;
-  il.max_pixels = limits.max_image_pixels;
+  il.max_pixels = std::min(limits.max_image_pixels, budget.pixels_left);
   try {
-    return decode_image(bytes->data(), bytes->size(), il,
-                        detail::concat("image ", image_number, " (", param, ")"));
+    RgbImage img = decode_image(bytes->data(), bytes->size(), il,
+                                detail::concat("image ", ++budget.count, " (", param, ")"));
+    budget.pixels_left -= int64_t{img.width} * img.height;
+    return img;
   } catch (const Error& e) {
+    if (il.max_pixels < limits.max_image_pixels)
+      bad_request(param, "invalid_image",
+                  detail::concat(e.what(), " (what is left of this request's budget of ",
+                                 kRequestImageBudget * limits.max_image_pixels,
+                                 " pixels for all its images)"));
     bad_request(param, "invalid_image", e.what());
   }
 }
 
 ChatInputPart parse_part(const json& part, const std::string& param, const std::string& role,
-                         const RequestLimits& limits, size_t& images) {
+                         const RequestLimits& limits, ImageBudget& images) {
   if (!part.is_object()) wrong_type(param, "an object (a content part)", part);
   const json* type = member(part, "type");
   if (!type) bad_request(param + ".type", "missing_required_parameter", "'type' is required");
@@ -256,7 +274,7 @@ ChatInputPart parse_part(const json& part, const std::string& param, const std::
     const std::string url_param = param + ".image_url" + (iu->is_object() ? ".url" : "");
     if (!url) bad_request(url_param, "missing_required_parameter", "'image_url.url' is required");
     if (!url->is_string()) wrong_type(url_param, "a string", *url);
-    return {"", decode_data_url(url->get<std::string>(), url_param, limits, ++images)};
+    return {"", decode_data_url(url->get<std::string>(), url_param, limits, images)};
   }
   bad_request(
       param + ".type", "invalid_value",
@@ -283,7 +301,8 @@ ChatRequest parse_chat_request(const json& body, const RequestLimits& limits) {
   if (!msgs->is_array()) wrong_type("messages", "an array", *msgs);
   if (msgs->empty())
     bad_request("messages", "empty_array", "'messages' must contain at least one message");
-  size_t images = 0;
+  ImageBudget images;
+  images.pixels_left = kRequestImageBudget * limits.max_image_pixels;
   for (size_t i = 0; i < msgs->size(); ++i) {
     const json& m = (*msgs)[i];
     const std::string p = "messages[" + std::to_string(i) + "]";

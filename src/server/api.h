@@ -50,8 +50,9 @@ class ApiError : public Error {
 nlohmann::json error_json(const ApiError& e);
 
 struct RequestLimits {
-  // Decoded images larger than this are refused (a decompression bomb in a data URL must not
-  // reach the image processor).
+  // Decoded images larger than this are refused before any pixel buffer is allocated (a
+  // decompression bomb in a data URL must not reach the image processor); a request's images
+  // together may have four times this many.
   int64_t max_image_pixels = ImageLimits{}.max_pixels;
 };
 
