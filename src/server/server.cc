@@ -158,8 +158,9 @@ struct Server::Impl {
   httplib::Server http;
   std::thread listener, loader;
   int port = -1;
+  int listen_fd = -1;  // the library's listening socket, seen as it is created
 
-  std::atomic<bool> ready{false}, draining{false};
+  std::atomic<bool> ready{false}, draining{false}, listener_done{false};
   std::once_flag shutdown_once;
 
   mutable std::mutex load_mu;
@@ -770,11 +771,10 @@ void Server::start() {
   // The library's default socket options set SO_REUSEPORT, which lets a second server bind the
   // same port and silently take half of its connections. SO_REUSEADDR alone still allows a quick
   // restart over connections in TIME_WAIT. The callback also hands us the listening socket.
-  int listen_fd = -1;
-  m.http.set_socket_options([&listen_fd](socket_t sock) {
+  m.http.set_socket_options([&m](socket_t sock) {
     int yes = 1;
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
-    if (listen_fd < 0) listen_fd = sock;
+    if (m.listen_fd < 0) m.listen_fd = sock;
   });
   if (m.opt.port == 0) {
     m.port = m.http.bind_to_any_port(m.opt.host);
@@ -787,8 +787,15 @@ void Server::start() {
   // The library listens with a compiled-in backlog of 5: a burst of clients connecting at once
   // overflows it and the kernel drops SYNs, which costs each unlucky client a 1 s retransmit.
   // Listening again on the bound socket raises the backlog (Linux updates it in place).
-  if (listen_fd >= 0) ::listen(listen_fd, SOMAXCONN);
-  m.listener = std::thread([&m] { m.http.listen_after_bind(); });
+  if (m.listen_fd >= 0) ::listen(m.listen_fd, SOMAXCONN);
+  m.listener = std::thread([&m] {
+    m.http.listen_after_bind();
+    m.listener_done.store(true);
+  });
+  // The library's stop() does nothing until its accept loop has started, so a shutdown() right
+  // after start() would be lost and leave the listener running; start() returns once it runs.
+  while (!m.http.is_running() && !m.listener_done.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   m.loader = std::thread([&m] { m.load(); });
 }
 
