@@ -9,7 +9,7 @@ DEBIAN_PACKAGES=(
   nlohmann-json3-dev libcli11-dev libcpp-httplib-dev libssl-dev
   libpng-dev libjpeg62-turbo-dev zlib1g-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
-  clang-format librsvg2-bin
+  clang-format librsvg2-bin chromium
 )
 
 missing=()

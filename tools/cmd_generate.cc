@@ -10,71 +10,11 @@
 #include "runtime/generation.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
+#include "tools/generation_args.h"
 
 namespace gemstage::cli {
 
 namespace {
-
-struct CommonArgs {
-  std::string model;
-  int max_tokens = 256;
-  int threads = 0;
-  int64_t ctx = 0;
-  int64_t chunk = 512;
-  float temperature = 1.0f, top_p = 0.95f, min_p = 0.0f, repeat_penalty = 1.0f;
-  int top_k = 64, repeat_last_n = 64;
-  uint64_t seed = 0;
-  bool seed_given = false;
-  std::vector<std::string> stop;
-  bool think = false, verbose = false, ignore_eos = false;
-};
-
-void add_common(CLI::App* sub, CommonArgs& a) {
-  sub->add_option("-m,--model", a.model, "Hugging Face checkpoint directory or gemstage bundle")
-      ->required();
-  sub->add_option("-n,--max-tokens", a.max_tokens, "maximum tokens to generate")
-      ->capture_default_str();
-  sub->add_option("--temp,--temperature", a.temperature, "sampling temperature (0: greedy)")
-      ->capture_default_str();
-  sub->add_option("--top-k", a.top_k, "top-k (0: off)")->capture_default_str();
-  sub->add_option("--top-p", a.top_p, "top-p / nucleus (1: off)")->capture_default_str();
-  sub->add_option("--min-p", a.min_p, "min-p (0: off)")->capture_default_str();
-  sub->add_option("--repeat-penalty", a.repeat_penalty, "repetition penalty (1: off)")
-      ->capture_default_str();
-  sub->add_option("--repeat-last-n", a.repeat_last_n,
-                  "tokens the repetition penalty looks back over")
-      ->capture_default_str();
-  sub->add_option("-s,--seed", a.seed, "random seed (default: a fresh one each run)")
-      ->each([&a](const std::string&) { a.seed_given = true; });
-  sub->add_option("--stop", a.stop, "stop string (repeatable)");
-  sub->add_option(
-      "-c,--ctx-size", a.ctx,
-      "context size in tokens (default: the model's or bundle's maximum; caches grow as used)");
-  sub->add_option("-b,--chunk", a.chunk, "prefill chunk size")->capture_default_str();
-  sub->add_option("-t,--threads", a.threads, "worker threads (default: all cores)");
-  sub->add_flag("--ignore-eos", a.ignore_eos, "do not stop on the model's end-of-turn / EOS ids");
-  sub->add_flag("--think", a.think,
-                "enable the model's thinking mode (<|think|> in the system turn)");
-  sub->add_flag("-v,--verbose", a.verbose, "list unused config fields and tensors");
-}
-
-GenerationOptions generation_options(const CommonArgs& a, const Assistant& as) {
-  GenerationOptions o;
-  o.max_tokens = a.max_tokens;
-  o.sampling.temperature = a.temperature;
-  o.sampling.top_k = a.top_k;
-  o.sampling.top_p = a.top_p;
-  o.sampling.min_p = a.min_p;
-  o.sampling.repetition_penalty = a.repeat_penalty;
-  o.sampling.repeat_last_n = a.repeat_last_n;
-  o.sampling.seed =
-      a.seed_given ? a.seed
-                   : static_cast<uint64_t>(now_seconds() * 1e6) ^ static_cast<uint64_t>(::getpid());
-  if (!a.ignore_eos) o.stop_ids = as.stop_ids();
-  o.stop_strings = a.stop;
-  o.chunk = a.chunk;
-  return o;
-}
 
 void print_stats(const GenerationResult& r) {
   std::cerr << "\nprompt " << r.prompt_tokens << " tokens";

@@ -26,5 +26,6 @@ void add_bench_command(CLI::App& app, Registry& reg);
 void add_tokenize_command(CLI::App& app, Registry& reg);
 void add_detokenize_command(CLI::App& app, Registry& reg);
 void add_parity_command(CLI::App& app, Registry& reg);
+void add_serve_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

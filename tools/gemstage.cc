@@ -1,6 +1,8 @@
 // gemstage: one CLI, subcommands in the llama.cpp style. Each lives in tools/cmd_<name>.cc.
 #include <CLI/CLI.hpp>
+#include <cstring>
 #include <iostream>
+#include <vector>
 
 #include "core/error.h"
 #include "tools/commands.h"
@@ -20,8 +22,16 @@ int main(int argc, char** argv) {
   gemstage::cli::add_tokenize_command(app, reg);
   gemstage::cli::add_detokenize_command(app, reg);
   gemstage::cli::add_parity_command(app, reg);
+  gemstage::cli::add_serve_command(app, reg);
+  // llama.cpp spells serve's --parallel as -np; CLI11 only takes one-letter short names, so that
+  // one spelling is translated before parsing.
+  std::vector<char*> args(argv, argv + argc);
+  static char parallel[] = "--parallel";
+  if (argc > 1 && std::strcmp(argv[1], "serve") == 0)
+    for (char*& arg : args)
+      if (std::strcmp(arg, "-np") == 0) arg = parallel;
   try {
-    app.parse(argc, argv);
+    app.parse(argc, args.data());
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }

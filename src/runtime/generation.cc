@@ -98,6 +98,10 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   res.finish_reason = "length";
   bool hit_stop_string = false;
   for (int step = 0; step < opt.max_tokens; ++step) {
+    if (opt.cancel && opt.cancel->load(std::memory_order_relaxed)) {
+      res.finish_reason = "cancelled";
+      break;
+    }
     const int32_t id = sampler.sample(logits.row(logits.dim(0) - 1), V, history);
     if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) {
       res.finish_reason = "stop";

@@ -3,6 +3,7 @@
 // stop ids, stop strings, max_tokens and the context limit, and streams UTF-8-complete text.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -21,6 +22,10 @@ struct GenerationOptions {
   std::vector<int32_t> stop_ids;
   std::vector<std::string> stop_strings;
   int64_t chunk = 512;  // prefill chunk size
+  // Checked before every decoded token: when it turns true the generation ends as "cancelled".
+  // The text callback alone cannot do this, since tokens that decode to no text (a partial UTF-8
+  // sequence, an unnamed id) never reach it; a server uses this to drop a vanished client.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 struct GenerationResult {

@@ -1,0 +1,532 @@
+#include "server/api.h"
+
+#include <algorithm>
+#include <array>
+#include <limits>
+
+#include "image/image_decode.h"
+
+namespace gemstage::server {
+
+using nlohmann::json;
+
+void bad_request(const std::string& param, const std::string& code, const std::string& message) {
+  throw ApiError(400, message, "invalid_request_error", param, code);
+}
+
+json error_json(const ApiError& e) {
+  auto or_null = [](const std::string& s) { return s.empty() ? json(nullptr) : json(s); };
+  return {{"error",
+           {{"message", e.what()},
+            {"type", e.type()},
+            {"param", or_null(e.param())},
+            {"code", or_null(e.code())}}}};
+}
+
+json parse_json_body(std::string_view body) {
+  json j;
+  try {
+    j = json::parse(body.begin(), body.end());
+  } catch (const json::parse_error& e) {
+    // nlohmann's message names the byte offset, which is what a client needs to find the fault.
+    bad_request({}, "invalid_json", std::string("the request body is not valid JSON: ") + e.what());
+  }
+  if (!j.is_object()) bad_request({}, "invalid_json", "the request body must be a JSON object");
+  return j;
+}
+
+namespace {
+
+const char* type_name(const json& v) {
+  switch (v.type()) {
+    case json::value_t::null:
+      return "null";
+    case json::value_t::boolean:
+      return "a boolean";
+    case json::value_t::number_integer:
+    case json::value_t::number_unsigned:
+      return "an integer";
+    case json::value_t::number_float:
+      return "a number";
+    case json::value_t::string:
+      return "a string";
+    case json::value_t::array:
+      return "an array";
+    case json::value_t::object:
+      return "an object";
+    default:
+      return "an unsupported value";
+  }
+}
+
+[[noreturn]] void wrong_type(const std::string& param, const char* want, const json& got) {
+  bad_request(param, "invalid_type",
+              detail::concat("'", param, "' must be ", want, ", not ", type_name(got)));
+}
+
+// The member, or null when it is absent or JSON null: OpenAI clients send null for "default".
+const json* member(const json& obj, const char* key) {
+  const auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int64_t hi) {
+  const json* v = member(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number_integer()) wrong_type(key, "an integer", *v);
+  // Unsigned values beyond int64 are out of every range we accept.
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi))
+    bad_request(key, "invalid_value", detail::concat("'", key, "' must be at most ", hi));
+  const int64_t x = v->get<int64_t>();
+  if (x < lo || x > hi)
+    bad_request(key, "invalid_value",
+                detail::concat("'", key, "' must be between ", lo, " and ", hi, ", got ", x));
+  return x;
+}
+
+std::optional<double> get_number(const json& obj, const char* key, double lo, double hi,
+                                 bool lo_open = false) {
+  const json* v = member(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_number()) wrong_type(key, "a number", *v);
+  const double x = v->get<double>();
+  if (!(lo_open ? x > lo : x >= lo) || !(x <= hi)) {
+    std::ostringstream os;
+    os << "'" << key << "' must be " << (lo_open ? "> " : ">= ") << lo << " and <= " << hi
+       << ", got " << x;
+    bad_request(key, "invalid_value", os.str());
+  }
+  return x;
+}
+
+std::optional<bool> get_bool(const json& obj, const char* key, const std::string& param) {
+  const json* v = member(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_boolean()) wrong_type(param, "a boolean", *v);
+  return v->get<bool>();
+}
+
+std::optional<std::string> get_string(const json& obj, const char* key) {
+  const json* v = member(obj, key);
+  if (!v) return std::nullopt;
+  if (!v->is_string()) wrong_type(key, "a string", *v);
+  return v->get<std::string>();
+}
+
+// Up to this many stop strings; OpenAI allows 4, llama.cpp any number: enough for real use
+// without letting one request make every generated token scan thousands of strings.
+constexpr size_t kMaxStopStrings = 16;
+
+std::vector<std::string> parse_stop(const json& v) {
+  std::vector<std::string> out;
+  auto add = [&](const json& s, const std::string& param) {
+    if (!s.is_string()) wrong_type(param, "a string", s);
+    std::string str = s.get<std::string>();
+    if (str.empty()) bad_request(param, "invalid_value", "stop strings must not be empty");
+    out.push_back(std::move(str));
+  };
+  if (v.is_string()) {
+    add(v, "stop");
+  } else if (v.is_array()) {
+    if (v.size() > kMaxStopStrings)
+      bad_request("stop", "invalid_value",
+                  detail::concat("'stop' has ", v.size(), " strings; at most ", kMaxStopStrings,
+                                 " are accepted"));
+    for (size_t i = 0; i < v.size(); ++i) add(v[i], "stop[" + std::to_string(i) + "]");
+  } else {
+    wrong_type("stop", "a string or an array of strings", v);
+  }
+  return out;
+}
+
+// The fields chat and text completions share: sampling, n, streaming, and the features we refuse
+// rather than silently ignore.
+template <typename Request>
+void parse_common(const json& body, Request& r) {
+  r.model = get_string(body, "model").value_or("");
+  if (const auto n = get_int(body, "n", std::numeric_limits<int64_t>::min(),
+                             std::numeric_limits<int64_t>::max());
+      n && *n != 1)
+    bad_request("n", "unsupported_value",
+                "'n' must be 1: this server generates one choice per request");
+  SamplingOverrides& s = r.sampling;
+  constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
+  const auto max_tokens = get_int(body, "max_tokens", 1, kMaxTokens);
+  // max_completion_tokens is OpenAI's newer name; it wins when a client sends both.
+  const auto max_completion = get_int(body, "max_completion_tokens", 1, kMaxTokens);
+  if (max_completion)
+    s.max_tokens = static_cast<int>(*max_completion);
+  else if (max_tokens)
+    s.max_tokens = static_cast<int>(*max_tokens);
+  if (const auto t = get_number(body, "temperature", 0, 2)) s.temperature = static_cast<float>(*t);
+  if (const auto p = get_number(body, "top_p", 0, 1, /*lo_open=*/true))
+    s.top_p = static_cast<float>(*p);
+  // llama.cpp's extensions, for clients that tune Gemma's recommended top_k / min_p.
+  if (const auto k = get_int(body, "top_k", 0, std::numeric_limits<int32_t>::max()))
+    s.top_k = static_cast<int>(*k);
+  if (const auto p = get_number(body, "min_p", 0, 1)) s.min_p = static_cast<float>(*p);
+  if (const json* seed = member(body, "seed")) {
+    if (!seed->is_number_integer()) wrong_type("seed", "an integer", *seed);
+    // Negative seeds are valid in OpenAI's API; any 64-bit pattern seeds our generator.
+    s.seed = seed->is_number_unsigned() ? seed->get<uint64_t>()
+                                        : static_cast<uint64_t>(seed->get<int64_t>());
+  }
+  if (const json* stop = member(body, "stop")) s.stop = parse_stop(*stop);
+  r.stream = get_bool(body, "stream", "stream").value_or(false);
+  if (const json* so = member(body, "stream_options")) {
+    if (!so->is_object()) wrong_type("stream_options", "an object", *so);
+    r.include_usage =
+        get_bool(*so, "include_usage", "stream_options.include_usage").value_or(false);
+  }
+  for (const char* penalty : {"frequency_penalty", "presence_penalty"})
+    if (const auto p = get_number(body, penalty, -2, 2); p && *p != 0)
+      bad_request(penalty, "unsupported_value",
+                  std::string("'") + penalty +
+                      "' is not supported (the sampler has no frequency/presence penalty); "
+                      "omit it or send 0");
+  if (const json* lp = member(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
+    bad_request("logprobs", "unsupported_value", "'logprobs' is not supported");
+  if (member(body, "top_logprobs"))
+    bad_request("top_logprobs", "unsupported_value", "'top_logprobs' is not supported");
+}
+
+// Accepted role names; "developer" is OpenAI's newer name for the system message.
+constexpr std::array<std::string_view, 4> kRoles = {"system", "developer", "user", "assistant"};
+
+// Each image may have up to max_image_pixels, and a request's images together this many times
+// that: a few large pictures are fine, but a body of small-compressing, huge images must not make
+// one request allocate gigabytes of RGB before the model ever sees it.
+constexpr int64_t kRequestImageBudget = 4;
+
+struct ImageBudget {
+  size_t count = 0;
+  int64_t pixels_left = 0;
+};
+
+RgbImage decode_data_url(const std::string& url, const std::string& param,
+                         const RequestLimits& limits, ImageBudget& budget) {
+  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
+    bad_request(param, "unsupported_image_url",
+                "remote image URLs are not fetched (a server that fetches whatever URL a "
+                "client names can be turned against its own network); send the image inline "
+                "as a data:image/png;base64,... or data:image/jpeg;base64,... URL");
+  if (url.rfind("data:", 0) != 0)
+    bad_request(param, "unsupported_image_url",
+                "image_url.url must be a data:image/png;base64,... or data:image/jpeg;base64,... "
+                "URL");
+  const size_t comma = url.find(',');
+  if (comma == std::string::npos)
+    bad_request(param, "invalid_image_url", "the data URL has no ',' before its payload");
+  const std::string header = url.substr(5, comma - 5);  // e.g. "image/png;base64"
+  const size_t semi = header.find(';');
+  const std::string mime = header.substr(0, semi);
+  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
+  if (mime != "image/png" && mime != "image/jpeg" && mime != "image/jpg")
+    bad_request(param, "invalid_image_url",
+                detail::concat("the data URL's media type is '", mime,
+                               "'; only image/png and image/jpeg are supported"));
+  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
+    bad_request(param, "invalid_image_url", "the data URL must be base64-encoded (';base64,')");
+  const auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
+  if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
+  if (bytes->empty()) bad_request(param, "invalid_image", "the data URL holds no image bytes");
+  ImageLimits il;
+  il.max_pixels = std::min(limits.max_image_pixels, budget.pixels_left);
+  try {
+    RgbImage img = decode_image(bytes->data(), bytes->size(), il,
+                                detail::concat("image ", ++budget.count, " (", param, ")"));
+    budget.pixels_left -= int64_t{img.width} * img.height;
+    return img;
+  } catch (const Error& e) {
+    if (il.max_pixels < limits.max_image_pixels)
+      bad_request(param, "invalid_image",
+                  detail::concat(e.what(), " (what is left of this request's budget of ",
+                                 kRequestImageBudget * limits.max_image_pixels,
+                                 " pixels for all its images)"));
+    bad_request(param, "invalid_image", e.what());
+  }
+}
+
+ChatInputPart parse_part(const json& part, const std::string& param, const std::string& role,
+                         const RequestLimits& limits, ImageBudget& images) {
+  if (!part.is_object()) wrong_type(param, "an object (a content part)", part);
+  const json* type = member(part, "type");
+  if (!type) bad_request(param + ".type", "missing_required_parameter", "'type' is required");
+  if (!type->is_string()) wrong_type(param + ".type", "a string", *type);
+  const std::string t = type->get<std::string>();
+  if (t == "text") {
+    const json* text = member(part, "text");
+    if (!text) bad_request(param + ".text", "missing_required_parameter", "'text' is required");
+    if (!text->is_string()) wrong_type(param + ".text", "a string", *text);
+    return {text->get<std::string>(), std::nullopt};
+  }
+  if (t == "image_url") {
+    if (role != "user")
+      bad_request(
+          param, "invalid_value",
+          detail::concat("images are only accepted in user messages, not in ", role, " messages"));
+    const json* iu = member(part, "image_url");
+    if (!iu)
+      bad_request(param + ".image_url", "missing_required_parameter", "'image_url' is required");
+    // OpenAI sends {"url": ...}; some clients send the URL string itself.
+    const json* url = iu->is_object() ? member(*iu, "url") : iu;
+    const std::string url_param = param + ".image_url" + (iu->is_object() ? ".url" : "");
+    if (!url) bad_request(url_param, "missing_required_parameter", "'image_url.url' is required");
+    if (!url->is_string()) wrong_type(url_param, "a string", *url);
+    return {"", decode_data_url(url->get<std::string>(), url_param, limits, images)};
+  }
+  bad_request(
+      param + ".type", "invalid_value",
+      detail::concat("content part type '", t, "' is not supported; use 'text' or 'image_url'"));
+}
+
+}  // namespace
+
+ChatRequest parse_chat_request(const json& body, const RequestLimits& limits) {
+  ChatRequest r;
+  parse_common(body, r);
+  if (const json* tools = member(body, "tools"); tools && !(tools->is_array() && tools->empty()))
+    bad_request("tools", "unsupported_value", "tool calling is not supported by this server");
+  if (const json* tc = member(body, "tool_choice"); tc && *tc != "none" && *tc != "auto")
+    bad_request("tool_choice", "unsupported_value", "tool calling is not supported by this server");
+  if (const json* rf = member(body, "response_format")) {
+    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
+    if (const json* t = member(*rf, "type"); t && *t != "text")
+      bad_request("response_format", "unsupported_value",
+                  "only response_format {\"type\": \"text\"} is supported");
+  }
+  const json* msgs = member(body, "messages");
+  if (!msgs) bad_request("messages", "missing_required_parameter", "'messages' is required");
+  if (!msgs->is_array()) wrong_type("messages", "an array", *msgs);
+  if (msgs->empty())
+    bad_request("messages", "empty_array", "'messages' must contain at least one message");
+  ImageBudget images;
+  images.pixels_left = kRequestImageBudget * limits.max_image_pixels;
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string p = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) wrong_type(p, "an object", m);
+    const json* role = member(m, "role");
+    if (!role) bad_request(p + ".role", "missing_required_parameter", "'role' is required");
+    if (!role->is_string()) wrong_type(p + ".role", "a string", *role);
+    const std::string rs = role->get<std::string>();
+    bool known = false;
+    for (std::string_view k : kRoles) known = known || rs == k;
+    if (!known)
+      bad_request(p + ".role", "invalid_value",
+                  "role '" + rs +
+                      "' is not supported; use system, developer, user or assistant (tool "
+                      "messages are not supported)");
+    if (rs == "developer" && i != 0)
+      bad_request(p + ".role", "invalid_value",
+                  "a developer message is only accepted first (it becomes the system turn)");
+    if (const json* tc = member(m, "tool_calls"); tc && !(tc->is_array() && tc->empty()))
+      bad_request(p + ".tool_calls", "unsupported_value", "tool calls are not supported");
+    const json* content = member(m, "content");
+    if (!content)
+      bad_request(p + ".content", "missing_required_parameter", "'content' is required");
+    ChatInput in{rs, {}};
+    if (content->is_string()) {
+      in.parts.push_back({content->get<std::string>(), std::nullopt});
+    } else if (content->is_array()) {
+      for (size_t j = 0; j < content->size(); ++j)
+        in.parts.push_back(parse_part((*content)[j], p + ".content[" + std::to_string(j) + "]", rs,
+                                      limits, images));
+    } else {
+      wrong_type(p + ".content", "a string or an array of content parts", *content);
+    }
+    r.messages.push_back(std::move(in));
+  }
+  return r;
+}
+
+CompletionRequest parse_completion_request(const json& body) {
+  CompletionRequest r;
+  parse_common(body, r);
+  const json* prompt = member(body, "prompt");
+  if (!prompt) bad_request("prompt", "missing_required_parameter", "'prompt' is required");
+  // OpenAI also takes a batch of prompts or token arrays; one text prompt per request here.
+  if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string())
+    r.prompt = (*prompt)[0].get<std::string>();
+  else if (prompt->is_string())
+    r.prompt = prompt->get<std::string>();
+  else if (prompt->is_array())
+    bad_request("prompt", "unsupported_value",
+                "'prompt' must be one string (batches and token-id arrays are not supported)");
+  else
+    wrong_type("prompt", "a string", *prompt);
+  if (const auto echo = get_bool(body, "echo", "echo"); echo && *echo)
+    bad_request("echo", "unsupported_value", "'echo' is not supported");
+  if (const auto suffix = get_string(body, "suffix"); suffix && !suffix->empty())
+    bad_request("suffix", "unsupported_value", "'suffix' is not supported");
+  if (const auto best_of = get_int(body, "best_of", std::numeric_limits<int64_t>::min(),
+                                   std::numeric_limits<int64_t>::max());
+      best_of && *best_of != 1)
+    bad_request("best_of", "unsupported_value", "'best_of' must be 1");
+  return r;
+}
+
+std::optional<std::vector<uint8_t>> decode_base64(std::string_view text) {
+  auto value = [](char c) -> int {
+    if (c >= 'A' && c <= 'Z') return c - 'A';
+    if (c >= 'a' && c <= 'z') return c - 'a' + 26;
+    if (c >= '0' && c <= '9') return c - '0' + 52;
+    if (c == '+') return 62;
+    if (c == '/') return 63;
+    return -1;
+  };
+  size_t n = text.size();
+  // Up to two '=' of padding, which must then complete a 4-character group.
+  size_t pad = 0;
+  while (pad < 2 && n > 0 && text[n - 1] == '=') {
+    --n;
+    ++pad;
+  }
+  if (pad > 0 && (n + pad) % 4 != 0) return std::nullopt;
+  if (n % 4 == 1) return std::nullopt;  // no byte count encodes to 4k+1 characters
+  std::vector<uint8_t> out;
+  out.reserve(n / 4 * 3 + 2);
+  uint32_t acc = 0;
+  int bits = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const int v = value(text[i]);
+    if (v < 0) return std::nullopt;
+    acc = (acc << 6) | static_cast<uint32_t>(v);
+    bits += 6;
+    if (bits >= 8) {
+      bits -= 8;
+      out.push_back(static_cast<uint8_t>((acc >> bits) & 0xff));
+    }
+  }
+  // The leftover bits of the last group must be zero, or two encodings would name one payload.
+  if (bits > 0 && (acc & ((1u << bits) - 1)) != 0) return std::nullopt;
+  return out;
+}
+
+std::string encode_base64(const uint8_t* data, size_t size) {
+  static constexpr char kAlphabet[] =
+      "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+  std::string out;
+  out.reserve((size + 2) / 3 * 4);
+  for (size_t i = 0; i < size; i += 3) {
+    const uint32_t b0 = data[i], b1 = i + 1 < size ? data[i + 1] : 0,
+                   b2 = i + 2 < size ? data[i + 2] : 0;
+    const uint32_t v = (b0 << 16) | (b1 << 8) | b2;
+    out += kAlphabet[(v >> 18) & 63];
+    out += kAlphabet[(v >> 12) & 63];
+    out += i + 1 < size ? kAlphabet[(v >> 6) & 63] : '=';
+    out += i + 2 < size ? kAlphabet[v & 63] : '=';
+  }
+  return out;
+}
+
+GenerationOptions apply_overrides(const GenerationOptions& defaults, const SamplingOverrides& o,
+                                  uint64_t fallback_seed) {
+  GenerationOptions g = defaults;
+  if (o.max_tokens) g.max_tokens = *o.max_tokens;
+  if (o.temperature) g.sampling.temperature = *o.temperature;
+  if (o.top_p) g.sampling.top_p = *o.top_p;
+  if (o.top_k) g.sampling.top_k = *o.top_k;
+  if (o.min_p) g.sampling.min_p = *o.min_p;
+  g.sampling.seed = o.seed.value_or(fallback_seed);
+  if (o.stop) g.stop_strings = *o.stop;
+  return g;
+}
+
+std::string openai_finish_reason(const std::string& finish_reason) {
+  return finish_reason == "context" ? "length" : finish_reason;
+}
+
+json usage_json(int64_t prompt_tokens, int64_t completion_tokens) {
+  return {{"prompt_tokens", prompt_tokens},
+          {"completion_tokens", completion_tokens},
+          {"total_tokens", prompt_tokens + completion_tokens}};
+}
+
+namespace {
+json finish_json(const std::optional<std::string>& f) {
+  return f ? json(*f) : json(nullptr);
+}
+}  // namespace
+
+json chat_completion_json(const ResponseMeta& m, const std::string& text,
+                          const std::string& finish_reason, int64_t prompt_tokens,
+                          int64_t completion_tokens) {
+  return {{"id", m.id},
+          {"object", "chat.completion"},
+          {"created", m.created},
+          {"model", m.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"message", {{"role", "assistant"}, {"content", text}}},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", finish_reason}}})},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json chat_chunk_json(const ResponseMeta& m, const json& delta,
+                     const std::optional<std::string>& finish_reason) {
+  return {{"id", m.id},
+          {"object", "chat.completion.chunk"},
+          {"created", m.created},
+          {"model", m.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"delta", delta},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", finish_json(finish_reason)}}})}};
+}
+
+json text_completion_json(const ResponseMeta& m, const std::string& text,
+                          const std::string& finish_reason, int64_t prompt_tokens,
+                          int64_t completion_tokens) {
+  return {{"id", m.id},
+          {"object", "text_completion"},
+          {"created", m.created},
+          {"model", m.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"text", text},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", finish_reason}}})},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json text_completion_chunk_json(const ResponseMeta& m, const std::string& text,
+                                const std::optional<std::string>& finish_reason) {
+  return {{"id", m.id},
+          {"object", "text_completion"},
+          {"created", m.created},
+          {"model", m.model},
+          {"choices", json::array({{{"index", 0},
+                                    {"text", text},
+                                    {"logprobs", nullptr},
+                                    {"finish_reason", finish_json(finish_reason)}}})}};
+}
+
+json usage_chunk_json(const ResponseMeta& m, const std::string& object, int64_t prompt_tokens,
+                      int64_t completion_tokens) {
+  return {{"id", m.id},
+          {"object", object},
+          {"created", m.created},
+          {"model", m.model},
+          {"choices", json::array()},
+          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+}
+
+json models_json(const std::string& model, int64_t created) {
+  return {{"object", "list"},
+          {"data", json::array({{{"id", model},
+                                 {"object", "model"},
+                                 {"created", created},
+                                 {"owned_by", "gemstage"}}})}};
+}
+
+std::string wire_json(const json& j) {
+  return j.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+std::string sse_event(const json& chunk) {
+  // dump() escapes newlines inside strings, so one event is always one "data:" line.
+  return "data: " + wire_json(chunk) + "\n\n";
+}
+
+}  // namespace gemstage::server

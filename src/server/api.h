@@ -1,0 +1,132 @@
+// The OpenAI-compatible wire format of `gemstage serve`: request bodies parsed and validated into
+// typed requests, errors in OpenAI's shape, and the response / stream-chunk objects. Nothing here
+// touches sockets or models, so every rule can be unit-tested on plain JSON.
+//
+// Validation is strict where silence would mislead a client (an unknown role, n != 1, a remote
+// image URL we will not fetch, tools we cannot call) and lenient where OpenAI clients routinely
+// send extras (unknown keys, null for "use the default").
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/error.h"
+#include "runtime/assistant.h"
+#include "runtime/generation.h"
+
+namespace gemstage::server {
+
+// A request the server will not serve, with everything OpenAI's error object carries. It is a
+// gemstage::Error so code that only knows that type still reports it sensibly.
+class ApiError : public Error {
+ public:
+  ApiError(int status, const std::string& message, std::string type = "invalid_request_error",
+           std::string param = {}, std::string code = {})
+      : Error(message),
+        status_(status),
+        type_(std::move(type)),
+        param_(std::move(param)),
+        code_(std::move(code)) {}
+
+  int status() const { return status_; }
+  const std::string& type() const { return type_; }
+  const std::string& param() const { return param_; }  // empty: null on the wire
+  const std::string& code() const { return code_; }    // empty: null on the wire
+
+ private:
+  int status_;
+  std::string type_, param_, code_;
+};
+
+// 400 invalid_request_error naming the offending field.
+[[noreturn]] void bad_request(const std::string& param, const std::string& code,
+                              const std::string& message);
+
+// {"error": {"message", "type", "param", "code"}}
+nlohmann::json error_json(const ApiError& e);
+
+struct RequestLimits {
+  // Decoded images larger than this are refused before any pixel buffer is allocated (a
+  // decompression bomb in a data URL must not reach the image processor); a request's images
+  // together may have four times this many.
+  int64_t max_image_pixels = ImageLimits{}.max_pixels;
+};
+
+// What a request may set on top of the server's defaults; unset fields keep the default.
+struct SamplingOverrides {
+  std::optional<int> max_tokens;
+  std::optional<float> temperature, top_p, min_p;
+  std::optional<int> top_k;
+  std::optional<uint64_t> seed;
+  std::optional<std::vector<std::string>> stop;
+};
+
+struct ChatRequest {
+  std::string model;  // as sent; the server serves its one model whatever is asked for
+  std::vector<ChatInput> messages;
+  SamplingOverrides sampling;
+  bool stream = false, include_usage = false;
+};
+
+struct CompletionRequest {
+  std::string model;
+  std::string prompt;
+  SamplingOverrides sampling;
+  bool stream = false, include_usage = false;
+};
+
+// The body as JSON; a 400 (code "invalid_json") when it does not parse or is not an object.
+nlohmann::json parse_json_body(std::string_view body);
+
+// POST /v1/chat/completions and POST /v1/completions. Images in data URLs are decoded here, so a
+// bad image is refused before the request waits for a slot. Throws ApiError.
+ChatRequest parse_chat_request(const nlohmann::json& body, const RequestLimits& limits = {});
+CompletionRequest parse_completion_request(const nlohmann::json& body);
+
+// Strict RFC 4648 base64 (standard alphabet; padding optional, whitespace not allowed).
+// nullopt on any other character or an impossible length.
+std::optional<std::vector<uint8_t>> decode_base64(std::string_view text);
+std::string encode_base64(const uint8_t* data, size_t size);
+
+// The server's defaults with a request's overrides applied. fallback_seed seeds the sampler when
+// neither the request nor the server fixes one.
+GenerationOptions apply_overrides(const GenerationOptions& defaults, const SamplingOverrides& o,
+                                  uint64_t fallback_seed);
+
+// GenerationResult::finish_reason as OpenAI names it: the context limit is a "length" stop too.
+std::string openai_finish_reason(const std::string& finish_reason);
+
+// Response objects. `created` is Unix seconds.
+struct ResponseMeta {
+  std::string id, model;
+  int64_t created = 0;
+};
+nlohmann::json usage_json(int64_t prompt_tokens, int64_t completion_tokens);
+nlohmann::json chat_completion_json(const ResponseMeta& m, const std::string& text,
+                                    const std::string& finish_reason, int64_t prompt_tokens,
+                                    int64_t completion_tokens);
+// One chat.completion.chunk: `delta` as given, finish_reason null unless set.
+nlohmann::json chat_chunk_json(const ResponseMeta& m, const nlohmann::json& delta,
+                               const std::optional<std::string>& finish_reason);
+nlohmann::json text_completion_json(const ResponseMeta& m, const std::string& text,
+                                    const std::string& finish_reason, int64_t prompt_tokens,
+                                    int64_t completion_tokens);
+nlohmann::json text_completion_chunk_json(const ResponseMeta& m, const std::string& text,
+                                          const std::optional<std::string>& finish_reason);
+// The final chunk of a stream with include_usage: no choices, just usage.
+nlohmann::json usage_chunk_json(const ResponseMeta& m, const std::string& object,
+                                int64_t prompt_tokens, int64_t completion_tokens);
+nlohmann::json models_json(const std::string& model, int64_t created);
+
+// JSON text for the wire. Invalid UTF-8 (which can reach an error message quoting a client's
+// bytes) is replaced rather than thrown on, so building a reply can never fail.
+std::string wire_json(const nlohmann::json& j);
+
+// "data: <json>\n\n", the server-sent-events framing of one stream chunk.
+std::string sse_event(const nlohmann::json& chunk);
+
+}  // namespace gemstage::server

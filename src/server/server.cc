@@ -1,0 +1,835 @@
+#include "server/server.h"
+
+#include <dirent.h>
+#include <httplib.h>
+#include <netdb.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <ctime>
+#include <deque>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "server/chat_page.h"
+
+namespace gemstage::server {
+
+namespace {
+
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+// How often a waiting HTTP thread looks at its client's socket: short enough that a vanished
+// client frees its slot within a token or two, long enough to cost nothing.
+constexpr auto kPollInterval = std::chrono::milliseconds(50);
+
+// "host:port" of a socket address, formatted the way cpp-httplib formats Request::remote_addr.
+bool numeric_address(const sockaddr_storage& ss, socklen_t len, std::string& host, int& port) {
+  char h[NI_MAXHOST], s[NI_MAXSERV];
+  if (getnameinfo(reinterpret_cast<const sockaddr*>(&ss), len, h, sizeof(h), s, sizeof(s),
+                  NI_NUMERICHOST | NI_NUMERICSERV) != 0)
+    return false;
+  host = h;
+  port = std::atoi(s);
+  return true;
+}
+
+// The accepted socket behind a request. cpp-httplib 0.11 gives handlers no way to ask whether the
+// client is still there (later versions added Request::is_connection_closed), so the socket is
+// found once by its address pair among this process's descriptors. That is sound for the life of
+// the handler: the library closes the connection, and so frees the descriptor for reuse, only
+// after the handler and its content provider have returned.
+class ClientSocket {
+ public:
+  explicit ClientSocket(const httplib::Request& req) {
+    DIR* dir = opendir("/proc/self/fd");
+    if (!dir) return;
+    while (const dirent* e = readdir(dir)) {
+      char* end = nullptr;
+      const long fd = std::strtol(e->d_name, &end, 10);
+      if (end == e->d_name || *end != '\0') continue;
+      if (matches(static_cast<int>(fd), req)) {
+        fd_ = static_cast<int>(fd);
+        break;
+      }
+    }
+    closedir(dir);
+  }
+
+  // False once the client closed or reset its end. Unknown (socket not found) counts as alive:
+  // then a failed write is what notices a vanished client.
+  bool alive() const {
+    if (fd_ < 0) return true;
+    pollfd p{fd_, POLLRDHUP, 0};
+    if (poll(&p, 1, 0) < 0) return true;
+    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0;
+  }
+
+ private:
+  static bool matches(int fd, const httplib::Request& req) {
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    std::string host;
+    int port = -1;
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+        !numeric_address(ss, len, host, port) || port != req.remote_port || host != req.remote_addr)
+      return false;
+    len = sizeof(ss);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+        !numeric_address(ss, len, host, port))
+      return false;
+    return port == req.local_port && host == req.local_addr;
+  }
+
+  int fd_ = -1;
+};
+
+enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
+
+// One request on its way through the queue and a slot. The worker fills in the progress fields
+// under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
+struct Job {
+  bool chat = true;
+  std::vector<ChatInput> messages;  // chat
+  std::string prompt;               // completion
+  SamplingOverrides sampling;
+
+  std::atomic<bool> cancel{false};
+  std::atomic<int> cancel_reason{static_cast<int>(CancelReason::kNone)};
+  void request_cancel(CancelReason r) {
+    int none = static_cast<int>(CancelReason::kNone);
+    cancel_reason.compare_exchange_strong(none, static_cast<int>(r));
+    cancel.store(true);
+  }
+  CancelReason reason() const { return static_cast<CancelReason>(cancel_reason.load()); }
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool started = false;  // the prompt is prepared and fits: the reply is a 200 from here on
+  bool done = false;
+  std::optional<ApiError> error;
+  std::string pending;  // generated text the HTTP thread has not taken yet
+  std::string text;     // the whole reply, once done
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  std::string finish_reason;
+};
+
+struct Slot {
+  std::unique_ptr<Assistant> assistant;
+  std::unique_ptr<ThreadPool> pool;
+  std::unique_ptr<GenerationSession> session;
+  std::shared_ptr<Job> current;  // guarded by Impl::q_mu
+  std::thread worker;
+};
+
+void set_error(httplib::Response& res, const ApiError& e) {
+  res.status = e.status();
+  res.set_content(wire_json(error_json(e)), "application/json");
+}
+
+ApiError shutting_down_error() {
+  return ApiError(503, "the server is shutting down", "server_error", {}, "server_shutting_down");
+}
+
+// Constant-time comparison, so response timing does not leak how much of a guessed key matched.
+bool same_key(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  return diff == 0;
+}
+
+}  // namespace
+
+struct Server::Impl {
+  explicit Impl(ServerOptions o) : opt(std::move(o)), seed_rng(std::random_device{}()) {}
+
+  ServerOptions opt;
+  httplib::Server http;
+  std::thread listener, loader;
+  int port = -1;
+  int listen_fd = -1;  // the library's listening socket, seen as it is created
+
+  std::atomic<bool> ready{false}, draining{false}, listener_done{false};
+  std::once_flag shutdown_once;
+
+  mutable std::mutex load_mu;
+  std::condition_variable load_cv;
+  bool load_finished = false;
+  std::string load_error;
+  std::string model_name;
+  int64_t max_context = 0;
+  int64_t created = 0;  // when the model was loaded, for /v1/models
+  GenerationOptions defaults;
+
+  std::vector<std::unique_ptr<Slot>> slots;
+  mutable std::mutex q_mu;
+  std::condition_variable q_cv, idle_cv;
+  std::deque<std::shared_ptr<Job>> queue;
+  int busy = 0;
+  bool workers_stop = false;
+  std::atomic<int64_t> completed{0}, cancelled{0};
+
+  // Streamed replies not yet fully written; the listener stays open until they are.
+  std::mutex streams_mu;
+  std::condition_variable streams_cv;
+  int open_streams = 0;
+
+  std::mutex seed_mu;
+  std::mt19937_64 seed_rng;
+
+  uint64_t random_u64() {
+    std::lock_guard<std::mutex> lk(seed_mu);
+    return seed_rng();
+  }
+  std::string new_id(const char* prefix) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string id = prefix;
+    for (uint64_t v = random_u64(), i = 0; i < 16; ++i, v >>= 4) id += kHex[v & 15];
+    return id;
+  }
+
+  void setup_routes();
+  void load();
+  void worker(Slot& s);
+  void run(Slot& s, Job& job);
+  void submit(const std::shared_ptr<Job>& job);
+  void handle_generation(const httplib::Request& req, httplib::Response& res, bool chat);
+  void shutdown();
+  void end_idle_connections();
+};
+
+// ------------------------------------------------------------------------------------------
+// Loading and the slot workers.
+
+void Server::Impl::load() {
+  try {
+    if (opt.before_load) opt.before_load();
+    const int total = opt.threads > 0 ? opt.threads : default_thread_count();
+    // The slots compute at the same time, so they split the cores rather than each taking all.
+    const int per_slot = std::max(1, total / opt.parallel);
+    for (int i = 0; i < opt.parallel; ++i) {
+      auto s = std::make_unique<Slot>();
+      s->assistant = Assistant::open(opt.model_path, opt.ctx);
+      s->pool = std::make_unique<ThreadPool>(per_slot);
+      s->session =
+          std::make_unique<GenerationSession>(s->assistant->pipeline(), s->assistant->tokenizer());
+      slots.push_back(std::move(s));
+    }
+    const Assistant& a = *slots.front()->assistant;
+    model_name = a.model_name();
+    max_context = slots.front()->assistant->pipeline().max_context();
+    created = static_cast<int64_t>(std::time(nullptr));
+    defaults = opt.defaults;
+    defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
+    defaults.cancel = nullptr;
+    for (auto& s : slots) s->worker = std::thread([this, slot = s.get()] { worker(*slot); });
+    ready.store(true);
+  } catch (const std::exception& e) {
+    {
+      std::lock_guard<std::mutex> lk(q_mu);
+      workers_stop = true;
+    }
+    q_cv.notify_all();
+    for (auto& s : slots)
+      if (s->worker.joinable()) s->worker.join();
+    slots.clear();
+    std::lock_guard<std::mutex> lk(load_mu);
+    load_error = e.what();
+  }
+  {
+    std::lock_guard<std::mutex> lk(load_mu);
+    load_finished = true;
+  }
+  load_cv.notify_all();
+}
+
+void Server::Impl::worker(Slot& s) {
+  for (;;) {
+    std::shared_ptr<Job> job;
+    {
+      std::unique_lock<std::mutex> lk(q_mu);
+      q_cv.wait(lk, [&] { return workers_stop || !queue.empty(); });
+      if (queue.empty()) return;  // workers_stop
+      job = std::move(queue.front());
+      queue.pop_front();
+      s.current = job;
+      ++busy;
+    }
+    run(s, *job);
+    {
+      std::lock_guard<std::mutex> lk(q_mu);
+      s.current.reset();
+      --busy;
+    }
+    idle_cv.notify_all();
+  }
+}
+
+namespace {
+void fail_job(Job& job, const ApiError& e) {
+  {
+    std::lock_guard<std::mutex> lk(job.mu);
+    job.error = e;
+    job.done = true;
+  }
+  job.cv.notify_all();
+}
+}  // namespace
+
+void Server::Impl::run(Slot& s, Job& job) {
+  if (job.cancel.load()) {
+    // Its client left while it queued: nobody is waiting for the answer.
+    fail_job(job, ApiError(499, "the client went away", "invalid_request_error"));
+    ++cancelled;
+    return;
+  }
+  bool generating = false;
+  try {
+    const PreparedPrompt p =
+        job.chat ? s.assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
+                 : s.assistant->prepare_raw(job.prompt);
+    const auto n = static_cast<int64_t>(p.ids.size());
+    if (n >= max_context)
+      throw ApiError(400,
+                     "the prompt is " + std::to_string(n) + " tokens but the context holds " +
+                         std::to_string(max_context) +
+                         " (including room for at least one generated token); shorten the "
+                         "conversation or start the server with a larger -c / --ctx-size",
+                     "invalid_request_error", job.chat ? "messages" : "prompt",
+                     "context_length_exceeded");
+    GenerationOptions g = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
+    g.cancel = &job.cancel;
+    {
+      std::lock_guard<std::mutex> lk(job.mu);
+      job.started = true;
+      job.prompt_tokens = n;
+    }
+    job.cv.notify_all();
+    generating = true;
+    const GenerationResult r = s.session->generate(
+        *s.pool, p.ids, p.images ? &p.soft_tokens : nullptr, g, [&](std::string_view piece) {
+          {
+            std::lock_guard<std::mutex> lk(job.mu);
+            job.pending.append(piece);
+          }
+          job.cv.notify_all();
+          return !job.cancel.load();
+        });
+    if (r.finish_reason == "cancelled") {
+      // The caches hold a reply nobody will continue; drop them (and their memory) now rather
+      // than keep them for a prefix match that will not come.
+      s.session->reset();
+      ++cancelled;
+    } else {
+      ++completed;
+    }
+    {
+      std::lock_guard<std::mutex> lk(job.mu);
+      job.done = true;
+      job.text = r.text;
+      job.completion_tokens = static_cast<int64_t>(r.tokens.size());
+      job.finish_reason = r.finish_reason;
+    }
+    job.cv.notify_all();
+  } catch (const ApiError& e) {
+    fail_job(job, e);
+  } catch (const Error& e) {
+    // The request's own content (a role order the chat format refuses, an image for a model
+    // without a vision tower, invalid UTF-8). Mid-generation it would be ours; none is known.
+    if (generating) s.session->reset();
+    fail_job(job, generating ? ApiError(500, e.what(), "server_error") : ApiError(400, e.what()));
+  } catch (const std::bad_alloc&) {
+    s.session->reset();
+    fail_job(job, ApiError(503, "out of memory while serving this request", "server_error", {},
+                           "out_of_memory"));
+  } catch (const std::exception& e) {
+    s.session->reset();
+    fail_job(job, ApiError(500, e.what(), "server_error"));
+  }
+}
+
+void Server::Impl::submit(const std::shared_ptr<Job>& job) {
+  {
+    std::lock_guard<std::mutex> lk(q_mu);
+    if (draining.load()) throw shutting_down_error();
+    queue.push_back(job);
+  }
+  q_cv.notify_one();
+}
+
+// ------------------------------------------------------------------------------------------
+// HTTP.
+
+namespace {
+
+// Waits for pred (checked under job.mu) while watching the client; false if it went away.
+template <typename Pred>
+bool wait_watching(Job& job, const ClientSocket& client, Pred pred) {
+  std::unique_lock<std::mutex> lk(job.mu);
+  while (!job.cv.wait_for(lk, kPollInterval, pred)) {
+    lk.unlock();
+    const bool alive = client.alive();
+    lk.lock();
+    if (!alive) {
+      job.request_cancel(CancelReason::kClientGone);
+      return false;
+    }
+  }
+  return true;
+}
+
+// What a streamed reply's content provider needs between calls.
+struct StreamState {
+  std::shared_ptr<Job> job;
+  ResponseMeta meta;
+  bool chat = true, include_usage = false, sent_role = false;
+  std::unique_ptr<ClientSocket> client;
+  std::function<void()> on_close;  // the server's open-stream count
+  ~StreamState() {
+    if (on_close) on_close();
+  }
+};
+
+// One call of a streamed reply's content provider: waits briefly for new text and writes it,
+// with no lock held, so a slow reader only ever stalls its own thread. False ends the stream.
+bool stream_step(StreamState& st, httplib::DataSink& sink) {
+  Job& j = *st.job;
+  auto write = [&](const json& chunk) {
+    const std::string ev = sse_event(chunk);
+    return sink.write(ev.data(), ev.size());
+  };
+  auto gone = [&] {
+    j.request_cancel(CancelReason::kClientGone);
+    return false;
+  };
+  if (!st.sent_role) {
+    st.sent_role = true;
+    // OpenAI's first chunk carries the role; clients key the message off it.
+    if (st.chat &&
+        !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
+      return gone();
+  }
+  std::string piece;
+  bool done = false;
+  std::optional<ApiError> error;
+  std::string finish;
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+  {
+    std::unique_lock<std::mutex> lk(j.mu);
+    j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
+    piece.swap(j.pending);
+    done = j.done;
+    error = j.error;
+    finish = j.finish_reason;
+    prompt_tokens = j.prompt_tokens;
+    completion_tokens = j.completion_tokens;
+  }
+  if (!piece.empty()) {
+    const json chunk = st.chat ? chat_chunk_json(st.meta, {{"content", piece}}, std::nullopt)
+                               : text_completion_chunk_json(st.meta, piece, std::nullopt);
+    if (!write(chunk)) return gone();
+  }
+  if (!done) return st.client->alive() ? true : gone();
+  if (error || finish == "cancelled") {
+    // Cut short (shutdown, or a fault after the 200 went out): an error event, and no
+    // [DONE], so no client mistakes the partial reply for a whole one.
+    write(error_json(error ? *error : shutting_down_error()));
+    sink.done();
+    return true;
+  }
+  const std::string fr = openai_finish_reason(finish);
+  const json last = st.chat ? chat_chunk_json(st.meta, json::object(), fr)
+                            : text_completion_chunk_json(st.meta, "", fr);
+  if (!write(last)) return gone();
+  if (st.include_usage &&
+      !write(usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
+                              prompt_tokens, completion_tokens)))
+    return gone();
+  static constexpr std::string_view kDone = "data: [DONE]\n\n";
+  if (!sink.write(kDone.data(), kDone.size())) return gone();
+  sink.done();
+  return true;
+}
+
+}  // namespace
+
+void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
+                                     bool chat) {
+  const json body = parse_json_body(req.body);
+  auto job = std::make_shared<Job>();
+  job->chat = chat;
+  bool stream = false, include_usage = false;
+  if (chat) {
+    ChatRequest r = parse_chat_request(body, opt.limits);
+    job->messages = std::move(r.messages);
+    job->sampling = std::move(r.sampling);
+    stream = r.stream;
+    include_usage = r.include_usage;
+  } else {
+    CompletionRequest r = parse_completion_request(body);
+    job->prompt = std::move(r.prompt);
+    job->sampling = std::move(r.sampling);
+    stream = r.stream;
+    include_usage = r.include_usage;
+  }
+  auto client = std::make_unique<ClientSocket>(req);
+  submit(job);
+  // Until the prompt is known to fit, the status is still open: a context overflow is a 400
+  // even for a streamed request.
+  if (!wait_watching(*job, *client, [&] { return job->started || job->done; })) return;
+  {
+    std::lock_guard<std::mutex> lk(job->mu);
+    if (job->error && !job->started) throw *job->error;
+  }
+  const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), model_name,
+                          static_cast<int64_t>(std::time(nullptr))};
+  if (!stream) {
+    if (!wait_watching(*job, *client, [&] { return job->done; })) return;
+    std::lock_guard<std::mutex> lk(job->mu);
+    if (job->error) throw *job->error;
+    if (job->finish_reason == "cancelled") throw shutting_down_error();
+    const std::string fr = openai_finish_reason(job->finish_reason);
+    const json out =
+        chat
+            ? chat_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens)
+            : text_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens);
+    res.set_content(wire_json(out), "application/json");
+    return;
+  }
+
+  auto st = std::make_shared<StreamState>();
+  st->job = job;
+  st->meta = meta;
+  st->chat = chat;
+  st->include_usage = include_usage;
+  st->client = std::move(client);
+  {
+    std::lock_guard<std::mutex> lk(streams_mu);
+    ++open_streams;
+  }
+  st->on_close = [this] {
+    {
+      std::lock_guard<std::mutex> lk(streams_mu);
+      --open_streams;
+    }
+    streams_cv.notify_all();
+  };
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream",
+      // Called again and again until sink.done().
+      [st](size_t, httplib::DataSink& sink) {
+        try {
+          return stream_step(*st, sink);
+        } catch (const std::exception&) {  // out of memory building a chunk: end this stream
+          st->job->request_cancel(CancelReason::kClientGone);
+          return false;
+        }
+      },
+      // Released with the response; success is false when the library gave up on the stream
+      // (write error, or the server stopping), so the generation must not run on.
+      [st](bool success) {
+        if (!success) st->job->request_cancel(CancelReason::kClientGone);
+      });
+}
+
+void Server::Impl::setup_routes() {
+  using httplib::Request;
+  using httplib::Response;
+  using HR = httplib::Server::HandlerResponse;
+
+  // Errors the library produces itself (unknown route, body too large, unparsable request) come
+  // with an empty body; give them the OpenAI shape too. Our own error replies already have one.
+  http.set_error_handler(
+      httplib::Server::HandlerWithResponse([this](const Request& req, Response& res) {
+        if (!res.body.empty()) return HR::Unhandled;
+        std::string msg = "HTTP error " + std::to_string(res.status);
+        std::string code;
+        if (res.status == 404) {
+          msg = "no such route: " + req.method + " " + req.path +
+                " (this server has GET /, GET /health, GET /v1/models, POST /v1/chat/completions "
+                "and POST /v1/completions)";
+          code = "not_found";
+        } else if (res.status == 413) {
+          msg = "the request body is larger than this server's limit of " +
+                std::to_string(opt.max_body) + " bytes (--max-body)";
+          code = "request_too_large";
+        } else if (res.status == 400) {
+          msg = "malformed HTTP request";
+        }
+        set_error(res,
+                  ApiError(res.status, msg,
+                           res.status >= 500 ? "server_error" : "invalid_request_error", {}, code));
+        return HR::Handled;
+      }));
+  http.set_exception_handler([](const Request&, Response& res, std::exception_ptr ep) {
+    std::string what = "internal error";
+    try {
+      std::rethrow_exception(ep);
+    } catch (const std::exception& e) {
+      what = e.what();
+    } catch (...) {
+    }
+    set_error(res, ApiError(500, what, "server_error"));
+  });
+  http.set_pre_routing_handler([this](const Request& req, Response& res) {
+    if (req.path.rfind("/v1/", 0) != 0) return HR::Unhandled;
+    if (!opt.api_key.empty()) {
+      const std::string auth = req.get_header_value("Authorization");
+      static constexpr std::string_view kBearer = "Bearer ";
+      if (auth.empty() || auth.rfind(kBearer, 0) != 0) {
+        res.set_header("WWW-Authenticate", "Bearer");
+        set_error(res, ApiError(401,
+                                "this server requires an API key: send it as 'Authorization: "
+                                "Bearer <key>'",
+                                "invalid_request_error", {}, "missing_api_key"));
+        return HR::Handled;
+      }
+      if (!same_key(auth.substr(kBearer.size()), opt.api_key)) {
+        res.set_header("WWW-Authenticate", "Bearer");
+        set_error(res, ApiError(401, "incorrect API key provided", "invalid_request_error", {},
+                                "invalid_api_key"));
+        return HR::Handled;
+      }
+    }
+    if (draining.load()) {
+      res.set_header("Connection", "close");
+      set_error(res, shutting_down_error());
+      return HR::Handled;
+    }
+    if (!ready.load()) {
+      res.set_header("Retry-After", "1");
+      set_error(res, ApiError(503, "the model is still loading; retry when GET /health says ok",
+                              "server_error", {}, "model_loading"));
+      return HR::Handled;
+    }
+    return HR::Unhandled;
+  });
+
+  auto guarded = [this](bool chat) {
+    return [this, chat](const Request& req, Response& res) {
+      try {
+        handle_generation(req, res, chat);
+      } catch (const ApiError& e) {
+        set_error(res, e);
+      } catch (const Error& e) {
+        set_error(res, ApiError(400, e.what()));
+      } catch (const std::bad_alloc&) {
+        set_error(res, ApiError(503, "out of memory while serving this request", "server_error", {},
+                                "out_of_memory"));
+      }
+    };
+  };
+  http.Post("/v1/chat/completions", guarded(true));
+  http.Post("/v1/completions", guarded(false));
+  http.Get("/v1/models", [this](const Request&, Response& res) {
+    res.set_content(wire_json(models_json(model_name, created)), "application/json");
+  });
+  http.Get("/health", [this](const Request&, Response& res) {
+    json j;
+    if (draining.load()) {
+      res.status = 503;
+      j = {{"status", "shutting_down"}};
+    } else if (!ready.load()) {
+      res.status = 503;
+      j = {{"status", "loading"}};
+    } else {
+      std::lock_guard<std::mutex> lk(q_mu);
+      j = {{"status", "ok"},
+           {"slots", slots.size()},
+           {"slots_busy", busy},
+           {"queued", queue.size()}};
+    }
+    res.set_content(wire_json(j), "application/json");
+  });
+  http.Get("/", [](const Request&, Response& res) {
+    res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
+  });
+
+  // The wrong method on a known route is a 405 naming the right one, not a confusing 404.
+  auto not_allowed = [](const char* allow) {
+    return [allow](const Request& req, Response& res) {
+      res.set_header("Allow", allow);
+      set_error(res, ApiError(405, req.method + " is not allowed on " + req.path + "; use " + allow,
+                              "invalid_request_error", {}, "method_not_allowed"));
+    };
+  };
+  for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
+    http.Get(path, not_allowed("POST"));
+    http.Put(path, not_allowed("POST"));
+    http.Patch(path, not_allowed("POST"));
+    http.Delete(path, not_allowed("POST"));
+  }
+  for (const char* path : {"/v1/models", "/health", "/"}) {
+    http.Post(path, not_allowed("GET"));
+    http.Put(path, not_allowed("GET"));
+    http.Patch(path, not_allowed("GET"));
+    http.Delete(path, not_allowed("GET"));
+  }
+}
+
+// The library's threads wait up to their keep-alive timeout (5 s) on an idle connection before
+// they notice the server stopped, and it offers no way to end that wait. Shutting down the read
+// side of every connection accepted on our port ends it at once: the waiting read sees EOF and
+// the thread closes the socket, while anything still being written goes out unharmed. Runs after
+// the listener closed and every reply was handed over, so nothing we still want to read is lost.
+void Server::Impl::end_idle_connections() {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return;
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    struct stat st;
+    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    sockaddr_storage ss{};
+    socklen_t len = sizeof(ss);
+    std::string host;
+    int local_port = -1;
+    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+        !numeric_address(ss, len, host, local_port) || local_port != port)
+      continue;
+    len = sizeof(ss);
+    // Connected sockets only: the listening socket has no peer.
+    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
+    ::shutdown(static_cast<int>(fd), SHUT_RD);
+  }
+  closedir(dir);
+}
+
+void Server::Impl::shutdown() {
+  {
+    std::lock_guard<std::mutex> lk(q_mu);
+    draining.store(true);
+  }
+  if (loader.joinable()) loader.join();
+  {
+    std::lock_guard<std::mutex> lk(q_mu);
+    for (const auto& job : queue) fail_job(*job, shutting_down_error());
+    queue.clear();
+  }
+  {
+    // Running generations may finish within the grace period; then they are cut short.
+    std::unique_lock<std::mutex> lk(q_mu);
+    const auto grace = std::chrono::duration_cast<Clock::duration>(
+        std::chrono::duration<double>(std::max(0.0, opt.shutdown_grace_seconds)));
+    idle_cv.wait_until(lk, Clock::now() + grace, [&] { return busy == 0; });
+    for (auto& s : slots)
+      if (s->current) s->current->request_cancel(CancelReason::kShutdown);
+    idle_cv.wait(lk, [&] { return busy == 0; });
+  }
+  {
+    // Let the HTTP threads write out the ends of their streams. A client that stopped reading
+    // holds this up for at most the library's write timeout, after which its write fails.
+    std::unique_lock<std::mutex> lk(streams_mu);
+    streams_cv.wait_for(lk, std::chrono::seconds(10), [&] { return open_streams == 0; });
+  }
+  http.stop();
+  end_idle_connections();
+  if (listener.joinable()) listener.join();
+  {
+    std::lock_guard<std::mutex> lk(q_mu);
+    workers_stop = true;
+  }
+  q_cv.notify_all();
+  for (auto& s : slots)
+    if (s->worker.joinable()) s->worker.join();
+}
+
+// ------------------------------------------------------------------------------------------
+
+Server::Server(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
+  if (impl_->opt.parallel < 1) fail("--parallel must be at least 1");
+  if (impl_->opt.max_body == 0) fail("--max-body must be at least 1 byte");
+}
+
+Server::~Server() {
+  shutdown();
+}
+
+void Server::start() {
+  Impl& m = *impl_;
+  const int http_threads =
+      m.opt.http_threads > 0 ? m.opt.http_threads : std::max(64, 4 * m.opt.parallel + 16);
+  // Each connection holds one library thread while it is open (a waiting or streaming client
+  // included), so there are many more of them than slots; they sleep while they wait.
+  m.http.new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
+  m.http.set_payload_max_length(m.opt.max_body);
+  m.http.set_tcp_nodelay(true);  // stream chunks are small; send each at once
+  m.setup_routes();
+  // The library's default socket options set SO_REUSEPORT, which lets a second server bind the
+  // same port and silently take half of its connections. SO_REUSEADDR alone still allows a quick
+  // restart over connections in TIME_WAIT. The callback also hands us the listening socket.
+  m.http.set_socket_options([&m](socket_t sock) {
+    int yes = 1;
+    setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (m.listen_fd < 0) m.listen_fd = sock;
+  });
+  if (m.opt.port == 0) {
+    m.port = m.http.bind_to_any_port(m.opt.host);
+  } else {
+    m.port = m.http.bind_to_port(m.opt.host, m.opt.port) ? m.opt.port : -1;
+  }
+  if (m.port < 0)
+    fail("cannot listen on ", m.opt.host, ":", m.opt.port,
+         " (address in use, not an address of this machine, or a privileged port)");
+  // The library listens with a compiled-in backlog of 5: a burst of clients connecting at once
+  // overflows it and the kernel drops SYNs, which costs each unlucky client a 1 s retransmit.
+  // Listening again on the bound socket raises the backlog (Linux updates it in place).
+  if (m.listen_fd >= 0) ::listen(m.listen_fd, SOMAXCONN);
+  m.listener = std::thread([&m] {
+    m.http.listen_after_bind();
+    m.listener_done.store(true);
+  });
+  // The library's stop() does nothing until its accept loop has started, so a shutdown() right
+  // after start() would be lost and leave the listener running; start() returns once it runs.
+  while (!m.http.is_running() && !m.listener_done.load())
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  m.loader = std::thread([&m] { m.load(); });
+}
+
+int Server::port() const {
+  return impl_->port;
+}
+
+bool Server::wait_loaded() {
+  std::unique_lock<std::mutex> lk(impl_->load_mu);
+  impl_->load_cv.wait(lk, [&] { return impl_->load_finished; });
+  return impl_->load_error.empty();
+}
+
+Server::LoadState Server::load_state() const {
+  std::lock_guard<std::mutex> lk(impl_->load_mu);
+  if (!impl_->load_finished) return LoadState::kLoading;
+  return impl_->load_error.empty() ? LoadState::kReady : LoadState::kFailed;
+}
+
+std::string Server::load_error() const {
+  std::lock_guard<std::mutex> lk(impl_->load_mu);
+  return impl_->load_error;
+}
+
+void Server::shutdown() {
+  std::call_once(impl_->shutdown_once, [this] { impl_->shutdown(); });
+}
+
+Server::Stats Server::stats() const {
+  // The loader fills `slots` before it sets `ready`; before that there are none to count.
+  const int slots = impl_->ready.load() ? static_cast<int>(impl_->slots.size()) : 0;
+  std::lock_guard<std::mutex> lk(impl_->q_mu);
+  return {slots, impl_->busy, static_cast<int>(impl_->queue.size()), impl_->completed.load(),
+          impl_->cancelled.load()};
+}
+
+}  // namespace gemstage::server

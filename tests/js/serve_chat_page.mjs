@@ -1,0 +1,93 @@
+// The chat page of `gemstage serve` in headless Chromium (Debian's chromium, driven by
+// playwright-core): type a message, send it, watch the reply stream in and match what the API
+// says for the same request; then attach an image and send a second turn; save a screenshot.
+//
+//   node tests/js/serve_chat_page.mjs path/to/gemstage path/to/tests/fixtures screenshot.png
+import fs from "node:fs";
+import path from "node:path";
+import { SLOW, assert, importPackage, parseArgs, startServer } from "./serve_helpers.mjs";
+
+const NAME = "serve_chat_page";
+const { cli, fixtures, model, rest } = parseArgs(NAME, "screenshot.png");
+const screenshot = rest[0];
+const check = (cond, message) => assert(NAME, cond, message);
+if (!screenshot) check(false, "no screenshot path given");
+const { chromium } = await importPackage(NAME, "playwright-core");
+const executablePath = process.env.CHROMIUM ?? "/usr/bin/chromium";
+check(fs.existsSync(executablePath),
+      `${executablePath} not found: install Debian's chromium (scripts/setup.sh does)`);
+
+const server = await startServer(cli, model, ["-np", "1", "-t", "2"]);
+const browser = await chromium.launch({ executablePath, args: ["--no-sandbox"], headless: true });
+const timeout = 30000 * SLOW;
+try {
+  const page = await browser.newPage({ viewport: { width: 900, height: 820 } });
+  const pageErrors = [];
+  page.on("pageerror", (e) => pageErrors.push(String(e)));
+  // Self-contained: any request to another origin is a failure.
+  const foreign = [];
+  page.on("request", (r) => {
+    if (!r.url().startsWith(server.url)) foreign.push(r.url());
+  });
+  await page.goto(server.url + "/");
+  await page.waitForFunction(() => document.getElementById("model").textContent === "model",
+                             null, { timeout });
+  await page.click("details summary");  // the settings panel
+  await page.fill("#temperature", "0");
+  await page.fill("#max-tokens", "48");
+
+  // The same request through the API, for the reply the page must show.
+  const text = "Hello there, how are you?";
+  const api = async (messages) => {
+    const r = await fetch(`${server.url}/v1/chat/completions`, {
+      method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ messages, temperature: 0, max_tokens: 48 }),
+    });
+    return (await r.json()).choices[0].message.content;
+  };
+  const want1 = await api([{ role: "user", content: text }]);
+
+  await page.fill("#input", text);
+  await page.click("#send");
+  const bubble1 = page.locator(".msg.assistant").nth(0);
+  await bubble1.locator(".meta").waitFor({ timeout });  // written once the stream completed
+  const got1 = await bubble1.locator(".content").textContent();
+  check(got1 === want1, `page reply ${JSON.stringify(got1)} != API reply ${JSON.stringify(want1)}`);
+  check(got1.length > 0, "the reply is empty");
+  check(/tokens/.test(await bubble1.locator(".meta").textContent()), "no usage line");
+
+  // Second turn with an image attached through the file input.
+  const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
+  await page.setInputFiles("#image", image);
+  await page.locator("#attachment").waitFor({ state: "visible", timeout });
+  await page.fill("#input", "What is in this picture?");
+  await page.press("#input", "Enter");
+  const bubble2 = page.locator(".msg.assistant").nth(1);
+  await bubble2.locator(".meta").waitFor({ timeout });
+  check(await page.locator(".msg.user").nth(1).locator("img").count() === 1,
+        "the user message does not show its image");
+  check(await page.locator(".msg.error").count() === 0,
+        `error shown: ${await page.locator(".msg.error").allTextContents()}`);
+  check(!(await page.locator("#attachment").isVisible()), "the attachment was not cleared");
+  const want2 = await api([
+    { role: "user", content: text },
+    { role: "assistant", content: want1 },
+    { role: "user", content: [
+      { type: "image_url", image_url: { url: `data:image/png;base64,${fs.readFileSync(image).toString("base64")}` } },
+      { type: "text", text: "What is in this picture?" },
+    ] },
+  ]);
+  const got2 = await bubble2.locator(".content").textContent();
+  check(got2 === want2, `second reply ${JSON.stringify(got2)} != API reply ${JSON.stringify(want2)}`);
+
+  check(pageErrors.length === 0, `page errors: ${pageErrors.join("; ")}`);
+  check(foreign.length === 0, `requests to other origins: ${foreign.join(", ")}`);
+  fs.mkdirSync(path.dirname(screenshot), { recursive: true });
+  await page.screenshot({ path: screenshot, fullPage: true });
+  check(fs.statSync(screenshot).size > 1000, "the screenshot is empty");
+} finally {
+  await browser.close();
+}
+const status = await server.stop("SIGTERM");
+check(status.code === 0, `server exit status ${JSON.stringify(status)}\n${server.stderr()}`);
+console.log(`serve_chat_page: streamed two replies in Chromium; screenshot at ${screenshot}`);

@@ -1,0 +1,262 @@
+// `gemstage serve` through the official `openai` npm client, on the tiny fixture model:
+// models, non-streamed and streamed chat, an image message, text completions, usage counts,
+// greedy output equal to `gemstage generate`'s, every error case as the client's APIError (status,
+// type, code, param), and a clean exit on SIGTERM with a stream in flight.
+//
+//   node tests/js/serve_openai.mjs path/to/gemstage path/to/tests/fixtures
+import path from "node:path";
+import {
+  SLOW, assert, dataUrl, generateJson, importPackage, parseArgs, sleep, startServer,
+} from "./serve_helpers.mjs";
+
+const NAME = "serve_openai";
+const { cli, fixtures, model } = parseArgs(NAME);
+const { default: OpenAI } = await importPackage(NAME, "openai");
+const check = (cond, message) => assert(NAME, cond, message);
+const eq = (got, want, what) =>
+  check(JSON.stringify(got) === JSON.stringify(want),
+        `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
+
+const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
+const smallPng = path.join(fixtures, "image", "decode", "rgb_interlaced.png");
+const prompt = "Hello there, how are you?";
+let passed = 0;
+async function step(name, fn) {
+  const t0 = Date.now();
+  try {
+    await fn();
+  } catch (e) {
+    check(false, `${name}: ${e.stack ?? e}`);
+  }
+  passed++;
+  console.log(`ok ${passed} - ${name} (${Date.now() - t0} ms)`);
+}
+
+// An APIError with this status and error code (and param), in OpenAI's error shape.
+async function expectApiError(promise, status, code, param) {
+  try {
+    await promise;
+  } catch (e) {
+    check(e instanceof OpenAI.APIError, `expected an APIError, got ${e}`);
+    eq(e.status, status, `status of "${e.message}"`);
+    eq(e.code ?? null, code, `code of "${e.message}"`);
+    if (param !== undefined) eq(e.param ?? null, param, `param of "${e.message}"`);
+    check(typeof e.error?.message === "string" && e.error.message.length > 0, "no error message");
+    check(typeof e.error?.type === "string", "no error type");
+    return e;
+  }
+  check(false, `expected HTTP ${status} (${code}), but the request succeeded`);
+}
+
+const server = await startServer(cli, model, ["-np", "2", "-t", "2", "--shutdown-grace", "1"]);
+const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0,
+                            timeout: 60000 * SLOW });
+
+await step("GET /health: ready, with the slots -np asked for", async () => {
+  const r = await fetch(`${server.url}/health`);
+  eq(r.status, 200, "status");
+  eq(await r.json(), { queued: 0, slots: 2, slots_busy: 0, status: "ok" }, "health");
+});
+
+await step("GET /v1/models", async () => {
+  const models = await client.models.list();
+  eq(models.data.map((m) => m.id), ["model"], "model ids");
+  eq(models.data[0].object, "model", "object");
+});
+
+const want = generateJson(cli, model, ["--temp", "0", "-n", "12", "-p", prompt]);
+let whole;
+await step("non-streamed chat equals gemstage generate (greedy)", async () => {
+  whole = await client.chat.completions.create({
+    model: "model", messages: [{ role: "user", content: prompt }], temperature: 0, max_tokens: 12,
+  });
+  eq(whole.object, "chat.completion", "object");
+  eq(whole.choices.length, 1, "choices");
+  eq(whole.choices[0].message.role, "assistant", "role");
+  eq(whole.choices[0].message.content, want.text, "content");
+  eq(whole.choices[0].finish_reason, want.finish_reason, "finish_reason");
+  eq(whole.usage.prompt_tokens, want.prompt_tokens, "prompt_tokens");
+  eq(whole.usage.completion_tokens, want.completion_tokens, "completion_tokens");
+  eq(whole.usage.total_tokens, want.prompt_tokens + want.completion_tokens, "total_tokens");
+});
+
+await step("streamed chat: role first, same content, finish, usage", async () => {
+  const stream = await client.chat.completions.create({
+    model: "model", messages: [{ role: "user", content: prompt }], temperature: 0, max_tokens: 12,
+    stream: true, stream_options: { include_usage: true },
+  });
+  let content = "", role = null, finish = null, usage = null, chunks = 0;
+  for await (const chunk of stream) {
+    chunks++;
+    eq(chunk.object, "chat.completion.chunk", "chunk object");
+    if (chunk.usage) usage = chunk.usage;
+    const c = chunk.choices[0];
+    if (!c) continue;
+    if (c.delta.role) role = c.delta.role;
+    if (c.delta.content) content += c.delta.content;
+    if (c.finish_reason) finish = c.finish_reason;
+  }
+  check(chunks >= 3, `only ${chunks} chunks`);
+  eq(role, "assistant", "role");
+  eq(content, want.text, "streamed content");
+  eq(finish, want.finish_reason, "finish_reason");
+  eq(usage, whole.usage, "usage");
+});
+
+await step("streamed chat without include_usage has no usage chunk", async () => {
+  const stream = await client.chat.completions.create({
+    model: "model", messages: [{ role: "user", content: "Hi" }], max_tokens: 5, stream: true,
+  });
+  for await (const chunk of stream) check(!chunk.usage, "unexpected usage chunk");
+});
+
+await step("image message equals gemstage generate --image (greedy)", async () => {
+  const wantImage = generateJson(cli, model,
+                                 ["--temp", "0", "-n", "8", "--image", image, "-p", "What is this?"]);
+  const r = await client.chat.completions.create({
+    model: "model", temperature: 0, max_tokens: 8,
+    messages: [{ role: "user", content: [
+      { type: "image_url", image_url: { url: dataUrl(image, "image/png") } },
+      { type: "text", text: "What is this?" },
+    ] }],
+  });
+  eq(r.choices[0].message.content, wantImage.text, "content");
+  eq(r.usage.prompt_tokens, wantImage.prompt_tokens, "prompt_tokens (with the image's tokens)");
+  eq(r.usage.completion_tokens, wantImage.completion_tokens, "completion_tokens");
+});
+
+await step("multi-turn chat with a system prompt", async () => {
+  const r = await client.chat.completions.create({
+    model: "model", max_tokens: 6, seed: 3,
+    messages: [
+      { role: "system", content: "You are terse." },
+      { role: "user", content: "Hi" },
+      { role: "assistant", content: "Hello." },
+      { role: "user", content: [{ type: "text", text: "Again" }] },
+    ],
+  });
+  check(r.usage.completion_tokens >= 1 && r.usage.completion_tokens <= 6, "completion_tokens");
+  // Seeded sampling is reproducible.
+  const again = await client.chat.completions.create({
+    model: "model", max_tokens: 6, seed: 3,
+    messages: [
+      { role: "system", content: "You are terse." },
+      { role: "user", content: "Hi" },
+      { role: "assistant", content: "Hello." },
+      { role: "user", content: [{ type: "text", text: "Again" }] },
+    ],
+  });
+  eq(again.choices[0].message.content, r.choices[0].message.content, "seeded reply");
+});
+
+await step("text completions (plain and streamed) equal gemstage generate --raw", async () => {
+  const wantRaw = generateJson(cli, model, ["--raw", "--temp", "0", "-n", "10", "-p", "Once upon"]);
+  const r = await client.completions.create({
+    model: "model", prompt: "Once upon", temperature: 0, max_tokens: 10,
+  });
+  eq(r.object, "text_completion", "object");
+  eq(r.choices[0].text, wantRaw.text, "text");
+  eq(r.usage.prompt_tokens, wantRaw.prompt_tokens, "prompt_tokens");
+  eq(r.usage.completion_tokens, wantRaw.completion_tokens, "completion_tokens");
+  const stream = await client.completions.create({
+    model: "model", prompt: "Once upon", temperature: 0, max_tokens: 10, stream: true,
+  });
+  let text = "", finish = null;
+  for await (const chunk of stream) {
+    text += chunk.choices[0]?.text ?? "";
+    finish = chunk.choices[0]?.finish_reason ?? finish;
+  }
+  eq(text, wantRaw.text, "streamed text");
+  eq(finish, wantRaw.finish_reason, "finish_reason");
+});
+
+await step("request errors are APIErrors with status, code and param", async () => {
+  const chat = (body) => client.chat.completions.create({ model: "model", ...body });
+  const user = (content) => ({ role: "user", content });
+  const img = (url) => user([{ type: "image_url", image_url: { url } }]);
+  await expectApiError(chat({ messages: [] }), 400, "empty_array", "messages");
+  await expectApiError(chat({ messages: [{ role: "narrator", content: "x" }] }), 400,
+                       "invalid_value", "messages[0].role");
+  await expectApiError(chat({ messages: [user("x")], max_tokens: "ten" }), 400, "invalid_type",
+                       "max_tokens");
+  await expectApiError(chat({ messages: [user(42)] }), 400, "invalid_type", "messages[0].content");
+  await expectApiError(chat({ messages: [user("x")], n: 2 }), 400, "unsupported_value", "n");
+  await expectApiError(chat({ messages: [img("https://example.com/cat.png")] }), 400,
+                       "unsupported_image_url", "messages[0].content[0].image_url.url");
+  await expectApiError(chat({ messages: [img("data:image/png;base64,%%%")] }), 400,
+                       "invalid_base64", "messages[0].content[0].image_url.url");
+  await expectApiError(chat({ messages: [img("data:image/png;base64,aGVsbG8=")] }), 400,
+                       "invalid_image", "messages[0].content[0].image_url.url");
+  await expectApiError(chat({ messages: [user("x")], stream: true, temperature: 5 }), 400,
+                       "invalid_value", "temperature");
+  await expectApiError(client.completions.create({ model: "model", prompt: [1, 2, 3] }), 400,
+                       "unsupported_value", "prompt");
+  // What the client cannot send malformed, fetch can.
+  const raw = await fetch(`${server.url}/v1/chat/completions`, {
+    method: "POST", headers: { "Content-Type": "application/json" }, body: "{\"messages\": [",
+  });
+  eq(raw.status, 400, "malformed JSON status");
+  eq((await raw.json()).error.code, "invalid_json", "malformed JSON code");
+  await expectApiError(client.get("/nothing/here"), 404, "not_found", null);
+  const wrongMethod = await fetch(`${server.url}/v1/chat/completions`);
+  eq(wrongMethod.status, 405, "GET on a POST route");
+  eq(wrongMethod.headers.get("allow"), "POST", "Allow header");
+});
+
+// A second server with every limit small: API key, body size, image size, context.
+const strict = await startServer(cli, model, ["--api-key", "test-key", "--max-body", "8192",
+                                              "--max-image-pixels", "300", "-c", "64", "-t", "1"]);
+const strictClient = new OpenAI({ baseURL: `${strict.url}/v1`, apiKey: "test-key", maxRetries: 0 });
+await step("API key, body limit, image limit and context length", async () => {
+  const anonymous = new OpenAI({ baseURL: `${strict.url}/v1`, apiKey: "wrong", maxRetries: 0 });
+  const body = { model: "model", messages: [{ role: "user", content: "Hi" }], max_tokens: 2 };
+  const e = await expectApiError(anonymous.chat.completions.create(body), 401, "invalid_api_key");
+  check(e instanceof OpenAI.AuthenticationError, "not an AuthenticationError");
+  const noKey = await fetch(`${strict.url}/v1/models`);
+  eq(noKey.status, 401, "no Authorization header");
+  eq((await noKey.json()).error.code, "missing_api_key", "no Authorization header code");
+  eq((await fetch(`${strict.url}/health`)).status, 200, "/health needs no key");
+  const ok = await strictClient.chat.completions.create(body);
+  check(ok.choices.length === 1, "the right key works");
+  await expectApiError(strictClient.chat.completions.create({
+    ...body, messages: [{ role: "user", content: "x".repeat(9000) }],
+  }), 413, "request_too_large", null);
+  await expectApiError(strictClient.chat.completions.create({
+    ...body, messages: [{ role: "user", content: [
+      { type: "image_url", image_url: { url: dataUrl(smallPng, "image/png") } }] }],
+  }), 400, "invalid_image", "messages[0].content[0].image_url.url");
+  const long = Array.from({ length: 80 }, (_, i) => `word${i}`).join(" ");
+  await expectApiError(strictClient.chat.completions.create({
+    ...body, messages: [{ role: "user", content: long }],
+  }), 400, "context_length_exceeded", "messages");
+  await expectApiError(strictClient.chat.completions.create({
+    ...body, stream: true, messages: [{ role: "user", content: long }],
+  }), 400, "context_length_exceeded", "messages");
+});
+eq(await strict.stop("SIGINT"), { code: 0, signal: null }, "exit status after SIGINT");
+
+await step("SIGTERM with a stream in flight: the stream ends and the server exits 0", async () => {
+  const stream = await client.chat.completions.create({
+    model: "model", messages: [{ role: "user", content: "Talk" }], max_tokens: 100000,
+    stream: true,
+  });
+  const t0 = Date.now();
+  let chunks = 0, streamError = null;
+  const consume = (async () => {
+    try {
+      for await (const _ of stream) chunks++;
+    } catch (e) {
+      streamError = e;  // cut short after the grace period: an error event
+    }
+  })();
+  await sleep(100);
+  const status = await server.stop("SIGTERM");
+  await consume;
+  eq(status, { code: 0, signal: null }, "exit status");
+  check(chunks > 0, "no chunks before the shutdown");
+  check(Date.now() - t0 < 20000 * SLOW, "shutdown took too long");
+  if (streamError) check(/shutting down/.test(String(streamError.message)), `${streamError}`);
+  check(/SIGTERM/.test(server.stderr()) && /stopped/.test(server.stderr()), server.stderr());
+});
+
+console.log(`serve_openai: all ${passed} checks passed`);

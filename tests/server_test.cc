@@ -1,0 +1,1197 @@
+// `gemstage serve`: the request parser and error shapes (every refusal), then the server itself
+// in-process on the tiny fixture model: health, models, chat and completions (streamed or not,
+// greedy output equal to `generate`'s), every HTTP error with its status and OpenAI error shape,
+// the API key, the body limit, clients that vanish or stall, the queue order and shutdown.
+#include "server/server.h"
+
+#include <arpa/inet.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <fstream>
+#include <future>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "server/api.h"
+#include "test_util.h"
+
+using namespace gemstage;
+using namespace gemstage::server;
+using namespace gemstage::testing;
+using json = nlohmann::json;
+
+namespace {
+
+// Sanitizer builds run the model several times slower; their waits stretch by this much.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr int kSlow = 10;
+#else
+constexpr int kSlow = 1;
+#endif
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string slurp(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string data_url(const std::string& path, const std::string& mime) {
+  const std::string bytes = slurp(path);
+  return "data:" + mime + ";base64," +
+         encode_base64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+}
+const std::string kPng = std::string(GEMSTAGE_FIXTURES) + "/image/decode/rgb_interlaced.png";
+const std::string kJpeg = std::string(GEMSTAGE_FIXTURES) + "/image/decode/rgb420.jpg";
+
+// The ApiError fn throws; fails the test when it throws nothing.
+std::optional<ApiError> api_error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const ApiError& e) {
+    return e;
+  }
+  return std::nullopt;
+}
+
+json user(const json& content) {
+  return {{"role", "user"}, {"content", content}};
+}
+json chat_body(const json& extra = json::object()) {
+  json b = {{"model", "m"}, {"messages", json::array({user("Hello")})}};
+  b.update(extra);
+  return b;
+}
+
+// ------------------------------------------------------------------------------------------
+// The parser.
+
+TEST(ServerApi, ParsesAMinimalChat) {
+  const ChatRequest r = parse_chat_request(chat_body());
+  EXPECT_EQ(r.model, "m");
+  ASSERT_EQ(r.messages.size(), 1u);
+  EXPECT_EQ(r.messages[0].role, "user");
+  ASSERT_EQ(r.messages[0].parts.size(), 1u);
+  EXPECT_EQ(r.messages[0].parts[0].text, "Hello");
+  EXPECT_FALSE(r.messages[0].parts[0].image);
+  EXPECT_FALSE(r.stream);
+  EXPECT_FALSE(r.sampling.max_tokens);
+  EXPECT_FALSE(r.sampling.temperature);
+  EXPECT_FALSE(r.sampling.stop);
+}
+
+TEST(ServerApi, ParsesRolesPartsAndImages) {
+  const json body = {
+      {"messages",
+       json::array(
+           {{{"role", "developer"}, {"content", "Be brief."}},
+            user(json::array(
+                {{{"type", "text"}, {"text", "What is this?"}},
+                 {{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}},
+                 {{"type", "image_url"}, {"image_url", data_url(kJpeg, "image/jpeg")}}})),
+            {{"role", "assistant"}, {"content", "A picture."}, {"name", "bot"}},
+            {{"role", "system"}, {"content", json::array({{{"type", "text"}, {"text", "x"}}})}}})},
+      {"user", "ignored"},
+      {"some_future_field", {1, 2}}};
+  const ChatRequest r = parse_chat_request(body);
+  ASSERT_EQ(r.messages.size(), 4u);
+  EXPECT_EQ(r.messages[0].role, "developer");
+  ASSERT_EQ(r.messages[1].parts.size(), 3u);
+  EXPECT_EQ(r.messages[1].parts[0].text, "What is this?");
+  ASSERT_TRUE(r.messages[1].parts[1].image);
+  EXPECT_EQ(r.messages[1].parts[1].image->width, 23);
+  EXPECT_EQ(r.messages[1].parts[1].image->height, 17);
+  ASSERT_TRUE(r.messages[1].parts[2].image);  // the bare-string image_url form
+  EXPECT_EQ(r.messages[1].parts[2].image->rgb.size(), 23u * 17u * 3u);
+  EXPECT_EQ(r.messages[2].role, "assistant");
+  EXPECT_EQ(r.messages[3].parts[0].text, "x");
+}
+
+TEST(ServerApi, ParsesSamplingAndStreamingFields) {
+  ChatRequest r = parse_chat_request(chat_body({{"max_tokens", 7},
+                                                {"max_completion_tokens", 9},
+                                                {"temperature", 0},
+                                                {"top_p", 0.5},
+                                                {"top_k", 3},
+                                                {"min_p", 0.1},
+                                                {"seed", -1},
+                                                {"stop", "END"},
+                                                {"n", 1},
+                                                {"stream", true},
+                                                {"stream_options", {{"include_usage", true}}},
+                                                {"frequency_penalty", 0},
+                                                {"presence_penalty", 0},
+                                                {"logprobs", false},
+                                                {"tools", json::array()},
+                                                {"tool_choice", "none"},
+                                                {"response_format", {{"type", "text"}}}}));
+  EXPECT_EQ(r.sampling.max_tokens, 9);  // max_completion_tokens wins
+  EXPECT_EQ(r.sampling.temperature, 0.0f);
+  EXPECT_FLOAT_EQ(*r.sampling.top_p, 0.5f);
+  EXPECT_EQ(r.sampling.top_k, 3);
+  EXPECT_FLOAT_EQ(*r.sampling.min_p, 0.1f);
+  EXPECT_EQ(r.sampling.seed, ~uint64_t{0});
+  EXPECT_EQ(r.sampling.stop, std::vector<std::string>{"END"});
+  EXPECT_TRUE(r.stream);
+  EXPECT_TRUE(r.include_usage);
+
+  r = parse_chat_request(chat_body({{"max_tokens", 5},
+                                    {"stop", {"a", "bc"}},
+                                    {"seed", 18446744073709551615ull},
+                                    {"temperature", nullptr},
+                                    {"stream_options", nullptr}}));
+  EXPECT_EQ(r.sampling.max_tokens, 5);
+  EXPECT_EQ(r.sampling.stop, (std::vector<std::string>{"a", "bc"}));
+  EXPECT_EQ(r.sampling.seed, ~uint64_t{0});
+  EXPECT_FALSE(r.sampling.temperature);  // null: the server's default
+  EXPECT_FALSE(r.include_usage);
+}
+
+struct BadCase {
+  json body;
+  std::string param, code, message_part;
+};
+
+void expect_refused(const std::function<void(const json&)>& parse, const BadCase& c) {
+  SCOPED_TRACE(c.body.dump().substr(0, 300));
+  const auto e = api_error_of([&] { parse(c.body); });
+  ASSERT_TRUE(e) << "accepted";
+  EXPECT_EQ(e->status(), 400);
+  EXPECT_EQ(e->type(), "invalid_request_error");
+  EXPECT_EQ(e->param(), c.param) << e->what();
+  EXPECT_EQ(e->code(), c.code) << e->what();
+  EXPECT_NE(std::string(e->what()).find(c.message_part), std::string::npos) << e->what();
+}
+
+TEST(ServerApi, RefusesEveryInvalidChatBody) {
+  const json img = {{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}};
+  auto image_part = [](const std::string& url) {
+    return user(json::array({{{"type", "image_url"}, {"image_url", {{"url", url}}}}}));
+  };
+  const std::string junk =
+      "data:image/png;base64," + encode_base64(reinterpret_cast<const uint8_t*>("junk!"), 5);
+  json twenty = json::array();
+  for (int i = 0; i < 17; ++i) twenty.push_back("s" + std::to_string(i));
+  const std::vector<BadCase> cases = {
+      {{{"model", "m"}}, "messages", "missing_required_parameter", "'messages' is required"},
+      {{{"messages", "hi"}}, "messages", "invalid_type", "must be an array, not a string"},
+      {{{"messages", json::array()}}, "messages", "empty_array", "at least one message"},
+      {{{"messages", {1}}}, "messages[0]", "invalid_type", "must be an object"},
+      {{{"messages", {{{"content", "x"}}}}},
+       "messages[0].role",
+       "missing_required_parameter",
+       "'role' is required"},
+      {{{"messages", {{{"role", 3}, {"content", "x"}}}}},
+       "messages[0].role",
+       "invalid_type",
+       "must be a string, not an integer"},
+      {{{"messages", {{{"role", "wizard"}, {"content", "x"}}}}},
+       "messages[0].role",
+       "invalid_value",
+       "role 'wizard' is not supported"},
+      {{{"messages", {{{"role", "tool"}, {"content", "x"}}}}},
+       "messages[0].role",
+       "invalid_value",
+       "tool messages are not supported"},
+      {{{"messages", {user("x"), {{"role", "developer"}, {"content", "x"}}}}},
+       "messages[1].role",
+       "invalid_value",
+       "only accepted first"},
+      {{{"messages", {{{"role", "user"}}}}},
+       "messages[0].content",
+       "missing_required_parameter",
+       "'content' is required"},
+      {{{"messages", {{{"role", "user"}, {"content", nullptr}}}}},
+       "messages[0].content",
+       "missing_required_parameter",
+       "'content' is required"},
+      {{{"messages", {user(42)}}},
+       "messages[0].content",
+       "invalid_type",
+       "a string or an array of content parts"},
+      {{{"messages", {user({"x"})}}},
+       "messages[0].content[0]",
+       "invalid_type",
+       "must be an object"},
+      {{{"messages", {user({{{"text", "x"}}})}}},
+       "messages[0].content[0].type",
+       "missing_required_parameter",
+       "'type' is required"},
+      {{{"messages", {user({{{"type", "input_audio"}}})}}},
+       "messages[0].content[0].type",
+       "invalid_value",
+       "'input_audio' is not supported"},
+      {{{"messages", {user({{{"type", "text"}}})}}},
+       "messages[0].content[0].text",
+       "missing_required_parameter",
+       "'text' is required"},
+      {{{"messages", {user({{{"type", "text"}, {"text", 1}}})}}},
+       "messages[0].content[0].text",
+       "invalid_type",
+       "must be a string"},
+      {{{"messages", {{{"role", "assistant"}, {"content", {img}}}}}},
+       "messages[0].content[0]",
+       "invalid_value",
+       "only accepted in user messages"},
+      {{{"messages", {user({{{"type", "image_url"}}})}}},
+       "messages[0].content[0].image_url",
+       "missing_required_parameter",
+       "'image_url' is required"},
+      {{{"messages", {user({{{"type", "image_url"}, {"image_url", {{"detail", "low"}}}}})}}},
+       "messages[0].content[0].image_url.url",
+       "missing_required_parameter",
+       "is required"},
+      {{{"messages", {user({{{"type", "image_url"}, {"image_url", {{"url", 5}}}}})}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_type",
+       "must be a string"},
+      {{{"messages", {image_part("https://example.com/cat.png")}}},
+       "messages[0].content[0].image_url.url",
+       "unsupported_image_url",
+       "remote image URLs are not fetched"},
+      {{{"messages", {image_part("http://127.0.0.1/cat.png")}}},
+       "messages[0].content[0].image_url.url",
+       "unsupported_image_url",
+       "remote image URLs are not fetched"},
+      {{{"messages", {image_part("file:///etc/passwd")}}},
+       "messages[0].content[0].image_url.url",
+       "unsupported_image_url",
+       "must be a data:image/png;base64"},
+      {{{"messages", {image_part("data:image/gif;base64,R0lGOD")}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image_url",
+       "'image/gif'"},
+      {{{"messages", {image_part("data:image/png,rawbytes")}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image_url",
+       "base64-encoded"},
+      {{{"messages", {image_part("data:image/png;base64")}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image_url",
+       "no ','"},
+      {{{"messages", {image_part("data:image/png;base64,@@@@")}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_base64",
+       "not valid base64"},
+      {{{"messages", {image_part("data:image/png;base64,")}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image",
+       "no image bytes"},
+      {{{"messages", {image_part(junk)}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image",
+       "image 1"},
+      {{{"messages", {image_part(data_url(kJpeg, "image/jpeg").substr(0, 23 + 400))}}},
+       "messages[0].content[0].image_url.url",
+       "invalid_image",
+       ""},
+      {chat_body({{"model", 5}}), "model", "invalid_type", "must be a string"},
+      {chat_body({{"n", 2}}), "n", "unsupported_value", "'n' must be 1"},
+      {chat_body({{"n", "1"}}), "n", "invalid_type", "must be an integer"},
+      {chat_body({{"max_tokens", 0}}), "max_tokens", "invalid_value", "between 1 and"},
+      {chat_body({{"max_tokens", "10"}}), "max_tokens", "invalid_type", "an integer, not a string"},
+      {chat_body({{"max_tokens", 1.5}}), "max_tokens", "invalid_type", "an integer, not a number"},
+      {chat_body({{"max_tokens", 1e300}}), "max_tokens", "invalid_type", "an integer"},
+      {chat_body({{"max_tokens", 18446744073709551615ull}}), "max_tokens", "invalid_value",
+       "at most"},
+      {chat_body({{"max_completion_tokens", -1}}), "max_completion_tokens", "invalid_value",
+       "between 1 and"},
+      {chat_body({{"temperature", "hot"}}), "temperature", "invalid_type", "must be a number"},
+      {chat_body({{"temperature", 2.5}}), "temperature", "invalid_value", "<= 2"},
+      {chat_body({{"temperature", -0.1}}), "temperature", "invalid_value", ">= 0"},
+      {chat_body({{"top_p", 0}}), "top_p", "invalid_value", "> 0"},
+      {chat_body({{"top_p", true}}), "top_p", "invalid_type", "not a boolean"},
+      {chat_body({{"top_k", -1}}), "top_k", "invalid_value", "between 0"},
+      {chat_body({{"min_p", 2}}), "min_p", "invalid_value", "<= 1"},
+      {chat_body({{"seed", "x"}}), "seed", "invalid_type", "must be an integer"},
+      {chat_body({{"seed", 1.5}}), "seed", "invalid_type", "must be an integer"},
+      {chat_body({{"stop", 5}}), "stop", "invalid_type", "a string or an array of strings"},
+      {chat_body({{"stop", ""}}), "stop", "invalid_value", "must not be empty"},
+      {chat_body({{"stop", {"a", ""}}}), "stop[1]", "invalid_value", "must not be empty"},
+      {chat_body({{"stop", {"a", 1}}}), "stop[1]", "invalid_type", "must be a string"},
+      {chat_body({{"stop", twenty}}), "stop", "invalid_value", "at most 16"},
+      {chat_body({{"stream", "yes"}}), "stream", "invalid_type", "must be a boolean"},
+      {chat_body({{"stream_options", 1}}), "stream_options", "invalid_type", "must be an object"},
+      {chat_body({{"stream_options", {{"include_usage", "y"}}}}), "stream_options.include_usage",
+       "invalid_type", "must be a boolean"},
+      {chat_body({{"frequency_penalty", 0.5}}), "frequency_penalty", "unsupported_value",
+       "not supported"},
+      {chat_body({{"presence_penalty", "x"}}), "presence_penalty", "invalid_type",
+       "must be a number"},
+      {chat_body({{"logprobs", true}}), "logprobs", "unsupported_value", "not supported"},
+      {chat_body({{"top_logprobs", 2}}), "top_logprobs", "unsupported_value", "not supported"},
+      {chat_body({{"tools", {{{"type", "function"}}}}}), "tools", "unsupported_value",
+       "tool calling"},
+      {chat_body({{"tool_choice", "required"}}), "tool_choice", "unsupported_value",
+       "tool calling"},
+      {chat_body({{"response_format", {{"type", "json_object"}}}}), "response_format",
+       "unsupported_value", "only response_format"},
+      {chat_body({{"response_format", "json"}}), "response_format", "invalid_type",
+       "must be an object"},
+      {{{"messages", {{{"role", "assistant"}, {"content", "x"}, {"tool_calls", {{{"id", "1"}}}}}}}},
+       "messages[0].tool_calls",
+       "unsupported_value",
+       "tool calls are not supported"},
+  };
+  for (const BadCase& c : cases) expect_refused([](const json& b) { parse_chat_request(b); }, c);
+}
+
+TEST(ServerApi, RefusesOversizedImages) {
+  RequestLimits small;
+  small.max_image_pixels = 300;  // the fixture is 23x17 = 391 pixels
+  const json body = {
+      {"messages",
+       {user({{{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}}})}}};
+  expect_refused(
+      [&](const json& b) { parse_chat_request(b, small); },
+      {body, "messages[0].content[0].image_url.url", "invalid_image", "over the limit of 300"});
+  small.max_image_pixels = 391;
+  EXPECT_NO_THROW(parse_chat_request(body, small));
+  // Four of them fit the request's budget; the fifth does not.
+  json parts = json::array();
+  for (int i = 0; i < 5; ++i)
+    parts.push_back({{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}});
+  json five = {{"messages", {user(parts)}}};
+  expect_refused([&](const json& b) { parse_chat_request(b, small); },
+                 {five, "messages[0].content[4].image_url.url", "invalid_image",
+                  "budget of 1564 pixels for all its images"});
+  five["messages"][0]["content"].erase(4);
+  EXPECT_NO_THROW(parse_chat_request(five, small));
+}
+
+TEST(ServerApi, RefusesEveryInvalidCompletionBody) {
+  const std::vector<BadCase> cases = {
+      {{{"model", "m"}}, "prompt", "missing_required_parameter", "'prompt' is required"},
+      {{{"prompt", 5}}, "prompt", "invalid_type", "must be a string"},
+      {{{"prompt", {1, 2}}}, "prompt", "unsupported_value", "token-id arrays"},
+      {{{"prompt", {"a", "b"}}}, "prompt", "unsupported_value", "batches"},
+      {{{"prompt", "x"}, {"echo", true}}, "echo", "unsupported_value", "not supported"},
+      {{{"prompt", "x"}, {"suffix", "y"}}, "suffix", "unsupported_value", "not supported"},
+      {{{"prompt", "x"}, {"best_of", 3}}, "best_of", "unsupported_value", "must be 1"},
+      {{{"prompt", "x"}, {"n", 3}}, "n", "unsupported_value", "must be 1"},
+      {{{"prompt", "x"}, {"max_tokens", -5}}, "max_tokens", "invalid_value", "between 1"},
+  };
+  for (const BadCase& c : cases)
+    expect_refused([](const json& b) { parse_completion_request(b); }, c);
+  const CompletionRequest r =
+      parse_completion_request({{"prompt", {"once"}}, {"stream", true}, {"echo", false}});
+  EXPECT_EQ(r.prompt, "once");
+  EXPECT_TRUE(r.stream);
+}
+
+TEST(ServerApi, MalformedJsonIsA400) {
+  const std::string deep(200000, '[');  // deeper than any recursive parser's stack
+  for (const std::string& body :
+       {std::string(), std::string("{"), std::string("{\"a\":}"), std::string("[]"),
+        std::string("null"), std::string("\"x\""), std::string("{\"messages\": [\"\xff\xfe\"]}"),
+        std::string("{} trailing"), deep}) {
+    SCOPED_TRACE(body.substr(0, 40));
+    const auto e = api_error_of([&] { parse_json_body(body); });
+    ASSERT_TRUE(e);
+    EXPECT_EQ(e->status(), 400);
+    EXPECT_EQ(e->code(), "invalid_json");
+    EXPECT_EQ(e->param(), "");
+    // The message may quote the client's bytes, invalid UTF-8 included; the reply still builds.
+    EXPECT_NO_THROW(wire_json(error_json(*e)));
+  }
+  EXPECT_TRUE(parse_json_body(" {\"a\": 1} ").is_object());
+}
+
+TEST(ServerApi, Base64IsStrict) {
+  std::mt19937 rng(5);
+  for (size_t n = 0; n < 40; ++n) {
+    std::vector<uint8_t> bytes(n);
+    for (auto& b : bytes) b = static_cast<uint8_t>(rng());
+    const std::string enc = encode_base64(bytes.data(), bytes.size());
+    EXPECT_EQ(decode_base64(enc), bytes) << enc;
+    // Unpadded input decodes the same.
+    std::string bare = enc;
+    while (!bare.empty() && bare.back() == '=') bare.pop_back();
+    EXPECT_EQ(decode_base64(bare), bytes) << bare;
+  }
+  EXPECT_EQ(decode_base64("TWFu"), (std::vector<uint8_t>{'M', 'a', 'n'}));
+  for (const char* bad :
+       {"TWF", "T===", "TW=u", "TWFu\n", "TW Fu", "TWFu====", "TWF=", "-_-_", "A"})
+    EXPECT_FALSE(decode_base64(bad)) << bad;
+}
+
+TEST(ServerApi, ErrorsHaveTheOpenAIShape) {
+  const json a = error_json(ApiError(400, "bad thing", "invalid_request_error", "messages", "x"));
+  EXPECT_EQ(a, json::parse(R"({"error":{"message":"bad thing","type":"invalid_request_error",
+                                         "param":"messages","code":"x"}})"));
+  const json b = error_json(ApiError(503, "later", "server_error"));
+  EXPECT_TRUE(b["error"]["param"].is_null());
+  EXPECT_TRUE(b["error"]["code"].is_null());
+  EXPECT_EQ(b["error"]["type"], "server_error");
+}
+
+TEST(ServerApi, OverridesApplyOnTopOfDefaults) {
+  GenerationOptions d;
+  d.max_tokens = 100;
+  d.sampling.temperature = 0.7f;
+  d.sampling.top_k = 64;
+  d.stop_strings = {"X"};
+  d.stop_ids = {1, 106};
+  GenerationOptions g = apply_overrides(d, {}, 42);
+  EXPECT_EQ(g.max_tokens, 100);
+  EXPECT_EQ(g.sampling.temperature, 0.7f);
+  EXPECT_EQ(g.sampling.seed, 42u);
+  EXPECT_EQ(g.stop_strings, std::vector<std::string>{"X"});
+  EXPECT_EQ(g.stop_ids, (std::vector<int32_t>{1, 106}));
+  SamplingOverrides o;
+  o.max_tokens = 3;
+  o.temperature = 0;
+  o.top_k = 0;
+  o.seed = 9;
+  o.stop = std::vector<std::string>{};
+  g = apply_overrides(d, o, 42);
+  EXPECT_EQ(g.max_tokens, 3);
+  EXPECT_EQ(g.sampling.temperature, 0.0f);
+  EXPECT_EQ(g.sampling.top_k, 0);
+  EXPECT_EQ(g.sampling.seed, 9u);
+  EXPECT_TRUE(g.stop_strings.empty());
+  EXPECT_EQ(openai_finish_reason("context"), "length");
+  EXPECT_EQ(openai_finish_reason("stop"), "stop");
+}
+
+TEST(ServerApi, ResponseObjects) {
+  const ResponseMeta m{"chatcmpl-1", "tiny", 1700000000};
+  const json c = chat_completion_json(m, "hi", "stop", 5, 2);
+  EXPECT_EQ(c["object"], "chat.completion");
+  EXPECT_EQ(c["choices"][0]["message"], json({{"role", "assistant"}, {"content", "hi"}}));
+  EXPECT_EQ(c["choices"][0]["finish_reason"], "stop");
+  EXPECT_EQ(c["usage"],
+            json({{"prompt_tokens", 5}, {"completion_tokens", 2}, {"total_tokens", 7}}));
+  const json k = chat_chunk_json(m, {{"content", "h"}}, std::nullopt);
+  EXPECT_EQ(k["object"], "chat.completion.chunk");
+  EXPECT_TRUE(k["choices"][0]["finish_reason"].is_null());
+  const json u = usage_chunk_json(m, "chat.completion.chunk", 5, 2);
+  EXPECT_TRUE(u["choices"].empty());
+  EXPECT_EQ(u["usage"]["total_tokens"], 7);
+  const json t = text_completion_json(m, "x", "length", 1, 1);
+  EXPECT_EQ(t["object"], "text_completion");
+  EXPECT_EQ(t["choices"][0]["text"], "x");
+  const json models = models_json("tiny", 1);
+  EXPECT_EQ(models["data"][0]["id"], "tiny");
+  EXPECT_EQ(models["data"][0]["object"], "model");
+  // One event per chunk, even when the text has newlines; invalid UTF-8 never throws.
+  const std::string ev = sse_event(text_completion_chunk_json(m, "a\n\nb\xff", std::nullopt));
+  EXPECT_EQ(ev.rfind("data: {", 0), 0u);
+  EXPECT_EQ(ev.find('\n'), ev.size() - 2);
+}
+
+// ------------------------------------------------------------------------------------------
+// The server, in-process.
+
+ServerOptions tiny_options() {
+  ServerOptions o;
+  o.model_path = fixture("model");
+  o.port = 0;
+  o.parallel = 2;
+  o.threads = 2;
+  o.defaults.max_tokens = 16;
+  o.shutdown_grace_seconds = 1;
+  return o;
+}
+
+std::unique_ptr<Server> start(ServerOptions o) {
+  auto s = std::make_unique<Server>(std::move(o));
+  s->start();
+  EXPECT_TRUE(s->wait_loaded()) << s->load_error();
+  return s;
+}
+
+httplib::Client client(const Server& s) {
+  httplib::Client c("127.0.0.1", s.port());
+  c.set_read_timeout(60 * kSlow, 0);
+  return c;
+}
+
+httplib::Result post(const Server& s, const std::string& path, const json& body,
+                     const httplib::Headers& headers = {}) {
+  return client(s).Post(path.c_str(), headers, body.dump(), "application/json");
+}
+
+// The "data:" payloads of a server-sent-events body, in order.
+std::vector<std::string> sse_data(const std::string& body) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < body.size()) {
+    size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) end = body.size();
+    const std::string ev = body.substr(at, end - at);
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+    out.push_back(ev.substr(6));
+    at = end + 2;
+  }
+  return out;
+}
+
+// Status and OpenAI error shape of a reply.
+void expect_error_reply(const httplib::Result& r, int status, const std::string& code,
+                        const std::string& param = {}) {
+  ASSERT_TRUE(r) << "no reply";
+  EXPECT_EQ(r->status, status) << r->body;
+  EXPECT_EQ(r->get_header_value("Content-Type"), "application/json");
+  json j;
+  ASSERT_NO_THROW(j = json::parse(r->body)) << r->body;
+  ASSERT_TRUE(j.contains("error")) << r->body;
+  const json& e = j["error"];
+  EXPECT_TRUE(e["message"].is_string() && !e["message"].get<std::string>().empty()) << r->body;
+  EXPECT_TRUE(e["type"].is_string()) << r->body;
+  EXPECT_TRUE(e.contains("param") && e.contains("code")) << r->body;
+  if (code.empty())
+    EXPECT_TRUE(e["code"].is_null()) << r->body;
+  else
+    EXPECT_EQ(e["code"], code) << r->body;
+  if (param.empty())
+    EXPECT_TRUE(e["param"].is_null()) << r->body;
+  else
+    EXPECT_EQ(e["param"], param) << r->body;
+}
+
+// `gemstage generate --json` for the same request, the reference the server must match.
+json generate_json(const std::string& args) {
+  const std::string dir = temp_dir("server_gen");
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " generate -m " + fixture("model") +
+                          " --json -t 1 " + args + " > " + dir + "/out 2> " + dir + "/err";
+  EXPECT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/err");
+  return json::parse(slurp(dir + "/out"));
+}
+
+// A bare TCP client, for what an HTTP library will not do: vanish mid-reply, or never read.
+class RawClient {
+ public:
+  RawClient(int port, int rcvbuf = 0) {
+    fd_ = socket(AF_INET, SOCK_STREAM, 0);
+    if (rcvbuf > 0) setsockopt(fd_, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(port));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    EXPECT_EQ(connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  }
+  ~RawClient() { close(); }
+  void close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  void post(const std::string& path, const json& body) {
+    const std::string b = body.dump();
+    const std::string req = "POST " + path +
+                            " HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                            "Content-Length: " +
+                            std::to_string(b.size()) + "\r\n\r\n" + b;
+    ASSERT_EQ(send(fd_, req.data(), req.size(), MSG_NOSIGNAL), static_cast<ssize_t>(req.size()));
+  }
+  void post_raw(const std::string& bytes) {
+    // The server may close on us part-way; that is an answer too.
+    (void)send(fd_, bytes.data(), bytes.size(), MSG_NOSIGNAL);
+  }
+  // Reads until `needle` arrived (true) or the timeout / end of stream (false).
+  bool read_until(const std::string& needle, double timeout_s) {
+    const auto t0 = Clock::now();
+    while (received.find(needle) == std::string::npos) {
+      const double left = timeout_s - seconds_since(t0);
+      if (left <= 0) return false;
+      pollfd p{fd_, POLLIN, 0};
+      if (poll(&p, 1, static_cast<int>(left * 1000) + 1) <= 0) continue;
+      char buf[4096];
+      const ssize_t n = recv(fd_, buf, sizeof(buf), 0);
+      if (n <= 0) return received.find(needle) != std::string::npos;
+      received.append(buf, static_cast<size_t>(n));
+    }
+    return true;
+  }
+  std::string received;
+
+ private:
+  int fd_ = -1;
+};
+
+// Polls until pred() or the timeout; true if pred() held.
+bool eventually(const std::function<bool()>& pred, double timeout_s) {
+  const auto t0 = Clock::now();
+  while (!pred()) {
+    if (seconds_since(t0) > timeout_s) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return true;
+}
+
+const char* kPrompt = "Hello there, how are you?";
+
+TEST(ServerHttp, HealthModelsAndPage) {
+  auto s = start(tiny_options());
+  auto c = client(*s);
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  const json hj = json::parse(h->body);
+  EXPECT_EQ(hj["status"], "ok");
+  EXPECT_EQ(hj["slots"], 2);
+  auto m = c.Get("/v1/models");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  const json mj = json::parse(m->body);
+  EXPECT_EQ(mj["object"], "list");
+  EXPECT_EQ(mj["data"][0]["id"], "model");
+  auto page = c.Get("/");
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  EXPECT_EQ(page->get_header_value("Content-Type"), "text/html; charset=utf-8");
+  for (const char* id : {"id=\"messages\"", "id=\"input\"", "id=\"send\"", "id=\"image\""})
+    EXPECT_NE(page->body.find(id), std::string::npos) << id;
+  // Self-contained: nothing fetched from elsewhere.
+  EXPECT_EQ(page->body.find("http://"), std::string::npos);
+  EXPECT_EQ(page->body.find("https://"), std::string::npos);
+  EXPECT_EQ(page->body.find("src=\"/"), std::string::npos);
+}
+
+TEST(ServerHttp, LoadingStateAnswers503) {
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  ServerOptions o = tiny_options();
+  o.before_load = [open] { open.wait(); };
+  Server s(o);
+  s.start();
+  auto c = client(s);
+  auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 503);
+  EXPECT_EQ(json::parse(h->body)["status"], "loading");
+  expect_error_reply(c.Get("/v1/models"), 503, "model_loading");
+  expect_error_reply(post(s, "/v1/chat/completions", chat_body()), 503, "model_loading");
+  auto page = c.Get("/");  // the page itself can be served already
+  ASSERT_TRUE(page);
+  EXPECT_EQ(page->status, 200);
+  gate.set_value();
+  ASSERT_TRUE(s.wait_loaded());
+  h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+}
+
+TEST(ServerHttp, LoadFailureIsReported) {
+  ServerOptions o = tiny_options();
+  o.model_path = temp_dir("server_no_model");
+  Server s(o);
+  s.start();
+  EXPECT_FALSE(s.wait_loaded());
+  EXPECT_FALSE(s.load_error().empty());
+  EXPECT_EQ(s.load_state(), Server::LoadState::kFailed);
+}
+
+TEST(ServerHttp, GreedyChatEqualsGenerate) {
+  auto s = start(tiny_options());
+  const json want = generate_json(std::string("--temp 0 -n 12 -p \"") + kPrompt + "\"");
+  const auto r = post(*s, "/v1/chat/completions",
+                      {{"model", "whatever"},
+                       {"messages", {user(kPrompt)}},
+                       {"temperature", 0},
+                       {"max_tokens", 12}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "chat.completion");
+  EXPECT_EQ(j["model"], "model");
+  EXPECT_EQ(j["id"].get<std::string>().rfind("chatcmpl-", 0), 0u);
+  EXPECT_EQ(j["choices"][0]["message"]["role"], "assistant");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], want["finish_reason"]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+  EXPECT_EQ(j["usage"]["completion_tokens"], want["completion_tokens"]);
+  EXPECT_EQ(j["usage"]["total_tokens"],
+            want["prompt_tokens"].get<int>() + want["completion_tokens"].get<int>());
+}
+
+TEST(ServerHttp, StreamedChatIsTheSameReply) {
+  auto s = start(tiny_options());
+  const json req = {{"messages", {user(kPrompt)}}, {"temperature", 0}, {"max_tokens", 24}};
+  const auto whole = post(*s, "/v1/chat/completions", req);
+  ASSERT_TRUE(whole && whole->status == 200);
+  const json w = json::parse(whole->body);
+  for (bool usage : {true, false}) {
+    SCOPED_TRACE(usage ? "with usage" : "without usage");
+    json sreq = req;
+    sreq["stream"] = true;
+    if (usage) sreq["stream_options"] = {{"include_usage", true}};
+    const auto r = post(*s, "/v1/chat/completions", sreq);
+    ASSERT_TRUE(r);
+    ASSERT_EQ(r->status, 200) << r->body;
+    EXPECT_EQ(r->get_header_value("Content-Type"), "text/event-stream");
+    const auto data = sse_data(r->body);
+    ASSERT_GE(data.size(), 3u);
+    EXPECT_EQ(data.back(), "[DONE]");
+    const json first = json::parse(data.front());
+    EXPECT_EQ(first["object"], "chat.completion.chunk");
+    EXPECT_EQ(first["choices"][0]["delta"]["role"], "assistant");
+    std::string text;
+    std::optional<json> finish, usage_chunk;
+    for (size_t i = 1; i + 1 < data.size(); ++i) {
+      const json c = json::parse(data[i]);
+      EXPECT_EQ(c["id"], first["id"]);
+      if (c["choices"].empty()) {
+        usage_chunk = c;
+        continue;
+      }
+      EXPECT_FALSE(finish) << "a chunk after the finish chunk";
+      const json& ch = c["choices"][0];
+      if (ch["delta"].contains("content")) text += ch["delta"]["content"].get<std::string>();
+      if (!ch["finish_reason"].is_null()) finish = c;
+    }
+    EXPECT_EQ(text, w["choices"][0]["message"]["content"]);
+    ASSERT_TRUE(finish);
+    EXPECT_EQ((*finish)["choices"][0]["finish_reason"], w["choices"][0]["finish_reason"]);
+    EXPECT_EQ(usage_chunk.has_value(), usage);
+    if (usage_chunk) {
+      EXPECT_EQ((*usage_chunk)["usage"], w["usage"]);
+    }
+  }
+}
+
+TEST(ServerHttp, CompletionsEqualGenerateRaw) {
+  auto s = start(tiny_options());
+  const json want = generate_json("--raw --temp 0 -n 10 -p \"Once upon a time\"");
+  const json req = {{"prompt", "Once upon a time"}, {"temperature", 0}, {"max_tokens", 10}};
+  const auto r = post(*s, "/v1/completions", req);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "");
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["object"], "text_completion");
+  EXPECT_EQ(j["choices"][0]["text"], want["text"]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+  EXPECT_EQ(j["usage"]["completion_tokens"], want["completion_tokens"]);
+
+  json sreq = req;
+  sreq["stream"] = true;
+  const auto sr = post(*s, "/v1/completions", sreq);
+  ASSERT_TRUE(sr && sr->status == 200);
+  const auto data = sse_data(sr->body);
+  ASSERT_GE(data.size(), 2u);
+  EXPECT_EQ(data.back(), "[DONE]");
+  std::string text;
+  for (size_t i = 0; i + 1 < data.size(); ++i) {
+    const json c = json::parse(data[i]);
+    EXPECT_EQ(c["object"], "text_completion");
+    text += c["choices"][0]["text"].get<std::string>();
+  }
+  EXPECT_EQ(text, want["text"]);
+  EXPECT_EQ(json::parse(data[data.size() - 2])["choices"][0]["finish_reason"],
+            want["finish_reason"]);
+}
+
+TEST(ServerHttp, ImageMessage) {
+  auto s = start(tiny_options());
+  const auto text_only =
+      post(*s, "/v1/chat/completions", {{"messages", {user("Describe it.")}}, {"max_tokens", 4}});
+  ASSERT_TRUE(text_only && text_only->status == 200);
+  const std::string mm = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny/multimodal/image.png";
+  const auto r =
+      post(*s, "/v1/chat/completions",
+           {{"messages",
+             {user({{{"type", "image_url"}, {"image_url", {{"url", data_url(mm, "image/png")}}}},
+                    {{"type", "text"}, {"text", "Describe it."}}})}},
+            {"max_tokens", 4},
+            {"temperature", 0}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  // The image adds its markers and soft tokens to the prompt.
+  EXPECT_GT(j["usage"]["prompt_tokens"].get<int>(),
+            json::parse(text_only->body)["usage"]["prompt_tokens"].get<int>() + 10);
+  // Greedy with the same image is reproducible, and matches generate --image.
+  const json want = generate_json("--temp 0 -n 4 --image " + mm + " -p \"Describe it.\"");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+}
+
+TEST(ServerHttp, EveryErrorHasItsStatusAndShape) {
+  auto s = start(tiny_options());
+  auto c = client(*s);
+  const std::string chat = "/v1/chat/completions";
+  auto raw = [&](const std::string& body) {
+    return c.Post(chat.c_str(), body, "application/json");
+  };
+  expect_error_reply(raw("{not json"), 400, "invalid_json");
+  expect_error_reply(raw(""), 400, "invalid_json");
+  expect_error_reply(raw("[1,2]"), 400, "invalid_json");
+  expect_error_reply(post(*s, chat, chat_body({{"max_tokens", "many"}})), 400, "invalid_type",
+                     "max_tokens");
+  expect_error_reply(post(*s, chat, {{"messages", {{{"role", "narrator"}, {"content", "x"}}}}}),
+                     400, "invalid_value", "messages[0].role");
+  expect_error_reply(post(*s, chat, {{"messages", json::array()}}), 400, "empty_array", "messages");
+  expect_error_reply(post(*s, chat, {{"model", "m"}}), 400, "missing_required_parameter",
+                     "messages");
+  const std::string url_param = "messages[0].content[0].image_url.url";
+  auto image = [](const std::string& url) {
+    return json{{"messages", {user({{{"type", "image_url"}, {"image_url", {{"url", url}}}}})}}};
+  };
+  expect_error_reply(post(*s, chat, image("data:image/png;base64,!!!!")), 400, "invalid_base64",
+                     url_param);
+  expect_error_reply(post(*s, chat, image("data:image/png;base64,aGVsbG8gd29ybGQ=")), 400,
+                     "invalid_image", url_param);
+  expect_error_reply(post(*s, chat, image("https://example.com/a.png")), 400,
+                     "unsupported_image_url", url_param);
+  expect_error_reply(post(*s, chat, chat_body({{"n", 3}})), 400, "unsupported_value", "n");
+  expect_error_reply(post(*s, chat, chat_body({{"stream", true}, {"temperature", 9}})), 400,
+                     "invalid_value", "temperature");
+  expect_error_reply(post(*s, "/v1/completions", {{"prompt", 12}}), 400, "invalid_type", "prompt");
+  expect_error_reply(c.Get("/v1/nothing"), 404, "not_found");
+  expect_error_reply(c.Get("/favicon.ico"), 404, "not_found");
+  auto g = c.Get(chat.c_str());
+  expect_error_reply(g, 405, "method_not_allowed");
+  EXPECT_EQ(g->get_header_value("Allow"), "POST");
+  expect_error_reply(c.Post("/v1/models", "{}", "application/json"), 405, "method_not_allowed");
+  expect_error_reply(c.Delete("/v1/completions"), 405, "method_not_allowed");
+  // After all of that, the server still serves.
+  const auto ok = post(*s, chat, chat_body({{"max_tokens", 2}}));
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200);
+}
+
+TEST(ServerHttp, ApiKeyBodyLimitImageLimitAndContext) {
+  ServerOptions o = tiny_options();
+  o.api_key = "sekrit-key";
+  o.max_body = 4096;
+  o.ctx = 64;
+  o.limits.max_image_pixels = 300;
+  auto s = start(o);
+  auto c = client(*s);
+  const httplib::Headers auth = {{"Authorization", "Bearer sekrit-key"}};
+  const std::string chat = "/v1/chat/completions";
+  auto missing = post(*s, chat, chat_body());
+  expect_error_reply(missing, 401, "missing_api_key");
+  EXPECT_EQ(missing->get_header_value("WWW-Authenticate"), "Bearer");
+  expect_error_reply(post(*s, chat, chat_body(), {{"Authorization", "Bearer wrong"}}), 401,
+                     "invalid_api_key");
+  expect_error_reply(post(*s, chat, chat_body(), {{"Authorization", "sekrit-key"}}), 401,
+                     "missing_api_key");
+  expect_error_reply(post(*s, chat, chat_body(), {{"Authorization", "Bearer sekrit-ke"}}), 401,
+                     "invalid_api_key");
+  expect_error_reply(c.Get("/v1/models"), 401, "missing_api_key");
+  auto ok = post(*s, chat, chat_body({{"max_tokens", 2}}), auth);
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+  // Health and the page stay public (the page asks for the key itself).
+  EXPECT_EQ(c.Get("/health")->status, 200);
+  EXPECT_EQ(c.Get("/")->status, 200);
+
+  expect_error_reply(post(*s, chat, chat_body({{"pad", std::string(5000, 'x')}}), auth), 413,
+                     "request_too_large");
+  expect_error_reply(post(*s, chat,
+                          {{"messages",
+                            {user({{{"type", "image_url"},
+                                    {"image_url", {{"url", data_url(kPng, "image/png")}}}}})}}},
+                          auth),
+                     400, "invalid_image", "messages[0].content[0].image_url.url");
+
+  std::string longer;
+  for (int i = 0; i < 60; ++i) longer += "word" + std::to_string(i) + " ";
+  for (bool stream : {false, true}) {
+    const auto r = post(*s, chat, {{"messages", {user(longer)}}, {"stream", stream}}, auth);
+    expect_error_reply(r, 400, "context_length_exceeded", "messages");
+    EXPECT_NE(r->body.find("context holds 64"), std::string::npos) << r->body;
+  }
+  expect_error_reply(post(*s, "/v1/completions", {{"prompt", longer}}, auth), 400,
+                     "context_length_exceeded", "prompt");
+  // A prompt that fits but whose reply runs into the limit stops with "length".
+  const auto near = post(*s, "/v1/completions",
+                         {{"prompt", "word"}, {"max_tokens", 500}, {"temperature", 0}}, auth);
+  ASSERT_TRUE(near && near->status == 200);
+  const json nj = json::parse(near->body);
+  if (nj["usage"]["completion_tokens"].get<int>() > 60) {
+    EXPECT_EQ(nj["choices"][0]["finish_reason"], "length");
+  }
+}
+
+ServerOptions endless_options() {
+  ServerOptions o = tiny_options();
+  o.parallel = 1;
+  o.threads = 1;
+  o.ignore_eos = true;  // random weights: without this a reply may end at any token
+  return o;
+}
+const json kEndless = {{"prompt", "Go on"}, {"max_tokens", 100000000}, {"stream", true}};
+
+TEST(ServerHttp, ClientThatLeavesMidStreamFreesItsSlot) {
+  auto s = start(endless_options());
+  {
+    RawClient a(s->port());
+    a.post("/v1/completions", kEndless);
+    ASSERT_TRUE(a.read_until("\"text\":", 10.0 * kSlow)) << a.received;
+    EXPECT_EQ(s->stats().busy, 1);
+  }  // closed mid-stream
+  EXPECT_TRUE(eventually([&] { return s->stats().busy == 0; }, 5.0 * kSlow))
+      << "the generation kept running after its client left";
+  EXPECT_EQ(s->stats().cancelled, 1);
+  const auto t0 = Clock::now();
+  const auto r = post(*s, "/v1/chat/completions", chat_body({{"max_tokens", 8}}));
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  EXPECT_LT(seconds_since(t0), 5.0 * kSlow);
+}
+
+TEST(ServerHttp, ClientsThatLeaveWhileQueuedOrWaitingAreDropped) {
+  auto s = start(endless_options());
+  RawClient a(s->port());
+  a.post("/v1/completions", kEndless);
+  ASSERT_TRUE(a.read_until("\"text\":", 10.0 * kSlow));
+  {
+    RawClient queued(s->port());
+    json b = kEndless;
+    b["stream"] = false;
+    queued.post("/v1/completions", b);
+    ASSERT_TRUE(eventually([&] { return s->stats().queued == 1; }, 5.0 * kSlow));
+  }
+  a.close();
+  ASSERT_TRUE(
+      eventually([&] { return s->stats().busy == 0 && s->stats().queued == 0; }, 5.0 * kSlow));
+  EXPECT_EQ(s->stats().cancelled, 2);
+  EXPECT_EQ(s->stats().completed, 0);
+  {
+    // Waiting for a non-streamed reply: the socket is watched too.
+    RawClient waiting(s->port());
+    json b = kEndless;
+    b["stream"] = false;
+    waiting.post("/v1/completions", b);
+    ASSERT_TRUE(eventually([&] { return s->stats().busy == 1; }, 5.0 * kSlow));
+  }
+  EXPECT_TRUE(eventually([&] { return s->stats().busy == 0; }, 5.0 * kSlow));
+  EXPECT_EQ(s->stats().cancelled, 3);
+}
+
+TEST(ServerHttp, AClientThatNeverReadsDoesNotStallItsGeneration) {
+  auto s = start(endless_options());
+  // A tiny receive window and no reads: the reply backs up in the socket, but the worker only
+  // appends to its job, so the generation runs to its end regardless.
+  RawClient stalled(s->port(), 1024);
+  json req = kEndless;
+  // Enough output to back up past the socket buffers; sanitizer builds decode ~10x slower.
+  req["max_tokens"] = kSlow > 1 ? 800 : 3000;
+  stalled.post("/v1/completions", req);
+  EXPECT_TRUE(eventually([&] { return s->stats().completed == 1; }, 30.0 * kSlow));
+  const auto r = post(*s, "/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 4}});
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200);
+}
+
+TEST(ServerHttp, QueueIsFirstInFirstOut) {
+  auto s = start(endless_options());
+  RawClient a(s->port());
+  a.post("/v1/completions", kEndless);
+  ASSERT_TRUE(a.read_until("\"text\":", 10.0 * kSlow));
+  std::vector<std::unique_ptr<RawClient>> waiting;
+  for (int i = 0; i < 3; ++i) {
+    waiting.push_back(std::make_unique<RawClient>(s->port()));
+    waiting.back()->post(
+        "/v1/completions",
+        {{"prompt", "Hi " + std::to_string(i)}, {"max_tokens", 200}, {"stream", false}});
+    ASSERT_TRUE(eventually([&] { return s->stats().queued == i + 1; }, 5.0 * kSlow));
+  }
+  a.close();
+  // Watch all three at once and note the order their replies complete in.
+  std::vector<int> order;
+  std::vector<bool> done(3, false);
+  const auto t0 = Clock::now();
+  while (order.size() < 3 && seconds_since(t0) < 30.0 * kSlow)
+    for (int i = 0; i < 3; ++i)
+      if (!done[static_cast<size_t>(i)] &&
+          waiting[static_cast<size_t>(i)]->read_until("\"usage\"", 0.002)) {
+        done[static_cast<size_t>(i)] = true;
+        order.push_back(i);
+      }
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2}));
+  for (auto& w : waiting) EXPECT_NE(w->received.find("HTTP/1.1 200"), std::string::npos);
+}
+
+TEST(ServerHttp, ShutdownRefusesNewWorkAndEndsRunningStreams) {
+  ServerOptions o = endless_options();
+  o.shutdown_grace_seconds = 0.5;
+  auto s = start(o);
+  RawClient a(s->port());
+  a.post("/v1/chat/completions",
+         {{"messages", {user("Tell me everything")}}, {"max_tokens", 100000000}, {"stream", true}});
+  ASSERT_TRUE(a.read_until("\"content\":", 10.0 * kSlow)) << a.received;
+  const auto t0 = Clock::now();
+  std::thread stopper([&] { s->shutdown(); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  expect_error_reply(post(*s, "/v1/chat/completions", chat_body()), 503, "server_shutting_down");
+  // The running stream is cut after the grace period, with an error event and no [DONE].
+  EXPECT_TRUE(a.read_until("server_shutting_down", 10.0 * kSlow)) << a.received.substr(0, 500);
+  stopper.join();
+  EXPECT_LT(seconds_since(t0), 10.0 * kSlow);
+  EXPECT_EQ(a.received.find("[DONE]"), std::string::npos);
+  EXPECT_FALSE(client(*s).Get("/health"));  // the listener is closed
+}
+
+TEST(ServerHttp, ShutdownLetsShortRequestsFinish) {
+  ServerOptions o = tiny_options();
+  o.shutdown_grace_seconds = 30;
+  auto s = start(o);
+  RawClient a(s->port());
+  a.post("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 300}, {"stream", true}});
+  ASSERT_TRUE(a.read_until("data:", 10.0 * kSlow));
+  s->shutdown();
+  EXPECT_TRUE(a.read_until("[DONE]", 10.0 * kSlow)) << a.received.substr(0, 500);
+}
+
+TEST(ServerHttp, ManyConcurrentClients) {
+  auto s = start(tiny_options());
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int i = 0; i < 12; ++i)
+    threads.emplace_back([&, i] {
+      const json body = {{"messages", {user("Hi number " + std::to_string(i))}},
+                         {"max_tokens", 20},
+                         {"stream", i % 2 == 0},
+                         {"seed", i}};
+      const auto r = post(*s, "/v1/chat/completions", body);
+      if (r && r->status == 200) ++ok;
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 12);
+  EXPECT_EQ(s->stats().completed, 12);
+}
+
+}  // namespace
+
+// Random mutations of valid bodies, truncated bodies and raw garbage on the socket: every reply
+// is a 200 or a 4xx in the error shape, and the server serves normally afterwards.
+TEST(ServerHttp, GarbageNeverBreaksTheServer) {
+  auto s = start(tiny_options());
+  std::mt19937 rng(20260405);
+  auto pick = [&](size_t n) { return static_cast<size_t>(rng() % n); };
+  const std::vector<json> values = {nullptr,
+                                    true,
+                                    0,
+                                    -1,
+                                    7,
+                                    1.5,
+                                    -1e308,
+                                    18446744073709551615ull,
+                                    "",
+                                    "x",
+                                    std::string(3000, 'z'),
+                                    json::array(),
+                                    {1, "a", nullptr},
+                                    json::object(),
+                                    {{"type", "text"}},
+                                    {{"url", "data:image/png;base64,AAAA"}}};
+  const std::vector<json::json_pointer> fields = {
+      json::json_pointer("/messages"),
+      json::json_pointer("/messages/0"),
+      json::json_pointer("/messages/0/role"),
+      json::json_pointer("/messages/0/content"),
+      json::json_pointer("/messages/0/content/0"),
+      json::json_pointer("/messages/0/content/0/type"),
+      json::json_pointer("/messages/0/content/1/image_url"),
+      json::json_pointer("/messages/0/content/1/image_url/url"),
+      json::json_pointer("/max_tokens"),
+      json::json_pointer("/temperature"),
+      json::json_pointer("/top_p"),
+      json::json_pointer("/seed"),
+      json::json_pointer("/stop"),
+      json::json_pointer("/n"),
+      json::json_pointer("/stream"),
+      json::json_pointer("/stream_options"),
+      json::json_pointer("/stream_options/include_usage"),
+      json::json_pointer("/prompt")};
+  const json base = {
+      {"messages",
+       {user({{{"type", "text"}, {"text", "Hi"}},
+              {{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}}})}},
+      {"max_tokens", 3},
+      {"stream", false}};
+  auto c = client(*s);
+  for (int i = 0; i < 200; ++i) {
+    json body = base;
+    for (size_t k = 0, n = 1 + pick(3); k < n; ++k) {
+      try {
+        body[fields[pick(fields.size())]] = values[pick(values.size())];
+      } catch (const json::exception&) {  // a path through a non-container: leave it
+      }
+    }
+    std::string text = body.dump();
+    if (i % 5 == 0) text.resize(pick(text.size()));
+    const char* path = i % 2 ? "/v1/chat/completions" : "/v1/completions";
+    const auto r = c.Post(path, text, "application/json");
+    ASSERT_TRUE(r) << "no reply to " << text.substr(0, 300);
+    if (r->status == 200) continue;
+    EXPECT_TRUE(r->status == 400 || r->status == 413) << r->status << " " << r->body;
+    // The shape, whatever the code and param are.
+    const json e = json::parse(r->body, nullptr, false);
+    ASSERT_FALSE(e.is_discarded()) << r->body;
+    auto str = [](const json& v) { return v.is_string() ? v.get<std::string>() : std::string(); };
+    expect_error_reply(r, r->status, str(e["error"]["code"]), str(e["error"]["param"]));
+  }
+  for (int i = 0; i < 20; ++i) {
+    RawClient raw(s->port());
+    std::string junk(1 + pick(2000), '\0');
+    for (char& ch : junk) ch = static_cast<char>(rng());
+    if (i % 2)
+      junk =
+          "POST /v1/chat/completions HTTP/1.1\r\nContent-Length: " + std::to_string(junk.size()) +
+          "\r\n\r\n" + junk;
+    raw.post_raw(junk);
+    // A well-framed request with a garbage body gets its 400; bare garbage is abandoned.
+    if (i % 2) {
+      EXPECT_TRUE(raw.read_until("invalid_json", 5.0 * kSlow)) << raw.received.substr(0, 300);
+      EXPECT_EQ(raw.received.rfind("HTTP/1.1 400", 0), 0u) << raw.received.substr(0, 100);
+    }
+  }
+  const auto h = c.Get("/health");
+  ASSERT_TRUE(h);
+  EXPECT_EQ(h->status, 200);
+  const auto ok = post(*s, "/v1/chat/completions", chat_body({{"max_tokens", 4}}));
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+// ------------------------------------------------------------------------------------------
+// The CLI around it.
+
+namespace {
+
+int run_cli(const std::string& args, const std::string& err) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > /dev/null 2> " + err;
+  const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(ServeCli, AModelThatCannotLoadExitsWithItsError) {
+  const std::string dir = temp_dir("serve_cli_bad_model");
+  EXPECT_EQ(run_cli("serve -m " + dir + "/missing --port 0", dir + "/err"), 1);
+  const std::string err = slurp(dir + "/err");
+  EXPECT_NE(err.find("listening on http://127.0.0.1:"), std::string::npos) << err;
+  EXPECT_NE(err.find("error: "), std::string::npos) << err;
+}
+
+TEST(ServeCli, APortInUseIsAClearError) {
+  auto s = start(tiny_options());
+  const std::string dir = temp_dir("serve_cli_port");
+  EXPECT_EQ(run_cli("serve -m " + fixture("model") + " --port " + std::to_string(s->port()),
+                    dir + "/err"),
+            1);
+  const std::string err = slurp(dir + "/err");
+  EXPECT_NE(err.find("cannot listen on 127.0.0.1:" + std::to_string(s->port())), std::string::npos)
+      << err;
+}
+
+TEST(ServeCli, FlagsAreChecked) {
+  const std::string dir = temp_dir("serve_cli_flags");
+  EXPECT_NE(run_cli("serve -m " + fixture("model") + " --port 70000", dir + "/err"), 0);
+  EXPECT_NE(run_cli("serve -m " + fixture("model") + " -np 0", dir + "/err"), 0);
+  EXPECT_NE(slurp(dir + "/err").find("parallel"), std::string::npos) << slurp(dir + "/err");
+}
+
+}  // namespace

@@ -1,0 +1,149 @@
+// gemstage serve: the OpenAI-compatible HTTP server of src/server behind llama.cpp-style flags.
+#include <pthread.h>
+#include <signal.h>
+
+#include <atomic>
+#include <iostream>
+#include <thread>
+
+#include "core/error.h"
+#include "server/server.h"
+#include "tools/commands.h"
+#include "tools/generation_args.h"
+
+namespace gemstage::cli {
+
+namespace {
+
+struct ServeArgs : CommonArgs {
+  std::string host = "127.0.0.1";
+  int port = 8080;
+  int parallel = 1;
+  int http_threads = 0;
+  std::string api_key;
+  size_t max_body = size_t{32} << 20;
+  int64_t max_image_pixels = server::RequestLimits{}.max_image_pixels;
+  double shutdown_grace = 5;
+};
+
+// The signal that arrived within `wait`, or 0.
+int wait_signal(const sigset_t& sigs, std::chrono::milliseconds wait) {
+  timespec ts{static_cast<time_t>(wait.count() / 1000),
+              static_cast<long>(wait.count() % 1000) * 1000000L};
+  const int s = sigtimedwait(&sigs, nullptr, &ts);
+  return s > 0 ? s : 0;
+}
+
+int run_serve(const ServeArgs& a) {
+  // SIGINT/SIGTERM are blocked in every thread (the server's threads inherit this mask) and taken
+  // synchronously below, so a signal never lands inside a worker mid-token.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  // A write to a client that hung up must fail with EPIPE (ending that one stream), not kill us.
+  signal(SIGPIPE, SIG_IGN);
+
+  server::ServerOptions o;
+  o.model_path = a.model;
+  o.host = a.host;
+  o.port = a.port;
+  o.parallel = a.parallel;
+  o.ctx = a.ctx;
+  o.api_key = a.api_key;
+  o.max_body = a.max_body;
+  o.threads = a.threads;
+  o.http_threads = a.http_threads;
+  o.defaults = generation_defaults(a);
+  o.ignore_eos = a.ignore_eos;
+  if (a.seed_given) o.seed = a.seed;
+  o.think = a.think;
+  o.limits.max_image_pixels = a.max_image_pixels;
+  o.shutdown_grace_seconds = a.shutdown_grace;
+
+  server::Server srv(o);
+  srv.start();
+  const bool v6 = a.host.find(':') != std::string::npos;
+  const std::string url =
+      "http://" + (v6 ? "[" + a.host + "]" : a.host) + ":" + std::to_string(srv.port());
+  std::cerr << "gemstage serve: listening on " << url << " (loading " << a.model << ")"
+            << std::endl;
+
+  bool announced = false;
+  int sig = 0;
+  while (!(sig = wait_signal(sigs, std::chrono::milliseconds(100)))) {
+    if (announced) continue;
+    const auto state = srv.load_state();
+    if (state == server::Server::LoadState::kFailed) {
+      std::cerr << "error: " << srv.load_error() << std::endl;
+      srv.shutdown();
+      return 1;
+    }
+    if (state == server::Server::LoadState::kReady) {
+      const auto st = srv.stats();
+      std::cerr << "gemstage serve: ready, " << st.slots << " slot(s); chat page at " << url
+                << "/ , API at " << url << "/v1" << std::endl;
+      announced = true;
+    }
+  }
+  std::cerr << "gemstage serve: " << (sig == SIGINT ? "SIGINT" : "SIGTERM")
+            << ": finishing in-flight requests (up to " << a.shutdown_grace
+            << " s), then exiting; a second signal exits at once" << std::endl;
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    srv.shutdown();
+    stopped.store(true);
+  });
+  while (!stopped.load()) {
+    if (wait_signal(sigs, std::chrono::milliseconds(100))) {
+      std::cerr << "gemstage serve: second signal, exiting now" << std::endl;
+      std::_Exit(130);
+    }
+  }
+  stopper.join();
+  std::cerr << "gemstage serve: stopped" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+void add_serve_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<ServeArgs>();
+  auto* sub = app.add_subcommand(
+      "serve",
+      "OpenAI-compatible HTTP server (/v1/chat/completions, /v1/completions) with a chat "
+      "page at /");
+  add_common(sub, *a);
+  sub->add_option("--host", a->host, "address to listen on (loopback unless you choose otherwise)")
+      ->capture_default_str();
+  sub->add_option("--port", a->port, "port to listen on (0: any free port, printed at start)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 65535));
+  // llama.cpp's -np spelling is mapped to --parallel in main (CLI11 takes one-letter short names).
+  sub->add_option("--parallel", a->parallel,
+                  "requests generated at the same time (-np); each slot holds its own copy of "
+                  "the model's runtime state and KV caches, others wait in a FIFO queue")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 256));
+  sub->add_option("--threads-http", a->http_threads,
+                  "connections served at once (default: max(64, 4 x parallel + 16))");
+  sub->add_option("--api-key", a->api_key,
+                  "require 'Authorization: Bearer KEY' on /v1/* (or set GEMSTAGE_API_KEY)")
+      ->envname("GEMSTAGE_API_KEY");
+  sub->add_option("--max-body", a->max_body, "largest request body in bytes (413 above it)")
+      ->capture_default_str()
+      ->check(CLI::Range(size_t{1}, size_t{1} << 40));
+  sub->add_option("--max-image-pixels", a->max_image_pixels,
+                  "largest image a request may send, in pixels (width x height)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  sub->add_option("--shutdown-grace", a->shutdown_grace,
+                  "seconds in-flight requests may run on after SIGINT/SIGTERM before they are "
+                  "cancelled")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 3600.0));
+  reg.add(sub, [a] { return run_serve(*a); });
+}
+
+}  // namespace gemstage::cli
