@@ -450,66 +450,59 @@ json finish_json(const std::optional<std::string>& f) {
 }
 }  // namespace
 
+namespace {
+// Every completion object and chunk: id, object, created, model, one choice (none in a usage
+// chunk), and usage where given.
+json completion_envelope(const ResponseMeta& m, const std::string& object, json choices,
+                         const json* usage = nullptr) {
+  json j = {{"id", m.id},
+            {"object", object},
+            {"created", m.created},
+            {"model", m.model},
+            {"choices", std::move(choices)}};
+  if (usage) j["usage"] = *usage;
+  return j;
+}
+json one_choice(const char* field, json value, json finish) {
+  return json::array({{{"index", 0},
+                       {field, std::move(value)},
+                       {"logprobs", nullptr},
+                       {"finish_reason", std::move(finish)}}});
+}
+}  // namespace
+
 json chat_completion_json(const ResponseMeta& m, const std::string& text,
                           const std::string& finish_reason, int64_t prompt_tokens,
                           int64_t completion_tokens) {
-  return {{"id", m.id},
-          {"object", "chat.completion"},
-          {"created", m.created},
-          {"model", m.model},
-          {"choices", json::array({{{"index", 0},
-                                    {"message", {{"role", "assistant"}, {"content", text}}},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", finish_reason}}})},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+  const json usage = usage_json(prompt_tokens, completion_tokens);
+  return completion_envelope(
+      m, "chat.completion",
+      one_choice("message", {{"role", "assistant"}, {"content", text}}, finish_reason), &usage);
 }
 
 json chat_chunk_json(const ResponseMeta& m, const json& delta,
                      const std::optional<std::string>& finish_reason) {
-  return {{"id", m.id},
-          {"object", "chat.completion.chunk"},
-          {"created", m.created},
-          {"model", m.model},
-          {"choices", json::array({{{"index", 0},
-                                    {"delta", delta},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", finish_json(finish_reason)}}})}};
+  return completion_envelope(m, "chat.completion.chunk",
+                             one_choice("delta", delta, finish_json(finish_reason)));
 }
 
 json text_completion_json(const ResponseMeta& m, const std::string& text,
                           const std::string& finish_reason, int64_t prompt_tokens,
                           int64_t completion_tokens) {
-  return {{"id", m.id},
-          {"object", "text_completion"},
-          {"created", m.created},
-          {"model", m.model},
-          {"choices", json::array({{{"index", 0},
-                                    {"text", text},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", finish_reason}}})},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+  const json usage = usage_json(prompt_tokens, completion_tokens);
+  return completion_envelope(m, "text_completion", one_choice("text", text, finish_reason), &usage);
 }
 
 json text_completion_chunk_json(const ResponseMeta& m, const std::string& text,
                                 const std::optional<std::string>& finish_reason) {
-  return {{"id", m.id},
-          {"object", "text_completion"},
-          {"created", m.created},
-          {"model", m.model},
-          {"choices", json::array({{{"index", 0},
-                                    {"text", text},
-                                    {"logprobs", nullptr},
-                                    {"finish_reason", finish_json(finish_reason)}}})}};
+  return completion_envelope(m, "text_completion",
+                             one_choice("text", text, finish_json(finish_reason)));
 }
 
 json usage_chunk_json(const ResponseMeta& m, const std::string& object, int64_t prompt_tokens,
                       int64_t completion_tokens) {
-  return {{"id", m.id},
-          {"object", object},
-          {"created", m.created},
-          {"model", m.model},
-          {"choices", json::array()},
-          {"usage", usage_json(prompt_tokens, completion_tokens)}};
+  const json usage = usage_json(prompt_tokens, completion_tokens);
+  return completion_envelope(m, object, json::array(), &usage);
 }
 
 json models_json(const std::string& model, int64_t created) {

@@ -42,6 +42,22 @@ bool numeric_address(const sockaddr_storage& ss, socklen_t len, std::string& hos
   return true;
 }
 
+// Calls fn(fd) for every socket among this process's open descriptors; fn returns false to stop.
+template <typename Fn>
+void for_each_socket_fd(Fn fn) {
+  DIR* dir = opendir("/proc/self/fd");
+  if (!dir) return;
+  while (const dirent* e = readdir(dir)) {
+    char* end = nullptr;
+    const long fd = std::strtol(e->d_name, &end, 10);
+    if (end == e->d_name || *end != '\0') continue;
+    struct stat st;
+    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+    if (!fn(static_cast<int>(fd))) break;
+  }
+  closedir(dir);
+}
+
 // The accepted socket behind a request. cpp-httplib 0.11 gives handlers no way to ask whether the
 // client is still there (later versions added Request::is_connection_closed), so the socket is
 // found once by its address pair among this process's descriptors. That is sound for the life of
@@ -50,18 +66,11 @@ bool numeric_address(const sockaddr_storage& ss, socklen_t len, std::string& hos
 class ClientSocket {
  public:
   explicit ClientSocket(const httplib::Request& req) {
-    DIR* dir = opendir("/proc/self/fd");
-    if (!dir) return;
-    while (const dirent* e = readdir(dir)) {
-      char* end = nullptr;
-      const long fd = std::strtol(e->d_name, &end, 10);
-      if (end == e->d_name || *end != '\0') continue;
-      if (matches(static_cast<int>(fd), req)) {
-        fd_ = static_cast<int>(fd);
-        break;
-      }
-    }
-    closedir(dir);
+    for_each_socket_fd([&](int fd) {
+      if (!matches(fd, req)) return true;
+      fd_ = fd;
+      return false;
+    });
   }
 
   // False once the client closed or reset its end. Unknown (socket not found) counts as alive:
@@ -75,8 +84,6 @@ class ClientSocket {
 
  private:
   static bool matches(int fd, const httplib::Request& req) {
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return false;
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     std::string host;
@@ -685,27 +692,19 @@ void Server::Impl::setup_routes() {
 // the thread closes the socket, while anything still being written goes out unharmed. Runs after
 // the listener closed and every reply was handed over, so nothing we still want to read is lost.
 void Server::Impl::end_idle_connections() {
-  DIR* dir = opendir("/proc/self/fd");
-  if (!dir) return;
-  while (const dirent* e = readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0') continue;
-    struct stat st;
-    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
+  for_each_socket_fd([&](int fd) {
     sockaddr_storage ss{};
     socklen_t len = sizeof(ss);
     std::string host;
     int local_port = -1;
-    if (getsockname(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len) != 0 ||
         !numeric_address(ss, len, host, local_port) || local_port != port)
-      continue;
+      return true;
     len = sizeof(ss);
     // Connected sockets only: the listening socket has no peer.
-    if (getpeername(static_cast<int>(fd), reinterpret_cast<sockaddr*>(&ss), &len) != 0) continue;
-    ::shutdown(static_cast<int>(fd), SHUT_RD);
-  }
-  closedir(dir);
+    if (getpeername(fd, reinterpret_cast<sockaddr*>(&ss), &len) == 0) ::shutdown(fd, SHUT_RD);
+    return true;
+  });
 }
 
 void Server::Impl::shutdown() {
