@@ -16,7 +16,9 @@ double now() {
 Progress::Progress(std::string label, uint64_t total, bool enabled)
     : label_(std::move(label)), total_(total), start_(now()), enabled_(enabled) {}
 
-Progress::~Progress() { finish(); }
+Progress::~Progress() {
+  finish();
+}
 
 void Progress::advance(uint64_t n) {
   done_ += n;
@@ -43,8 +45,9 @@ void Progress::draw(bool force) {
   const double gb = 1e-9;
   const double rate = (t - start_) > 0 ? static_cast<double>(done_) * gb / (t - start_) : 0;
   // '\r' redraws in place on a terminal; in a log each update is its own line, so draw less.
-  std::fprintf(stderr, "%s%s [%s] %5.1f%% %.2f/%.2f GB %.2f GB/s", isatty(2) ? "\r" : "", label_.c_str(), bar,
-               frac * 100, static_cast<double>(done_) * gb, static_cast<double>(total_) * gb, rate);
+  std::fprintf(stderr, "%s%s [%s] %5.1f%% %.2f/%.2f GB %.2f GB/s", isatty(2) ? "\r" : "",
+               label_.c_str(), bar, frac * 100, static_cast<double>(done_) * gb,
+               static_cast<double>(total_) * gb, rate);
   if (!isatty(2)) std::fputc('\n', stderr);
   if (!isatty(2)) last_draw_ = t + 4.8;  // at most one line every ~5 s in logs
   std::fflush(stderr);
