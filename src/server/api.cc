@@ -142,8 +142,7 @@ std::vector<std::string> parse_stop(const json& v) {
 
 // The fields chat and text completions share: sampling, n, streaming, and the features we refuse
 // rather than silently ignore.
-template <typename Request>
-void parse_common(const json& body, Request& r) {
+void parse_common(const json& body, GenerationRequest& r) {
   r.model = get_string(body, "model").value_or("");
   if (const auto n = get_int(body, "n", std::numeric_limits<int64_t>::min(),
                              std::numeric_limits<int64_t>::max());

@@ -65,18 +65,19 @@ struct SamplingOverrides {
   std::optional<std::vector<std::string>> stop;
 };
 
-struct ChatRequest {
+// The fields chat and text completions share.
+struct GenerationRequest {
   std::string model;  // as sent; the server serves its one model whatever is asked for
-  std::vector<ChatInput> messages;
   SamplingOverrides sampling;
   bool stream = false, include_usage = false;
 };
 
-struct CompletionRequest {
-  std::string model;
+struct ChatRequest : GenerationRequest {
+  std::vector<ChatInput> messages;
+};
+
+struct CompletionRequest : GenerationRequest {
   std::string prompt;
-  SamplingOverrides sampling;
-  bool stream = false, include_usage = false;
 };
 
 // The body as JSON; a 400 (code "invalid_json") when it does not parse or is not an object.

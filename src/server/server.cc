@@ -476,20 +476,18 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   const json body = parse_json_body(req.body);
   auto job = std::make_shared<Job>();
   job->chat = chat;
-  bool stream = false, include_usage = false;
+  GenerationRequest common;  // the shared part of either request, sliced off
   if (chat) {
     ChatRequest r = parse_chat_request(body, opt.limits);
     job->messages = std::move(r.messages);
-    job->sampling = std::move(r.sampling);
-    stream = r.stream;
-    include_usage = r.include_usage;
+    common = std::move(r);
   } else {
     CompletionRequest r = parse_completion_request(body);
     job->prompt = std::move(r.prompt);
-    job->sampling = std::move(r.sampling);
-    stream = r.stream;
-    include_usage = r.include_usage;
+    common = std::move(r);
   }
+  job->sampling = std::move(common.sampling);
+  const bool stream = common.stream, include_usage = common.include_usage;
   auto client = std::make_unique<ClientSocket>(req);
   submit(job);
   // Until the prompt is known to fit, the status is still open: a context overflow is a 400
@@ -672,17 +670,14 @@ void Server::Impl::setup_routes() {
                               "invalid_request_error", {}, "method_not_allowed"));
     };
   };
-  for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
-    http.Get(path, not_allowed("POST"));
-    http.Put(path, not_allowed("POST"));
-    http.Patch(path, not_allowed("POST"));
-    http.Delete(path, not_allowed("POST"));
-  }
-  for (const char* path : {"/v1/models", "/health", "/"}) {
-    http.Post(path, not_allowed("GET"));
-    http.Put(path, not_allowed("GET"));
-    http.Patch(path, not_allowed("GET"));
-    http.Delete(path, not_allowed("GET"));
+  for (const auto& [path, allow] :
+       {std::pair{"/v1/chat/completions", "POST"}, std::pair{"/v1/completions", "POST"},
+        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"}, std::pair{"/", "GET"}}) {
+    if (std::string_view(allow) != "GET") http.Get(path, not_allowed(allow));
+    if (std::string_view(allow) != "POST") http.Post(path, not_allowed(allow));
+    http.Put(path, not_allowed(allow));
+    http.Patch(path, not_allowed(allow));
+    http.Delete(path, not_allowed(allow));
   }
 }
 
