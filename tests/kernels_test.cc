@@ -1,9 +1,14 @@
 // Every kernel against a plain reference on odd sizes (tails, unaligned rows).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <stdexcept>
+#include <string>
+#include <thread>
 #include <tuple>
 
 #include "core/dtype.h"
@@ -301,6 +306,47 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
         4);
     for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i], 1);
   }
+}
+
+// Thousands of back-to-back jobs (the decode pattern) and jobs after the workers have gone to
+// sleep (idle longer than their spin) must all run every range exactly once.
+TEST(ThreadPool, BackToBackJobsAndJobsAfterSleeping) {
+  ThreadPool pool(3);
+  std::atomic<long> sum{0};
+  auto job = [&](size_t b, size_t e) {
+    long s = 0;
+    for (size_t i = b; i < e; ++i) s += static_cast<long>(i);
+    sum += s;
+  };
+  for (int rep = 0; rep < 5000; ++rep) pool.parallel_for(64, job, 1);
+  EXPECT_EQ(sum.load(), 5000L * (63 * 64 / 2));
+  for (int rep = 0; rep < 3; ++rep) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    sum = 0;
+    pool.parallel_for(1000, job, 8);
+    EXPECT_EQ(sum.load(), 999L * 1000 / 2);
+  }
+}
+
+TEST(ThreadPool, ExceptionInAWorkerReachesTheCaller) {
+  ThreadPool pool(2);
+  std::atomic<int> ran{0};
+  auto job = [&](size_t b, size_t) {
+    ++ran;
+    if (b > 0) throw std::runtime_error("range starting at " + std::to_string(b));
+  };
+  try {
+    pool.parallel_for(100, job, 1);
+    FAIL() << "expected the worker's exception";
+  } catch (const std::runtime_error& e) {
+    EXPECT_EQ(std::string(e.what()), "range starting at 50");
+  }
+  EXPECT_EQ(ran.load(), 2);
+  // The pool is still usable afterwards.
+  std::atomic<size_t> n{0};
+  pool.parallel_for(
+      100, [&](size_t b, size_t e) { n += e - b; }, 1);
+  EXPECT_EQ(n.load(), 100u);
 }
 
 }  // namespace

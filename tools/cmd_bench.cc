@@ -25,6 +25,7 @@ struct BenchArgs {
   std::string prompts = "128", gens = "32", depths = "0";
   int threads = 0, reps = 5;
   bool json = false;
+  bool warmup = true;
 };
 
 std::vector<int64_t> int_list(const std::string& s, const char* flag) {
@@ -120,6 +121,15 @@ int run_bench(const BenchArgs& a) {
   const int64_t model_ctx = p->max_context();
   for (Row& r : rows) {
     p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
+    if (a.warmup) {
+      // As llama-bench: one untimed pass (the prompt, or one decoded token) so the first
+      // repetition does not pay the page faults of the mmapped weights and scratch buffers.
+      p->reset();
+      if (r.n_prompt > 0)
+        p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
+      else
+        p->forward(pool, random_ids(1), nullptr, false, nullptr);
+    }
     for (int rep = 0; rep < a.reps; ++rep) {
       p->reset();
       if (r.n_depth > 0) p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
@@ -202,6 +212,7 @@ void add_bench_command(CLI::App& app, Registry& reg) {
   sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
+  sub->add_flag("!--no-warmup", a->warmup, "skip the untimed warm-up pass before each test");
   sub->add_flag("--json", a->json,
                 "print a JSON array (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, ...)");
   reg.add(sub, [a] { return run_bench(*a); });

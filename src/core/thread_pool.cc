@@ -1,18 +1,39 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+#include <utility>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define GEMSTAGE_CPU_RELAX() _mm_pause()
+#else
+#define GEMSTAGE_CPU_RELAX() std::this_thread::yield()
+#endif
 
 namespace gemstage {
 
 namespace {
-void run_share(const std::function<void(size_t, size_t)>& fn, size_t n, size_t grain, int index,
-               int parts) {
-  const size_t blocks = (n + grain - 1) / grain;
-  const size_t b0 = blocks * static_cast<size_t>(index) / static_cast<size_t>(parts);
-  const size_t b1 = blocks * static_cast<size_t>(index + 1) / static_cast<size_t>(parts);
-  const size_t begin = std::min(n, b0 * grain), end = std::min(n, b1 * grain);
-  if (begin < end) fn(begin, end);
+
+// How long a thread polls before it sleeps: longer than the serial gaps between the matmuls of
+// one decoded token (norms, RoPE, attention of one row), short enough to be invisible when idle.
+constexpr auto kSpin = std::chrono::microseconds(200);
+
+// Polls `done` until it holds or kSpin has passed; true if it held.
+template <typename Pred>
+bool spin_until(Pred done) {
+  const auto deadline = std::chrono::steady_clock::now() + kSpin;
+  for (;;) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      GEMSTAGE_CPU_RELAX();
+    }
+    if (std::chrono::steady_clock::now() > deadline) return done();
+    // Lets another runnable thread have this core when there are more threads than cores.
+    std::this_thread::yield();
+  }
 }
+
 }  // namespace
 
 int default_thread_count() {
@@ -25,33 +46,42 @@ ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
 }
 
 ThreadPool::~ThreadPool() {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
-  }
-  start_cv_.notify_all();
+  stop_.store(true);
+  generation_.fetch_add(1);
+  generation_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
+void ThreadPool::run_share(int index) noexcept {
+  const size_t n = job_n_, grain = job_grain_, parts = static_cast<size_t>(n_threads_);
+  const size_t blocks = (n + grain - 1) / grain;
+  const size_t b0 = blocks * static_cast<size_t>(index) / parts;
+  const size_t b1 = blocks * static_cast<size_t>(index + 1) / parts;
+  const size_t begin = std::min(n, b0 * grain), end = std::min(n, b1 * grain);
+  if (begin >= end) return;
+  try {
+    (*job_)(begin, end);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(error_mu_);
+    if (!error_) error_ = std::current_exception();
+  }
+}
+
 void ThreadPool::worker_loop(int index) {
-  unsigned seen = 0;
+  uint64_t seen = 0;
   for (;;) {
-    const std::function<void(size_t, size_t)>* job;
-    size_t n, grain;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      start_cv_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      job = job_;
-      n = job_n_;
-      grain = job_grain_;
+    if (!spin_until([&] { return generation_.load(std::memory_order_acquire) != seen; })) {
+      // seq_cst increment, then the wait re-reads generation_: parallel_for bumps generation_
+      // before it reads sleeping_workers_, so either it sees us and notifies, or we see its job.
+      sleeping_workers_.fetch_add(1);
+      generation_.wait(seen);
+      sleeping_workers_.fetch_sub(1);
+      continue;
     }
-    run_share(*job, n, grain, index, n_threads_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--pending_ == 0) done_cv_.notify_one();
-    }
+    seen = generation_.load(std::memory_order_acquire);
+    if (stop_.load()) return;
+    run_share(index);
+    if (pending_.fetch_sub(1) == 1 && caller_sleeping_.load()) pending_.notify_one();
   }
 }
 
@@ -63,18 +93,20 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)
     fn(0, n);
     return;
   }
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    job_ = &fn;
-    job_n_ = n;
-    job_grain_ = grain;
-    pending_ = n_threads_ - 1;
-    ++generation_;
+  job_ = &fn;
+  job_n_ = n;
+  job_grain_ = grain;
+  error_ = nullptr;
+  pending_.store(n_threads_ - 1);
+  generation_.fetch_add(1);
+  if (sleeping_workers_.load() > 0) generation_.notify_all();
+  run_share(0);
+  if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; })) {
+    caller_sleeping_.store(true);
+    for (int left = pending_.load(); left != 0; left = pending_.load()) pending_.wait(left);
+    caller_sleeping_.store(false);
   }
-  start_cv_.notify_all();
-  run_share(fn, n, grain, 0, n_threads_);
-  std::unique_lock<std::mutex> lock(mu_);
-  done_cv_.wait(lock, [&] { return pending_ == 0; });
+  if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
 }  // namespace gemstage

@@ -211,17 +211,36 @@ GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* co
 #undef ld
 }
 
-// out[a*NW + w] = dot(activation row srow[a], weight row wrow[w]).
-template <DType T, int NX, int NW>
+// Decode streams every weight byte once from DRAM. The hardware prefetchers alone leave the GEMV
+// at ~60% of the measured read bandwidth (they stop at 4 KiB pages and lag the demand stream), so
+// the decode tile asks for the bytes kDecodePrefetch ahead into L2, spread over its chunks.
+// Measured on the 2-core Xeon: 1-4 KiB ahead all reach ~95% of the read bandwidth; 4 KiB is
+// kept so each prefetch lands one page ahead of the demand loads.
+constexpr size_t kDecodePrefetch = 4096;
+
+// out[a*NW + w] = dot(activation row srow[a], weight row wrow[w]). With kPrefetch the NW rows
+// must be consecutive (one span of NW * row_bytes) and the span kDecodePrefetch ahead is
+// prefetched as the chunks advance.
+template <DType T, int NX, int NW, bool kPrefetch = false>
 GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
-                             float* out) {
+                             float* out, size_t row_bytes = 0) {
   const int64_t K = A.K, nb = A.nb;
   constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t n_chunks = (nb + kCB - 1) / kCB;
+  const size_t span = NW * row_bytes;
   __m512 facc[NX][NW];
   for (int a = 0; a < NX; ++a)
     for (int w = 0; w < NW; ++w) facc[a][w] = _mm512_setzero_ps();
   for (int64_t c = 0; c * kCB < nb; ++c) {
     const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+    if constexpr (kPrefetch) {
+      // Prefetches never fault, so running past the end of the mapping is harmless.
+      const char* ahead = reinterpret_cast<const char*>(wrow[0]) + kDecodePrefetch;
+      const size_t lo =
+          (span * static_cast<size_t>(c) / static_cast<size_t>(n_chunks)) & ~size_t{63};
+      const size_t hi = span * static_cast<size_t>(c + 1) / static_cast<size_t>(n_chunks);
+      for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+    }
     const __mmask16 mk = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
     const uint8_t* wq[NW];
     const uint8_t* xq[NX];
@@ -254,15 +273,15 @@ template <DType T>
 GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
                              int64_t N, float* y, int64_t r0, int64_t r1) {
   float out[32];
-  if (S == 1) {  // decode GEMV: 8 weight rows in flight
-    constexpr int NW = 8;
+  if (S == 1) {  // decode GEMV: a short tile walks the weights in address order
+    constexpr int NW = 1;
     const int64_t s0 = 0;
     for (int64_t r = r0; r < r1; r += NW) {
       const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
       const uint8_t* wrow[NW];
       for (int w = 0; w < NW; ++w)
         wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
-      tile_vnni<T, 1, NW>(A, &s0, wrow, out);
+      tile_vnni<T, 1, NW, true>(A, &s0, wrow, out, row_bytes);
       for (int w = 0; w < nw; ++w) y[r + w] = out[w];
     }
     return;
