@@ -91,7 +91,9 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     QuantizedCopies q{t, {}, 0};
     auto text = quantized_text(*model, t, &q);
     EXPECT_GE(q.converted, 3 + 7 * static_cast<int>(model->text().weights().layers.size()));
+    quant_enable_amx(false);
     const FloatTensor got = run(*text);
+    quant_enable_amx(true);
     ASSERT_EQ(got.shape, want.shape);
     for (float v : got.data) ASSERT_TRUE(std::isfinite(v));
     matmul_force_scalar(true);
@@ -102,6 +104,16 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     std::printf("%s: SIMD vs scalar min row cosine %.6f, max-abs %.4g\n",
                 std::string(dtype_name(t)).c_str(), self, max_abs_diff(got.data, scalar.data));
     cos[t == DType::Q8_0 ? 0 : 1] = min_row_cosine(want, got);
+    // The prefill on AMX tiles (bf16 operands instead of int8 activations) must track f32 at
+    // least about as well as the int8 kernels do.
+    if (quant_best_isa() == QuantIsa::AmxBf16) {
+      const FloatTensor tiles = run(*text);
+      for (float v : tiles.data) ASSERT_TRUE(std::isfinite(v));
+      const double amx_cos = min_row_cosine(want, tiles);
+      std::printf("%s: AMX prefill min row cosine vs f32 %.4f (int8 kernels %.4f)\n",
+                  std::string(dtype_name(t)).c_str(), amx_cos, cos[t == DType::Q8_0 ? 0 : 1]);
+      EXPECT_GE(amx_cos, cos[t == DType::Q8_0 ? 0 : 1] - 0.02) << dtype_name(t);
+    }
   }
   EXPECT_GE(cos[0], 0.9);
   EXPECT_GT(cos[0], cos[1]);

@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
+#include "kernels/amx.h"
 #include "kernels/matmul.h"
 
 using namespace gemstage;
@@ -257,7 +258,10 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
   std::vector<float> wd(static_cast<size_t>(N * K));
   for (int64_t r = 0; r < N; ++r) weight_row_to_f32(w, r, wd.data() + r * K);
 
-  std::vector<double> bound(static_cast<size_t>(S * N)), mag(bound.size());
+  // The AMX path rounds both operands to bf16 instead (kernels/amx.h):
+  //     |y - y_ref| <= (2^-8 + 2^-17) * sum |x| |w^|  (+ the same f32 allowance).
+  std::vector<double> bound(static_cast<size_t>(S * N)), mag(bound.size()),
+      bf16_bound(bound.size());
   for (int64_t s = 0; s < S; ++s)
     for (int64_t r = 0; r < N; ++r) {
       double bd = 0, mg = 0;
@@ -272,6 +276,7 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
       }
       bound[s * N + r] = bd + 1e-5 * mg + 1e-7;
       mag[s * N + r] = 2e-5 * mg + 1e-7;
+      bf16_bound[s * N + r] = (std::ldexp(1.0, -8) + std::ldexp(1.0, -17) + 1e-5) * mg + 1e-7;
     }
 
   std::vector<float> ref(static_cast<size_t>(S * N));
@@ -282,16 +287,26 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
   matmul_force_scalar(true);
   matmul(pool, x.data(), S, w, forced_scalar.data());
   matmul_force_scalar(false);
+  auto on_tiles = [&](QuantIsa isa) { return isa == QuantIsa::AmxBf16 && S >= kAmxMinRows; };
+  const bool matmul_on_tiles = on_tiles(quant_best_isa());
   for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_NEAR(via_matmul[i], ref[i], bound[i]) << fmt(t) << " matmul at " << i;
     ASSERT_NEAR(forced_scalar[i], ref[i], bound[i]) << fmt(t) << " forced scalar at " << i;
+    if (matmul_on_tiles) {
+      ASSERT_NEAR(via_matmul[i], ref[i], bf16_bound[i]) << fmt(t) << " matmul (amx) at " << i;
+      continue;
+    }
+    ASSERT_NEAR(via_matmul[i], ref[i], bound[i]) << fmt(t) << " matmul at " << i;
     ASSERT_NEAR(via_matmul[i], forced_scalar[i], mag[i]) << fmt(t) << " simd vs scalar at " << i;
   }
-  for (QuantIsa isa : {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni}) {
+  for (QuantIsa isa : {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni, QuantIsa::AmxBf16}) {
     if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
     std::vector<float> got(ref.size());
     quant_matmul(pool, x.data(), S, w, got.data(), isa);
     for (size_t i = 0; i < ref.size(); ++i) {
+      if (on_tiles(isa)) {
+        ASSERT_NEAR(got[i], ref[i], bf16_bound[i]) << fmt(t) << " amx at " << i;
+        continue;
+      }
       ASSERT_NEAR(got[i], ref[i], bound[i]) << fmt(t) << " isa " << static_cast<int>(isa);
       ASSERT_NEAR(got[i], forced_scalar[i], mag[i]) << fmt(t) << " isa " << static_cast<int>(isa);
     }
@@ -300,7 +315,7 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
 
 INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
-                                            ::testing::Values(1, 3, 5, 17),
+                                            ::testing::Values(1, 3, 5, 17, 40),
                                             ::testing::Values(32, 96, 160, 512, 1056),
                                             ::testing::Values(1, 7, 13, 37)));
 
@@ -323,24 +338,26 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
 // A zero activation row gives exact zeros (no 0/0 scale); a NaN activation poisons its outputs
 // as a float matmul would, on every path.
 TEST(QuantMatmulShapes, ZeroAndNanActivations) {
-  for (DType t : {DType::Q8_0, DType::Q4_0}) {
-    const int64_t K = 96, N = 9, S = 3;
-    const auto wf = randn(static_cast<size_t>(N * K), 41, 0.1f);
-    const auto q = quantize_matrix(t, wf.data(), N, K);
-    const WeightView w{"w", t, {N, K}, q.data(), q.size()};
-    auto x = randn(static_cast<size_t>(S * K), 42);
-    for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(K + k)] = 0.0f;  // row 1 zero
-    x[2 * K + 40] = NAN;                                                   // row 2 NaN
-    ThreadPool pool(2);
-    for (QuantIsa isa : {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni}) {
-      if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
-      std::vector<float> y(static_cast<size_t>(S * N));
-      quant_matmul(pool, x.data(), S, w, y.data(), isa);
-      for (int64_t r = 0; r < N; ++r) {
-        EXPECT_TRUE(std::isfinite(y[r]));
-        EXPECT_EQ(y[N + r], 0.0f);
-        EXPECT_TRUE(std::isnan(y[2 * N + r])) << static_cast<int>(isa);
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+    for (int64_t S : {int64_t{3}, kAmxMinRows + 4}) {
+      const int64_t K = 96, N = 9;
+      const auto wf = randn(static_cast<size_t>(N * K), 41, 0.1f);
+      const auto q = quantize_matrix(t, wf.data(), N, K);
+      const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+      auto x = randn(static_cast<size_t>(S * K), 42);
+      for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(K + k)] = 0.0f;  // row 1 zero
+      x[2 * K + 40] = NAN;                                                   // row 2 NaN
+      ThreadPool pool(2);
+      for (QuantIsa isa :
+           {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni, QuantIsa::AmxBf16}) {
+        if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
+        std::vector<float> y(static_cast<size_t>(S * N));
+        quant_matmul(pool, x.data(), S, w, y.data(), isa);
+        for (int64_t r = 0; r < N; ++r) {
+          EXPECT_TRUE(std::isfinite(y[r]));
+          EXPECT_EQ(y[N + r], 0.0f);
+          EXPECT_TRUE(std::isnan(y[2 * N + r])) << static_cast<int>(isa);
+        }
       }
     }
-  }
 }

@@ -84,10 +84,14 @@ std::vector<uint8_t> quantize_matrix(DType t, const float* src, int64_t rows, in
 
 // ---- used by matmul() -------------------------------------------------------------------------
 
-enum class QuantIsa { Scalar, Avx2, Avx512Vnni };
-// The best implementation for quantized weights on this CPU (AVX-512 F/BW/VL/VNNI, else
-// AVX2+FMA+F16C, else scalar).
+// AmxBf16 runs prefill-sized calls (S >= kAmxMinRows, kernels/amx.h) on AMX tiles and the rest
+// with Avx512Vnni.
+enum class QuantIsa { Scalar, Avx2, Avx512Vnni, AmxBf16 };
+// The best implementation for quantized weights on this CPU (AMX-BF16 with AVX-512 VNNI, else
+// AVX-512 F/BW/VL/VNNI, else AVX2+FMA+F16C, else scalar).
 QuantIsa quant_best_isa();
+// Lets quant_best_isa pick AmxBf16 (the default) or not; tests compare both paths.
+void quant_enable_amx(bool on);
 // y[S, out] = x[S, in] * W^T for a Q8_0/Q4_0 view (validated by the caller's shape checks;
 // this checks in % 32 and nbytes).
 void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y,

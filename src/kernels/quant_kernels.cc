@@ -18,11 +18,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/amx.h"
 #include "kernels/quant.h"
 
 namespace gemstage {
@@ -413,7 +415,16 @@ bool cpu_has_avx2() {
 
 }  // namespace
 
+namespace {
+std::atomic<bool> g_amx_enabled{true};
+}  // namespace
+
+void quant_enable_amx(bool on) {
+  g_amx_enabled.store(on);
+}
+
 QuantIsa quant_best_isa() {
+  if (g_amx_enabled.load() && cpu_has_vnni() && amx_bf16_available()) return QuantIsa::AmxBf16;
   if (cpu_has_vnni()) return QuantIsa::Avx512Vnni;
   if (cpu_has_avx2()) return QuantIsa::Avx2;
   return QuantIsa::Scalar;
@@ -432,6 +443,14 @@ void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView&
          w.nbytes, " bytes; the format needs ", rb * static_cast<size_t>(N), " (", N, " rows of ",
          rb, ")");
   if (S <= 0 || N == 0) return;
+  if (isa == QuantIsa::AmxBf16 && !(cpu_has_vnni() && amx_bf16_available())) isa = quant_best_isa();
+  if (isa == QuantIsa::AmxBf16) {
+    if (S >= kAmxMinRows) {
+      amx_quant_matmul(pool, x, S, t, static_cast<const uint8_t*>(w.data), rb, K, N, y);
+      return;
+    }
+    isa = QuantIsa::Avx512Vnni;
+  }
   if (isa == QuantIsa::Avx512Vnni && !cpu_has_vnni()) isa = quant_best_isa();
   if (isa == QuantIsa::Avx2 && !cpu_has_avx2()) isa = QuantIsa::Scalar;
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.

@@ -1,0 +1,292 @@
+// AMX bf16 prefill GEMM for Q8_0 / Q4_0 weights; see amx.h for the scheme and its precision.
+//
+// Work split: the outputs are cut into strips of 32 weight rows (two 16-row A tiles), and the
+// activation rows into passes of at most kPackedActBudget bytes of packed bf16. For each pass the
+// rows are packed once (in parallel), then the strips are shared out: a thread dequantizes its
+// strip into a thread-local buffer (every K step of both A tiles, n_steps * 2 KiB) and runs all of
+// the pass's row tiles against it, two at a time, in four f32 accumulator tiles:
+//     tmm0..3 = C (A tile 0/1 x B tile 0/1),  tmm4, tmm5 = A (weights),  tmm6, tmm7 = B (rows).
+//
+// GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "kernels/amx.h"
+
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kernels/quant.h"
+
+namespace gemstage {
+
+namespace {
+
+constexpr int64_t kCB = kQuantChunkBlocks;
+constexpr int64_t kTileRows = 16;  // outputs per A tile, activation rows per B tile
+constexpr int64_t kStep = 32;      // input columns per tile multiply: 32 bf16 = 64-byte rows
+constexpr int64_t kStrip = 2 * kTileRows;
+constexpr int64_t kTileElems = kTileRows * kStep;  // bf16 elements in one tile (1 KiB)
+// The packed rows of one pass plus one dequantized strip should stay in a core's 2 MiB L2 while
+// every strip runs against them.
+constexpr size_t kPackedActBudget = size_t{1} << 20;
+
+#define GEMSTAGE_AMX \
+  __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
+
+// 64-byte tile configuration, palette 1: every tile 16 rows of 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool cpu_has_amx_bf16() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
+  const bool avx512_bf16 = (a1 >> 5) & 1;
+  return amx_bf16 && amx_tile && avx512_bf16 && __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+}
+
+// f32 -> bf16, round to nearest even (NaN stays NaN).
+uint16_t bf16_rne(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// Q8-order position p of a chunk of m blocks (relative to its first column) holds column
+// 32i + 4j + t for p = j*4m + 4i + t.
+// Dequantized weight at Q8-order position p (relative to chunk c of m blocks) of one row.
+float weight_at_position(DType t, const uint8_t* row, int64_t nb, int64_t c, int64_t m, int64_t p) {
+  const int64_t j = p / (4 * m), r = p % (4 * m), i = r / 4;
+  const float d = quant_block_scale(t, row, nb * kQuantBlock, c * kCB + i);
+  if (t == DType::Q8_0) return static_cast<float>(row[2 * nb + c * 512 + p] - 128) * d;
+  const uint8_t byte = row[2 * nb + c * 256 + (j / 2) * 4 * m + r];
+  const int u = j % 2 ? byte >> 4 : byte & 0x0f;
+  return static_cast<float>(u - 8) * d;
+}
+
+GEMSTAGE_AMX inline __m512i as_si512(__m512bh v) {
+  __m512i r;
+  std::memcpy(&r, &v, sizeof r);
+  return r;
+}
+
+// Group j of a chunk (64 signed codes u - z, block scales spread per quarter in dq) -> steps
+// 2j and 2j + 1 of the chunk.
+GEMSTAGE_AMX inline void emit_group(uint16_t* chunk_out, size_t stride, const __m512 (&dq)[4],
+                                    int j, __m512i codes) {
+  const __m512 f0 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 0))), dq[0]);
+  const __m512 f1 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 1))), dq[1]);
+  const __m512 f2 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 2))), dq[2]);
+  const __m512 f3 = _mm512_mul_ps(
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(codes, 3))), dq[3]);
+  _mm512_storeu_si512(chunk_out + static_cast<size_t>(2 * j) * stride,
+                      as_si512(_mm512_cvtne2ps_pbh(f1, f0)));
+  _mm512_storeu_si512(chunk_out + static_cast<size_t>(2 * j + 1) * stride,
+                      as_si512(_mm512_cvtne2ps_pbh(f3, f2)));
+}
+
+// One weight row -> its K/32 steps of 32 bf16 (scale folded in), step s at out + s * stride.
+template <DType T>
+GEMSTAGE_AMX void dequantize_row_bf16(const uint8_t* row, int64_t nb, uint16_t* out,
+                                      size_t stride) {
+  const int64_t n_chunks = (nb + kCB - 1) / kCB;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB);
+    uint16_t* chunk_out = out + static_cast<size_t>(c * kCB) * stride;  // 16 steps per chunk
+    if (m < kCB) {  // a short last chunk: positions do not fall on whole 64-byte groups
+      for (int64_t p = 0; p < 32 * m; ++p)
+        chunk_out[static_cast<size_t>(p / kStep) * stride + static_cast<size_t>(p % kStep)] =
+            bf16_rne(weight_at_position(T, row, nb, c, m, p));
+      continue;
+    }
+    // Lane l of quarter q of a group is block 4q + l/4: spread the 16 block scales to match.
+    const __m512 dv =
+        _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 2 * c * kCB)));
+    __m512 dq[4];
+    for (int q = 0; q < 4; ++q) {
+      const __m512i idx = _mm512_add_epi32(
+          _mm512_set1_epi32(4 * q),
+          _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                            2));
+      dq[q] = _mm512_permutexvar_ps(idx, dv);
+    }
+    if constexpr (T == DType::Q8_0) {
+      const uint8_t* qs = row + 2 * nb + c * 512;
+      const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+      for (int j = 0; j < 8; ++j)
+        emit_group(chunk_out, stride, dq, j,
+                   _mm512_xor_si512(_mm512_loadu_si512(qs + 64 * j), bias));
+    } else {
+      const uint8_t* qs = row + 2 * nb + c * 256;
+      const __m512i lo4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+      for (int g = 0; g < 4; ++g) {
+        const __m512i pv = _mm512_loadu_si512(qs + 64 * g);
+        emit_group(chunk_out, stride, dq, 2 * g, _mm512_sub_epi8(_mm512_and_si512(pv, lo4), eight));
+        emit_group(chunk_out, stride, dq, 2 * g + 1,
+                   _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(pv, 4), lo4), eight));
+      }
+    }
+  }
+}
+
+// Activation row x (K natural columns) -> B-tile layout: for K step ks, the row's 32 bf16 as 16
+// column pairs, pair kk at dword (tile * 256 + kk * 16 + lane) of `packed`, tile = the row's
+// tile's first step + ks. xq is a K-float scratch row.
+GEMSTAGE_AMX void pack_activation_row(const float* x, int64_t K, uint32_t* tile0, int lane,
+                                      size_t tile_stride_dwords, float* xq) {
+  const int64_t nb = K / kQuantBlock, n_chunks = (nb + kCB - 1) / kCB;
+  for (int64_t c = 0; c < n_chunks; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB);
+    const float* xc = x + c * 512;
+    float* qc = xq + c * 512;
+    for (int64_t j = 0; j < 8; ++j)
+      for (int64_t i = 0; i < m; ++i) std::memcpy(qc + j * 4 * m + 4 * i, xc + 32 * i + 4 * j, 16);
+  }
+  const __m512i rows =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(16));
+  for (int64_t ks = 0; ks < K / kStep; ++ks) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xq + ks * kStep + 16),
+                                           _mm512_loadu_ps(xq + ks * kStep));
+    _mm512_i32scatter_epi32(tile0 + static_cast<size_t>(ks) * tile_stride_dwords + lane, rows,
+                            as_si512(v), 4);
+  }
+}
+
+// All row tiles of one pass against one strip of dequantized weights (strip row r0).
+GEMSTAGE_AMX void run_strip(const uint16_t* a, const uint16_t* b, int64_t n_steps,
+                            int64_t row_tiles, int64_t s0, int64_t S, int64_t r0, int64_t N,
+                            float* y) {
+  alignas(64) float cbuf[4][kTileRows][kTileRows];
+  for (int64_t bt = 0; bt < row_tiles; bt += 2) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* b0 = b + static_cast<size_t>(bt * n_steps) * kTileElems;
+    const uint16_t* b1 = b0 + static_cast<size_t>(n_steps) * kTileElems;
+    for (int64_t ks = 0; ks < n_steps; ++ks) {
+      const uint16_t* ak = a + static_cast<size_t>(ks) * 2 * kTileElems;
+      _tile_loadd(4, ak, 64);
+      _tile_loadd(5, ak + kTileElems, 64);
+      _tile_loadd(6, b0 + static_cast<size_t>(ks) * kTileElems, 64);
+      _tile_loadd(7, b1 + static_cast<size_t>(ks) * kTileElems, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, cbuf[0], 64);
+    _tile_stored(1, cbuf[1], 64);
+    _tile_stored(2, cbuf[2], 64);
+    _tile_stored(3, cbuf[3], 64);
+    // C[out][row] -> y[row * N + out], dropping the padding of both.
+    for (int t = 0; t < 4; ++t) {
+      const int64_t out0 = r0 + (t / 2) * kTileRows, row0 = s0 + (bt + t % 2) * kTileRows;
+      const int64_t n_out = std::min<int64_t>(kTileRows, N - out0),
+                    n_row = std::min<int64_t>(kTileRows, S - row0);
+      for (int64_t s = 0; s < n_row; ++s)
+        for (int64_t o = 0; o < n_out; ++o) y[(row0 + s) * N + out0 + o] = cbuf[t][o][s];
+    }
+  }
+}
+
+// Strips [st0, st1) against the packed rows of one pass: dequantize each strip into a
+// thread-local buffer, then run every row tile against it.
+template <DType T>
+GEMSTAGE_AMX void run_strips(const uint8_t* w, size_t row_bytes, int64_t nb, int64_t N, int64_t st0,
+                             int64_t st1, const uint16_t* packed, int64_t row_tiles, int64_t s0,
+                             int64_t S, float* y) {
+  const int64_t n_steps = nb * kQuantBlock / kStep;
+  thread_local std::vector<uint16_t> strip;
+  strip.resize(static_cast<size_t>(n_steps * 2 * kTileElems));
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = kTileRows;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+  for (int64_t st = st0; st < st1; ++st) {
+    const int64_t r0 = st * kStrip;
+    for (int64_t r = 0; r < kStrip; ++r) {
+      // Row r of the strip is row r % 16 of A tile r / 16; step ks of that tile starts at
+      // element (ks * 2 + r / 16) * kTileElems.
+      uint16_t* out = strip.data() +
+                      static_cast<size_t>((r / kTileRows) * kTileElems + (r % kTileRows) * kStep);
+      if (r0 + r < N)
+        dequantize_row_bf16<T>(w + static_cast<size_t>(r0 + r) * row_bytes, nb, out,
+                               static_cast<size_t>(2 * kTileElems));
+      else
+        for (int64_t ks = 0; ks < n_steps; ++ks)
+          std::memset(out + static_cast<size_t>(ks * 2 * kTileElems), 0, kStep * 2);
+    }
+    run_strip(strip.data(), packed, n_steps, row_tiles, s0, S, r0, N, y);
+  }
+  _tile_release();
+}
+
+template <DType T>
+GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, const uint8_t* w,
+                               size_t row_bytes, int64_t K, int64_t N, float* y) {
+  const int64_t nb = K / kQuantBlock, n_steps = K / kStep;
+  const size_t row_packed_bytes = static_cast<size_t>(K) * 2;
+  // Rows per pass: a multiple of two row tiles, as many as the budget allows (at least 32).
+  const int64_t pass_rows = std::max<int64_t>(
+      kStrip, static_cast<int64_t>(kPackedActBudget / row_packed_bytes) / kStrip * kStrip);
+  const int64_t n_strips = (N + kStrip - 1) / kStrip;
+  std::vector<uint16_t> packed;
+  for (int64_t s0 = 0; s0 < S; s0 += pass_rows) {
+    const int64_t rows = std::min(pass_rows, S - s0);
+    const int64_t row_tiles = (rows + kStrip - 1) / kStrip * 2;  // even: tiles go in pairs
+    packed.assign(static_cast<size_t>(row_tiles * n_steps * kTileElems), 0);
+    auto* packed32 = reinterpret_cast<uint32_t*>(packed.data());
+    pool.parallel_for(static_cast<size_t>(rows), [&](size_t b, size_t e) {
+      std::vector<float> xq(static_cast<size_t>(K));
+      for (size_t s = b; s < e; ++s) {
+        const int64_t si = static_cast<int64_t>(s);
+        uint32_t* tile0 = packed32 + static_cast<size_t>((si / kTileRows) * n_steps) * 256;
+        pack_activation_row(x + (s0 + si) * K, K, tile0, static_cast<int>(si % kTileRows), 256,
+                            xq.data());
+      }
+    });
+    pool.parallel_for(static_cast<size_t>(n_strips), [&](size_t b, size_t e) {
+      run_strips<T>(w, row_bytes, nb, N, static_cast<int64_t>(b), static_cast<int64_t>(e),
+                    packed.data(), row_tiles, s0, S, y);
+    });
+  }
+}
+
+}  // namespace
+
+bool amx_bf16_available() {
+  static const bool ok = cpu_has_amx_bf16() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return ok;
+}
+
+void amx_quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, const uint8_t* w,
+                      size_t row_bytes, int64_t K, int64_t N, float* y) {
+  if (t == DType::Q8_0)
+    amx_matmul_t<DType::Q8_0>(pool, x, S, w, row_bytes, K, N, y);
+  else
+    amx_matmul_t<DType::Q4_0>(pool, x, S, w, row_bytes, K, N, y);
+}
+
+}  // namespace gemstage
