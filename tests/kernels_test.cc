@@ -194,22 +194,29 @@ TEST(Attention, HeadMatchesDoubleReferenceOnOddSizes) {
 
 TEST(Attention, GroupMatchesPerHeadReferenceOnOddSizes) {
   // G query heads against one shared KV head, as the decoder calls it for grouped-query layers.
-  for (auto [G, hd, n] : {std::tuple{3, 37, 13}, std::tuple{8, 64, 1}, std::tuple{2, 5, 129}}) {
-    const auto q = randn(static_cast<size_t>(G * hd), 21),
-               k = randn(static_cast<size_t>(n * hd), 22),
-               v = randn(static_cast<size_t>(n * hd), 23);
-    std::vector<float> scores(static_cast<size_t>(G * n)), out(static_cast<size_t>(G * hd)),
-        ref(static_cast<size_t>(hd));
-    attend_group(
-        q.data(), G, hd, n, [&](int64_t j) { return k.data() + j * hd; },
-        [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
-    for (int g = 0; g < G; ++g) {
-      attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
-      for (int i = 0; i < hd; ++i)
-        EXPECT_NEAR(out[static_cast<size_t>(g * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
-            << "G " << G << " head " << g << " hd " << hd << " n " << n;
+  // Sizes cover the vector tails (hd % 16, hd % 32 < 16), more than 8 heads (two register
+  // groups), value rows crossing the 16-row blocks; both the AVX-512 and the portable path.
+  for (bool portable : {false, true})
+    for (auto [G, hd, n] : {std::tuple{3, 37, 13}, std::tuple{8, 64, 1}, std::tuple{2, 5, 129},
+                            std::tuple{11, 47, 37}, std::tuple{8, 256, 40}}) {
+      vector_ops_force_scalar(portable);
+      const auto q = randn(static_cast<size_t>(G * hd), 21),
+                 k = randn(static_cast<size_t>(n * hd), 22),
+                 v = randn(static_cast<size_t>(n * hd), 23);
+      std::vector<float> scores(static_cast<size_t>(G * n)), out(static_cast<size_t>(G * hd)),
+          ref(static_cast<size_t>(hd));
+      attend_group(
+          q.data(), G, hd, n, [&](int64_t j) { return k.data() + j * hd; },
+          [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
+      for (int g = 0; g < G; ++g) {
+        attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
+        for (int i = 0; i < hd; ++i)
+          EXPECT_NEAR(out[static_cast<size_t>(g * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
+              << "G " << G << " head " << g << " hd " << hd << " n " << n << " portable "
+              << portable;
+      }
+      vector_ops_force_scalar(false);
     }
-  }
 }
 
 // The AVX-512 twins against the scalar reference (vector_ops_force_scalar) on odd sizes, so

@@ -27,6 +27,19 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
+               int64_t stride) {
+  if (vector_ops_use_avx512()) return avx512::dot_heads(q, G, hd, k, scores, stride);
+  for (int64_t g = 0; g < G; ++g) scores[g * stride] = dot_f32(q + g * hd, k, hd);
+}
+
+void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
+                       int64_t nk, int64_t hd, float* out) {
+  if (vector_ops_use_avx512()) return avx512::accumulate_values(p, pstride, G, v, nk, hd, out);
+  for (int64_t j = 0; j < nk; ++j)
+    for (int64_t g = 0; g < G; ++g) axpy_f32(p[g * pstride + j], v[j], out + g * hd, hd);
+}
+
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,
                          int64_t n_keys, float* out) {
   std::vector<double> s(static_cast<size_t>(n_keys));

@@ -143,4 +143,92 @@ GEMSTAGE_AVX512F void axpy(float a, const float* x, float* y, int64_t n) {
   }
 }
 
+namespace {
+
+GEMSTAGE_AVX512F inline __mmask16 lanes_left(int64_t n) {
+  return n <= 0 ? static_cast<__mmask16>(0) : tail_mask(n);
+}
+
+template <int NG>
+GEMSTAGE_AVX512F void dot_heads_n(const float* q, int64_t hd, const float* k, float* scores,
+                                  int64_t stride) {
+  __m512 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 m = tail_mask(hd - d);
+    const __m512 kv = _mm512_maskz_loadu_ps(m, k + d);
+    for (int g = 0; g < NG; ++g)
+      acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * hd + d), kv, acc[g]);
+  }
+  for (int g = 0; g < NG; ++g) scores[g * stride] = _mm512_reduce_add_ps(acc[g]);
+}
+
+// Two vectors (32 columns) of each of NG heads stay in registers across all nk value rows.
+template <int NG>
+GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const float* const* v,
+                                          int64_t nk, int64_t hd, float* out) {
+  for (int64_t d = 0; d < hd; d += 32) {
+    const __mmask16 m0 = lanes_left(hd - d), m1 = lanes_left(hd - d - 16);
+    __m512 a0[NG], a1[NG];
+    for (int g = 0; g < NG; ++g) {
+      a0[g] = _mm512_maskz_loadu_ps(m0, out + g * hd + d);
+      a1[g] = _mm512_maskz_loadu_ps(m1, out + g * hd + d + 16);
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m512 v0 = _mm512_maskz_loadu_ps(m0, v[j] + d),
+                   v1 = _mm512_maskz_loadu_ps(m1, v[j] + d + 16);
+      for (int g = 0; g < NG; ++g) {
+        const __m512 s = _mm512_set1_ps(p[g * pstride + j]);
+        a0[g] = _mm512_fmadd_ps(s, v0, a0[g]);
+        a1[g] = _mm512_fmadd_ps(s, v1, a1[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      _mm512_mask_storeu_ps(out + g * hd + d, m0, a0[g]);
+      _mm512_mask_storeu_ps(out + g * hd + d + 16, m1, a1[g]);
+    }
+  }
+}
+
+// Calls f<n>() for the compile-time head count n = min(G, 8), n >= 1.
+template <typename F>
+void with_heads(int64_t G, F&& f) {
+  switch (G >= 8 ? 8 : G) {
+    case 1:
+      return f.template operator()<1>();
+    case 2:
+      return f.template operator()<2>();
+    case 3:
+      return f.template operator()<3>();
+    case 4:
+      return f.template operator()<4>();
+    case 5:
+      return f.template operator()<5>();
+    case 6:
+      return f.template operator()<6>();
+    case 7:
+      return f.template operator()<7>();
+    default:
+      return f.template operator()<8>();
+  }
+}
+
+}  // namespace
+
+void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
+               int64_t stride) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8)
+    with_heads(G - g0, [&]<int NG>() {
+      dot_heads_n<NG>(q + g0 * hd, hd, k, scores + g0 * stride, stride);
+    });
+}
+
+void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
+                       int64_t nk, int64_t hd, float* out) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8)
+    with_heads(G - g0, [&]<int NG>() {
+      accumulate_values_n<NG>(p + g0 * pstride, pstride, v, nk, hd, out + g0 * hd);
+    });
+}
+
 }  // namespace gemstage::avx512

@@ -20,5 +20,9 @@ void softcap(float* x, int64_t n, float cap);
 void softmax_inplace(float* s, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
 void axpy(float a, const float* x, float* y, int64_t n);
+void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
+               int64_t stride);
+void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
+                       int64_t nk, int64_t hd, float* out);
 
 }  // namespace gemstage::avx512
