@@ -69,14 +69,25 @@ uint16_t bf16_rne(float f) {
 
 // Q8-order position p of a chunk of m blocks (relative to its first column) holds column
 // 32i + 4j + t for p = j*4m + 4i + t.
-// Dequantized weight at Q8-order position p (relative to chunk c of m blocks) of one row.
-float weight_at_position(DType t, const uint8_t* row, int64_t nb, int64_t c, int64_t m, int64_t p) {
-  const int64_t j = p / (4 * m), r = p % (4 * m), i = r / 4;
-  const float d = quant_block_scale(t, row, nb * kQuantBlock, c * kCB + i);
-  if (t == DType::Q8_0) return static_cast<float>(row[2 * nb + c * 512 + p] - 128) * d;
-  const uint8_t byte = row[2 * nb + c * 256 + (j / 2) * 4 * m + r];
-  const int u = j % 2 ? byte >> 4 : byte & 0x0f;
-  return static_cast<float>(u - 8) * d;
+// A short last chunk (m < 16 blocks): its groups of 4m positions do not fall on whole 64-byte
+// vectors, so it is dequantized position by position (scales converted once per block).
+void dequantize_short_chunk(DType t, const uint8_t* row, int64_t nb, int64_t c, int64_t m,
+                            uint16_t* chunk_out, size_t stride) {
+  float d[kCB];
+  for (int64_t i = 0; i < m; ++i) d[i] = quant_block_scale(t, row, nb * kQuantBlock, c * kCB + i);
+  const uint8_t* qs = row + 2 * nb + c * (t == DType::Q8_0 ? 512 : 256);
+  for (int64_t p = 0; p < 32 * m; ++p) {
+    const int64_t j = p / (4 * m), r = p % (4 * m);
+    int code;
+    if (t == DType::Q8_0) {
+      code = qs[p] - 128;
+    } else {
+      const uint8_t byte = qs[(j / 2) * 4 * m + r];
+      code = (j % 2 ? byte >> 4 : byte & 0x0f) - 8;
+    }
+    chunk_out[static_cast<size_t>(p / kStep) * stride + static_cast<size_t>(p % kStep)] =
+        bf16_rne(static_cast<float>(code) * d[r / 4]);
+  }
 }
 
 GEMSTAGE_AMX inline __m512i as_si512(__m512bh v) {
@@ -111,10 +122,8 @@ GEMSTAGE_AMX void dequantize_row_bf16(const uint8_t* row, int64_t nb, uint16_t* 
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t m = std::min(kCB, nb - c * kCB);
     uint16_t* chunk_out = out + static_cast<size_t>(c * kCB) * stride;  // 16 steps per chunk
-    if (m < kCB) {  // a short last chunk: positions do not fall on whole 64-byte groups
-      for (int64_t p = 0; p < 32 * m; ++p)
-        chunk_out[static_cast<size_t>(p / kStep) * stride + static_cast<size_t>(p % kStep)] =
-            bf16_rne(weight_at_position(T, row, nb, c, m, p));
+    if (m < kCB) {
+      dequantize_short_chunk(T, row, nb, c, m, chunk_out, stride);
       continue;
     }
     // Lane l of quarter q of a group is block 4q + l/4: spread the 16 block scales to match.
