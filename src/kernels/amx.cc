@@ -265,15 +265,22 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
   for (int64_t s0 = 0; s0 < S; s0 += pass_rows) {
     const int64_t rows = std::min(pass_rows, S - s0);
     const int64_t row_tiles = (rows + kStrip - 1) / kStrip * 2;  // even: tiles go in pairs
-    packed.assign(static_cast<size_t>(row_tiles * n_steps * kTileElems), 0);
+    // Every lane is written below (the padding rows of the last tile pair as zeros), so the
+    // buffer is only resized, not cleared.
+    packed.resize(static_cast<size_t>(row_tiles * n_steps * kTileElems));
     auto* packed32 = reinterpret_cast<uint32_t*>(packed.data());
-    pool.parallel_for(static_cast<size_t>(rows), [&](size_t b, size_t e) {
+    pool.parallel_for(static_cast<size_t>(row_tiles * kTileRows), [&](size_t b, size_t e) {
       std::vector<float> xq(static_cast<size_t>(K));
       for (size_t s = b; s < e; ++s) {
         const int64_t si = static_cast<int64_t>(s);
         uint32_t* tile0 = packed32 + static_cast<size_t>((si / kTileRows) * n_steps) * 256;
-        pack_activation_row(x + (s0 + si) * K, K, tile0, static_cast<int>(si % kTileRows), 256,
-                            xq.data());
+        const int lane = static_cast<int>(si % kTileRows);
+        if (si < rows) {
+          pack_activation_row(x + (s0 + si) * K, K, tile0, lane, 256, xq.data());
+          continue;
+        }
+        for (int64_t ks = 0; ks < n_steps; ++ks)
+          for (int kk = 0; kk < 16; ++kk) tile0[ks * 256 + kk * 16 + lane] = 0;
       }
     });
     pool.parallel_for(static_cast<size_t>(n_strips), [&](size_t b, size_t e) {

@@ -8,9 +8,9 @@
 // 8 VPDPBUSD per 16 blocks per (weight row, activation row) (Q4_0: after 4 loads and 12
 // AND/shift unpack ops per weight row, shared by the activation rows), then one convert, one
 // scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
-// blocking: decode (S = 1) keeps 8 weight rows in flight against the one activation row; prefill
-// keeps a 4 x 4 tile (each unpacked weight vector is used by 4 activation rows, each activation
-// vector by 4 weight rows).
+// blocking: decode (S = 1) walks the weight rows one at a time in address order, prefetching
+// ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
+// activation rows, each activation vector by 4 weight rows).
 //
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -275,16 +275,11 @@ template <DType T>
 GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
                              int64_t N, float* y, int64_t r0, int64_t r1) {
   float out[32];
-  if (S == 1) {  // decode GEMV: a short tile walks the weights in address order
-    constexpr int NW = 1;
+  if (S == 1) {  // decode GEMV: one row at a time, in address order
     const int64_t s0 = 0;
-    for (int64_t r = r0; r < r1; r += NW) {
-      const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
-      const uint8_t* wrow[NW];
-      for (int w = 0; w < NW; ++w)
-        wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
-      tile_vnni<T, 1, NW, true>(A, &s0, wrow, out, row_bytes);
-      for (int w = 0; w < nw; ++w) y[r + w] = out[w];
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+      tile_vnni<T, 1, 1, true>(A, &s0, &wrow, y + r, row_bytes);
     }
     return;
   }
@@ -407,6 +402,13 @@ GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, siz
   }
 }
 
+// AMX tiles for prefill; the rows below kAmxMinRows still need the VNNI kernels.
+bool cpu_has_amx() {
+  return cpu_has_vnni() && amx_bf16_available();
+}
+
+std::atomic<bool> g_amx_enabled{true};
+
 bool cpu_has_avx2() {
   static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c");
@@ -415,16 +417,12 @@ bool cpu_has_avx2() {
 
 }  // namespace
 
-namespace {
-std::atomic<bool> g_amx_enabled{true};
-}  // namespace
-
 void quant_enable_amx(bool on) {
   g_amx_enabled.store(on);
 }
 
 QuantIsa quant_best_isa() {
-  if (g_amx_enabled.load() && cpu_has_vnni() && amx_bf16_available()) return QuantIsa::AmxBf16;
+  if (g_amx_enabled.load() && cpu_has_amx()) return QuantIsa::AmxBf16;
   if (cpu_has_vnni()) return QuantIsa::Avx512Vnni;
   if (cpu_has_avx2()) return QuantIsa::Avx2;
   return QuantIsa::Scalar;
@@ -443,7 +441,7 @@ void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView&
          w.nbytes, " bytes; the format needs ", rb * static_cast<size_t>(N), " (", N, " rows of ",
          rb, ")");
   if (S <= 0 || N == 0) return;
-  if (isa == QuantIsa::AmxBf16 && !(cpu_has_vnni() && amx_bf16_available())) isa = quant_best_isa();
+  if (isa == QuantIsa::AmxBf16 && !cpu_has_amx()) isa = quant_best_isa();
   if (isa == QuantIsa::AmxBf16) {
     if (S >= kAmxMinRows) {
       amx_quant_matmul(pool, x, S, t, static_cast<const uint8_t*>(w.data), rb, K, N, y);

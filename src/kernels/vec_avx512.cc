@@ -5,6 +5,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 
 #define GEMSTAGE_AVX512F __attribute__((target("avx512f")))
@@ -190,26 +191,37 @@ GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const
   }
 }
 
-// Calls f<n>() for the compile-time head count n = min(G, 8), n >= 1.
+// The G heads in groups of at most 8 (what fits in registers): f.template operator()<NG>(g0) for
+// each group starting at head g0, NG a compile-time count.
 template <typename F>
-void with_heads(int64_t G, F&& f) {
-  switch (G >= 8 ? 8 : G) {
-    case 1:
-      return f.template operator()<1>();
-    case 2:
-      return f.template operator()<2>();
-    case 3:
-      return f.template operator()<3>();
-    case 4:
-      return f.template operator()<4>();
-    case 5:
-      return f.template operator()<5>();
-    case 6:
-      return f.template operator()<6>();
-    case 7:
-      return f.template operator()<7>();
-    default:
-      return f.template operator()<8>();
+void for_head_groups(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 8) {
+    switch (std::min<int64_t>(G - g0, 8)) {
+      case 1:
+        f.template operator()<1>(g0);
+        break;
+      case 2:
+        f.template operator()<2>(g0);
+        break;
+      case 3:
+        f.template operator()<3>(g0);
+        break;
+      case 4:
+        f.template operator()<4>(g0);
+        break;
+      case 5:
+        f.template operator()<5>(g0);
+        break;
+      case 6:
+        f.template operator()<6>(g0);
+        break;
+      case 7:
+        f.template operator()<7>(g0);
+        break;
+      default:
+        f.template operator()<8>(g0);
+        break;
+    }
   }
 }
 
@@ -217,18 +229,16 @@ void with_heads(int64_t G, F&& f) {
 
 void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
                int64_t stride) {
-  for (int64_t g0 = 0; g0 < G; g0 += 8)
-    with_heads(G - g0, [&]<int NG>() {
-      dot_heads_n<NG>(q + g0 * hd, hd, k, scores + g0 * stride, stride);
-    });
+  for_head_groups(G, [&]<int NG>(int64_t g0) {
+    dot_heads_n<NG>(q + g0 * hd, hd, k, scores + g0 * stride, stride);
+  });
 }
 
 void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
                        int64_t nk, int64_t hd, float* out) {
-  for (int64_t g0 = 0; g0 < G; g0 += 8)
-    with_heads(G - g0, [&]<int NG>() {
-      accumulate_values_n<NG>(p + g0 * pstride, pstride, v, nk, hd, out + g0 * hd);
-    });
+  for_head_groups(G, [&]<int NG>(int64_t g0) {
+    accumulate_values_n<NG>(p + g0 * pstride, pstride, v, nk, hd, out + g0 * hd);
+  });
 }
 
 }  // namespace gemstage::avx512
