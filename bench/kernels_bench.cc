@@ -18,6 +18,7 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
+#include "kernels/amx.h"
 #include "kernels/attention.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
@@ -117,10 +118,12 @@ void BM_Matmul(benchmark::State& state, DType t) {
   state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
                                                  benchmark::Counter::kIsRate);
   const QuantIsa qi = quant_best_isa();
-  state.SetLabel(!dtype_is_quantized(t)       ? matmul_isa()
-                 : qi == QuantIsa::Avx512Vnni ? "avx512vnni"
-                 : qi == QuantIsa::Avx2       ? "avx2"
-                                              : "scalar");
+  const bool tiles = qi == QuantIsa::AmxBf16 && S >= kAmxMinRows;
+  state.SetLabel(!dtype_is_quantized(t)                       ? matmul_isa()
+                 : tiles                                      ? "amx-bf16"
+                 : qi >= QuantIsa::Avx512Vnni                 ? "avx512vnni"
+                 : qi == QuantIsa::Avx2                       ? "avx2"
+                                                              : "scalar");
 }
 
 void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
@@ -134,10 +137,13 @@ void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }
 
+// The MLP's up and down shapes, and the double-wide down of the KV-shared layers, at a 128-row
+// prefill chunk and a 512-row prompt.
 void gemm_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"out", "in", "S", "threads"});
-  for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}})
-    for (int th : {1, 2}) b->Args({o, i, 128, th});
+  for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}, {1536, 12288}})
+    for (int64_t S : {128, 512})
+      for (int th : {1, 2}) b->Args({o, i, S, th});
   b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

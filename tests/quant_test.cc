@@ -318,6 +318,13 @@ INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                                             ::testing::Values(1, 3, 5, 17, 40),
                                             ::testing::Values(32, 96, 160, 512, 1056),
                                             ::testing::Values(1, 7, 13, 37)));
+// The AMX path's blocking (kernels/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
+// rows x 2080 columns are three passes (the last a single tile pair, mostly padding) of two K
+// blocks, the second a one-block short chunk, so accumulators are parked and reloaded.
+INSTANTIATE_TEST_SUITE_P(AmxBlocking, QuantMatmul,
+                         ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
+                                            ::testing::Values(530), ::testing::Values(2080),
+                                            ::testing::Values(45)));
 
 // Decode-shaped GEMV over a row count that splits unevenly across threads and the 8-row tiles.
 TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {

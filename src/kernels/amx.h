@@ -3,8 +3,9 @@
 // Why bf16 and not int8 tiles: a Q4_0/Q8_0 block scale covers 32 weights, so int8 tiles would
 // have to stop after every 32 input columns to scale the int32 partial sums (16 x 16 outputs
 // times two scales), which costs more vector work than the tile multiply saves. Instead each
-// weight row is dequantized once per call to bf16 with its scale folded in, w = (u - z) * d,
-// and the tiles accumulate in f32 across the whole input width with no per-block work.
+// weight row is dequantized to bf16 with its scale folded in, w = (u - z) * d, once per pass of
+// up to 256 activation rows, and the tiles accumulate in f32 across the whole input width with
+// no per-block work.
 //
 // The inner product may visit the input columns in any order as long as both operands use the
 // same one, so the weights are read in their stored chunk-interleaved order (kernels/quant.h:
