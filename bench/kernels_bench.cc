@@ -119,11 +119,11 @@ void BM_Matmul(benchmark::State& state, DType t) {
                                                  benchmark::Counter::kIsRate);
   const QuantIsa qi = quant_best_isa();
   const bool tiles = qi == QuantIsa::AmxBf16 && S >= kAmxMinRows;
-  state.SetLabel(!dtype_is_quantized(t)                       ? matmul_isa()
-                 : tiles                                      ? "amx-bf16"
-                 : qi >= QuantIsa::Avx512Vnni                 ? "avx512vnni"
-                 : qi == QuantIsa::Avx2                       ? "avx2"
-                                                              : "scalar");
+  state.SetLabel(!dtype_is_quantized(t)       ? matmul_isa()
+                 : tiles                      ? "amx-bf16"
+                 : qi >= QuantIsa::Avx512Vnni ? "avx512vnni"
+                 : qi == QuantIsa::Avx2       ? "avx2"
+                                              : "scalar");
 }
 
 void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {

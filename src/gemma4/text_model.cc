@@ -126,10 +126,48 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   return out;
 }
 
+// What the layers of one run_layers call share: the chunk's RoPE angles per layer type, the
+// fresh K/V of every layer that computes its own (KV-shared layers read their donor's), and
+// activation buffers reused from layer to layer. The buffers are sized, never cleared: every
+// element is written before it is read, and for a prompt they are tens of MB that zeroing and
+// first-touch page faults made ~5% of a prefill.
+struct TextModel::LayerPass {
+  RopeAngles rope_sliding, rope_full;
+  std::vector<std::vector<float>> k, v;  // per layer: [S, kv heads * head_dim]
+  std::vector<float> x, q, attn, branch, gate, up, ple_gate;
+};
+
+namespace {
+
+// Row-wise work of a chunk (norms, RoPE, activations, residual adds): shared out over the pool
+// for a prompt, inline for the few rows of a decode step, where a hand-off would cost more
+// than the work.
+constexpr int64_t kParallelRowsMin = 16;
+
+template <typename Fn>
+void for_rows(ThreadPool& pool, int64_t rows, Fn fn) {
+  if (rows < kParallelRowsMin) return fn(int64_t{0}, rows);
+  pool.parallel_for(static_cast<size_t>(rows), [&](size_t b, size_t e) {
+    fn(static_cast<int64_t>(b), static_cast<int64_t>(e));
+  });
+}
+
+void sized(std::vector<float>& buf, int64_t n) {
+  buf.resize(static_cast<size_t>(n));
+}
+
+// hidden += rmsnorm(branch) * w for rows [r0, r1) of width D.
+void add_normed(float* hidden, float* branch, int64_t r0, int64_t r1, int64_t D, const float* w,
+                float eps) {
+  rmsnorm_rows(branch + r0 * D, r1 - r0, D, w, eps, branch + r0 * D);
+  for (int64_t i = r0 * D; i < r1 * D; ++i) hidden[i] += branch[i];
+}
+
+}  // namespace
+
 void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
-                              const PerLayerInputs& pli, KvCache& cache,
-                              std::vector<std::vector<float>>& chunk_k,
-                              std::vector<std::vector<float>>& chunk_v, TapRecorder* taps) const {
+                              const PerLayerInputs& pli, KvCache& cache, LayerPass& pass,
+                              TapRecorder* taps) const {
   const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
   if (!lw.bound) fail("layer ", li, " is not held by this stage");
@@ -139,32 +177,44 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const int L = cfg_.num_hidden_layers;
   const int64_t start = cache.n_past();
-  const RopeTable& rope = ls.type == LayerType::Full ? rope_full_ : rope_sliding_;
+  const RopeAngles& rope = ls.type == LayerType::Full ? pass.rope_full : pass.rope_sliding;
+  float* h = hidden.data.data();
 
   // ---- attention ----
-  std::vector<float> x(static_cast<size_t>(S * D));
-  rmsnorm_rows(hidden.data.data(), S, D, lw.input_layernorm.data(), eps, x.data());
-  std::vector<float> q(static_cast<size_t>(S * H * hd));
+  auto& x = pass.x;
+  auto& q = pass.q;
+  sized(x, S * D);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.input_layernorm.data(), eps, x.data() + r0 * D);
+  });
+  sized(q, S * H * hd);
   matmul(pool, x.data(), S, lw.q_proj, q.data());
-  rmsnorm_rows(q.data(), S * H, hd, lw.q_norm.data(), eps, q.data());
-  for (int64_t r = 0; r < S; ++r)
-    apply_rope(rope, start + r, q.data() + r * H * hd, static_cast<int>(H));
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    float* qr = q.data() + r0 * H * hd;
+    rmsnorm_rows(qr, (r1 - r0) * H, hd, lw.q_norm.data(), eps, qr);
+    for (int64_t r = r0; r < r1; ++r)
+      apply_rope(rope, r, q.data() + r * H * hd, static_cast<int>(H));
+  });
 
   if (!ls.kv_shared) {
-    auto& k = chunk_k[static_cast<size_t>(li)];
-    auto& v = chunk_v[static_cast<size_t>(li)];
-    k.resize(static_cast<size_t>(S * kvw));
-    v.resize(static_cast<size_t>(S * kvw));
+    auto& k = pass.k[static_cast<size_t>(li)];
+    auto& v = pass.v[static_cast<size_t>(li)];
+    sized(k, S * kvw);
+    sized(v, S * kvw);
     matmul(pool, x.data(), S, lw.k_proj, k.data());
     matmul(pool, x.data(), S, lw.v_proj, v.data());
-    rmsnorm_rows(k.data(), S * Hkv, hd, lw.k_norm.data(), eps, k.data());
-    for (int64_t r = 0; r < S; ++r)
-      apply_rope(rope, start + r, k.data() + r * kvw, static_cast<int>(Hkv));
-    rmsnorm_rows(v.data(), S * Hkv, hd, nullptr, eps, v.data());
+    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+      float* kr = k.data() + r0 * kvw;
+      float* vr = v.data() + r0 * kvw;
+      rmsnorm_rows(kr, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps, kr);
+      for (int64_t r = r0; r < r1; ++r)
+        apply_rope(rope, r, k.data() + r * kvw, static_cast<int>(Hkv));
+      rmsnorm_rows(vr, (r1 - r0) * Hkv, hd, nullptr, eps, vr);
+    });
   }
   const int src = ls.kv_shared ? ls.kv_donor : li;
-  const auto& ck = chunk_k[static_cast<size_t>(src)];
-  const auto& cv = chunk_v[static_cast<size_t>(src)];
+  const auto& ck = pass.k[static_cast<size_t>(src)];
+  const auto& cv = pass.v[static_cast<size_t>(src)];
   if (static_cast<int64_t>(ck.size()) != S * kvw)
     fail("layer ", li, " reads the K/V of layer ", src,
          ", which did not run in this pass; a stage must hold each KV-shared layer together with "
@@ -173,7 +223,8 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
   const int64_t window = cfg_.sliding_window;
 
-  std::vector<float> attn(static_cast<size_t>(S * H * hd), 0.0f);
+  auto& attn = pass.attn;  // attend_group writes every element of its heads
+  sized(attn, S * H * hd);
   // One task per (row, KV head, slice of its G query heads). The slices exist only for decode,
   // where S * Hkv tasks (often 1) would leave threads idle: each slice re-reads the group's keys,
   // so there are just enough of them to occupy the pool.
@@ -208,45 +259,62 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
                    attn.data() + (r * H + h0) * hd);
     }
   });
-  std::vector<float> branch(static_cast<size_t>(S * D));
+  auto& branch = pass.branch;
+  sized(branch, S * D);
   matmul(pool, attn.data(), S, lw.o_proj, branch.data());
-  rmsnorm_rows(branch.data(), S, D, lw.post_attention_layernorm.data(), eps, branch.data());
-  for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
-  if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, hidden.data.data(), S);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    add_normed(h, branch.data(), r0, r1, D, lw.post_attention_layernorm.data(), eps);
+    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm.data(), eps,
+                 x.data() + r0 * D);
+  });
+  if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, h, S);
 
   // ---- MLP ----
   const int64_t I = ls.mlp_width;
-  rmsnorm_rows(hidden.data.data(), S, D, lw.pre_feedforward_layernorm.data(), eps, x.data());
-  std::vector<float> gate(static_cast<size_t>(S * I)), up(static_cast<size_t>(S * I));
+  auto& gate = pass.gate;
+  auto& up = pass.up;
+  sized(gate, S * I);
+  sized(up, S * I);
   matmul(pool, x.data(), S, lw.gate_proj, gate.data());
   matmul(pool, x.data(), S, lw.up_proj, up.data());
-  gelu_tanh_mul(gate.data(), up.data(), S * I, gate.data());
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    gelu_tanh_mul(gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I, gate.data() + r0 * I);
+  });
   matmul(pool, gate.data(), S, lw.down_proj, branch.data());
-  rmsnorm_rows(branch.data(), S, D, lw.post_feedforward_layernorm.data(), eps, branch.data());
-  for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
-  if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, hidden.data.data(), S);
+  const bool ple = cfg_.has_ple();
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    add_normed(h, branch.data(), r0, r1, D, lw.post_feedforward_layernorm.data(), eps);
+    // Without a per-layer input, layer_scalar (the layer's last op) applies here.
+    if (!ple)
+      for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
+  });
+  if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, h, S);
 
   // ---- per-layer input: gate from the un-normalized stream, times this layer's PLE slice ----
-  if (cfg_.has_ple()) {
+  if (ple) {
     const int64_t P = cfg_.ple_dim();
     if (pli.rows != S || pli.dim != P || !pli.holds(li))
       fail("layer ", li, ": per_layer_inputs holds rows ", pli.rows, ", layers [", pli.first_layer,
            ", ", pli.first_layer + pli.num_layers, "), width ", pli.dim, "; expected ", S,
            " rows including layer ", li, ", width ", P);
-    std::vector<float> g(static_cast<size_t>(S * P));
-    matmul(pool, hidden.data.data(), S, lw.per_layer_input_gate, g.data());
-    for (int64_t r = 0; r < S; ++r) {
-      const float* p = pli.at(r, li);
-      float* gr = g.data() + r * P;
-      for (int64_t j = 0; j < P; ++j) gr[j] = gelu_tanh(gr[j]) * p[j];
-    }
+    auto& g = pass.ple_gate;
+    sized(g, S * P);
+    matmul(pool, h, S, lw.per_layer_input_gate, g.data());
+    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) {
+        const float* p = pli.at(r, li);
+        float* gr = g.data() + r * P;
+        for (int64_t j = 0; j < P; ++j) gr[j] = gelu_tanh(gr[j]) * p[j];
+      }
+    });
     matmul(pool, g.data(), S, lw.per_layer_projection, branch.data());
-    rmsnorm_rows(branch.data(), S, D, lw.post_per_layer_input_norm.data(), eps, branch.data());
-    for (size_t i = 0; i < branch.size(); ++i) hidden.data[i] += branch[i];
+    // layer_scalar scales the whole residual stream, as the layer's last op.
+    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+      add_normed(h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
+      for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
+    });
   }
-  // layer_scalar scales the whole residual stream, as the layer's last op.
-  for (float& v : hidden.data) v *= lw.layer_scalar;
-  if (taps) taps->append_layer("hidden_states", li, L, {D}, hidden.data.data(), S);
+  if (taps) taps->append_layer("hidden_states", li, L, {D}, h, S);
 }
 
 void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hidden,
@@ -262,13 +330,16 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hi
          cache.max_context(),
          " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
          cfg_.max_position_embeddings, ")");
-  std::vector<std::vector<float>> chunk_k(static_cast<size_t>(L)), chunk_v(static_cast<size_t>(L));
-  for (int li = begin; li < end; ++li)
-    layer_forward(pool, li, hidden, pli, cache, chunk_k, chunk_v, taps);
+  LayerPass pass;
+  pass.rope_sliding = RopeAngles::at(rope_sliding_, cache.n_past(), S);
+  pass.rope_full = RopeAngles::at(rope_full_, cache.n_past(), S);
+  pass.k.resize(static_cast<size_t>(L));
+  pass.v.resize(static_cast<size_t>(L));
+  for (int li = begin; li < end; ++li) layer_forward(pool, li, hidden, pli, cache, pass, taps);
   for (int li = begin; li < end; ++li)
     if (!cfg_.layers[static_cast<size_t>(li)].kv_shared)
-      cache.own(li)->append(chunk_k[static_cast<size_t>(li)].data(),
-                            chunk_v[static_cast<size_t>(li)].data(), S);
+      cache.own(li)->append(pass.k[static_cast<size_t>(li)].data(),
+                            pass.v[static_cast<size_t>(li)].data(), S);
 }
 
 FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,

@@ -80,9 +80,9 @@ class TextModel {
                       bool all_logits, TapRecorder* taps) const;
 
  private:
+  struct LayerPass;  // what the layers of one run_layers call share (text_model.cc)
   void layer_forward(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
-                     KvCache& cache, std::vector<std::vector<float>>& chunk_k,
-                     std::vector<std::vector<float>>& chunk_v, TapRecorder* taps) const;
+                     KvCache& cache, LayerPass& pass, TapRecorder* taps) const;
 
   const ModelConfig& model_cfg_;
   const TextConfig& cfg_;

@@ -73,31 +73,42 @@ RopeTable RopeTable::proportional(int head_dim, double theta, double partial_rot
   return t;
 }
 
-void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
-  const int half = table.head_dim / 2;
-  float cs[512], sn[512];
-  float* c = cs;
-  float* s = sn;
-  std::vector<float> big;
-  if (table.n_rotated > 512) {
-    big.resize(static_cast<size_t>(2 * table.n_rotated));
-    c = big.data();
-    s = big.data() + table.n_rotated;
-  }
-  // Angles in f32 as HF computes them (inv_freq @ position in float32).
-  for (int i = 0; i < table.n_rotated; ++i) {
-    const float a = static_cast<float>(pos) * table.inv_freq[static_cast<size_t>(i)];
-    c[i] = std::cos(a);
-    s[i] = std::sin(a);
-  }
-  for (int h = 0; h < n_heads; ++h) {
-    float* x = v + static_cast<int64_t>(h) * table.head_dim;
+RopeAngles RopeAngles::at(const RopeTable& table, int64_t first, int64_t rows) {
+  RopeAngles a;
+  a.head_dim = table.head_dim;
+  a.n_rotated = table.n_rotated;
+  a.first = first;
+  a.rows = rows;
+  const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(table.n_rotated);
+  a.cos.resize(n);
+  a.sin.resize(n);
+  for (int64_t r = 0; r < rows; ++r)
     for (int i = 0; i < table.n_rotated; ++i) {
+      // Angles in f32 as HF computes them (inv_freq @ position in float32).
+      const float ang = static_cast<float>(first + r) * table.inv_freq[static_cast<size_t>(i)];
+      const size_t at = static_cast<size_t>(r * table.n_rotated + i);
+      a.cos[at] = std::cos(ang);
+      a.sin[at] = std::sin(ang);
+    }
+  return a;
+}
+
+void apply_rope(const RopeAngles& angles, int64_t row, float* v, int n_heads) {
+  const int half = angles.head_dim / 2, nr = angles.n_rotated;
+  const float* c = angles.cos.data() + row * nr;
+  const float* s = angles.sin.data() + row * nr;
+  for (int h = 0; h < n_heads; ++h) {
+    float* x = v + static_cast<int64_t>(h) * angles.head_dim;
+    for (int i = 0; i < nr; ++i) {
       const float x1 = x[i], x2 = x[i + half];
       x[i] = x1 * c[i] - x2 * s[i];
       x[i + half] = x2 * c[i] + x1 * s[i];
     }
   }
+}
+
+void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
+  apply_rope(RopeAngles::at(table, pos, 1), 0, v, n_heads);
 }
 
 void softmax_inplace(float* s, int64_t n) {
