@@ -315,6 +315,27 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
   }
 }
 
+TEST(ThreadPool, ChunksCoverEveryIndexOnceInWholeChunks) {
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    for (auto [n, chunk] : {std::pair<size_t, size_t>{1, 16}, {7, 3}, {1000, 16}, {1001, 64}}) {
+      std::vector<std::atomic<int>> hits(n);
+      pool.parallel_chunks(n, chunk, [&](size_t b, size_t e) {
+        EXPECT_EQ(b % chunk, 0u);
+        EXPECT_TRUE(e - b == chunk || e == n) << b << ".." << e;
+        for (size_t i = b; i < e; ++i) ++hits[i];
+      });
+      for (size_t i = 0; i < n; ++i) ASSERT_EQ(hits[i].load(), 1) << threads << " " << n;
+    }
+  }
+  ThreadPool pool(2);
+  EXPECT_THROW(pool.parallel_chunks(100, 10,
+                                    [](size_t b, size_t) {
+                                      if (b == 50) throw std::runtime_error("chunk 5");
+                                    }),
+               std::runtime_error);
+}
+
 // Thousands of back-to-back jobs (the decode pattern) and jobs after the workers have gone to
 // sleep (idle longer than their spin) must all run every range exactly once.
 TEST(ThreadPool, BackToBackJobsAndJobsAfterSleeping) {

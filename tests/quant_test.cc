@@ -342,6 +342,60 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
   }
 }
 
+// Matrices sharing an input (Q/K/V, gate/up) run as one job and give exactly what each gives on
+// its own: the row ranges of the stacked job fall across matrix boundaries at odd places.
+TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
+  ThreadPool pool(3);
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+    for (int64_t S : {int64_t{1}, int64_t{3}, kAmxMinRows + 1}) {
+      const int64_t K = 96;
+      std::vector<std::vector<uint8_t>> q;
+      std::vector<WeightView> w;
+      for (int64_t N : {37, 5, 101}) {
+        const auto wf = randn(static_cast<size_t>(N * K), 50 + static_cast<uint32_t>(N), 0.1f);
+        q.push_back(quantize_matrix(t, wf.data(), N, K));
+      }
+      for (size_t i = 0; i < q.size(); ++i) {
+        const int64_t N = static_cast<int64_t>(q[i].size() / quant_row_bytes(t, K));
+        const char* names[] = {"q", "k", "v"};
+        w.push_back(WeightView{names[i], t, {N, K}, q[i].data(), q[i].size()});
+      }
+      const auto x = randn(static_cast<size_t>(S * K), 60);
+      std::vector<std::vector<float>> one(3), many(3);
+      for (size_t i = 0; i < 3; ++i) {
+        one[i].resize(static_cast<size_t>(S * w[i].rows()));
+        many[i].assign(one[i].size(), NAN);
+        matmul(pool, x.data(), S, w[i], one[i].data());
+      }
+      matmul_many(pool, x.data(), S,
+                  {{w[0], many[0].data()}, {w[1], many[1].data()}, {w[2], many[2].data()}});
+      for (size_t i = 0; i < 3; ++i)
+        for (size_t j = 0; j < one[i].size(); ++j)
+          ASSERT_EQ(many[i][j], one[i][j])
+              << fmt(t) << " S=" << S << " matrix " << i << " at " << j;
+    }
+  // Different formats or widths cannot share one job: they run one by one, or fail by name.
+  const auto wf = randn(64 * 7, 70, 0.1f);
+  const auto q8 = quantize_matrix(DType::Q8_0, wf.data(), 7, 64);
+  const auto q4 = quantize_matrix(DType::Q4_0, wf.data(), 7, 64);
+  const WeightView a{"a", DType::Q8_0, {7, 64}, q8.data(), q8.size()};
+  const WeightView b{"b", DType::Q4_0, {7, 64}, q4.data(), q4.size()};
+  const WeightView f{"f", DType::F32, {7, 64}, wf.data(), wf.size() * 4};
+  const auto x = randn(64, 71);
+  std::vector<float> ya(7), yb(7), yf(7), ra(7), rb(7), rf(7);
+  matmul_many(pool, x.data(), 1, {{a, ya.data()}, {b, yb.data()}, {f, yf.data()}});
+  matmul(pool, x.data(), 1, a, ra.data());
+  matmul(pool, x.data(), 1, b, rb.data());
+  matmul(pool, x.data(), 1, f, rf.data());
+  EXPECT_EQ(ya, ra);
+  EXPECT_EQ(yb, rb);
+  EXPECT_EQ(yf, rf);
+  const QuantTarget mixed[] = {{&a, ya.data()}, {&b, yb.data()}};
+  const std::string e =
+      error_of([&] { quant_matmul_many(pool, x.data(), 1, mixed, QuantIsa::Avx512Vnni); });
+  EXPECT_NE(e.find("b is Q4_0"), std::string::npos) << e;
+}
+
 // A zero activation row gives exact zeros (no 0/0 scale); a NaN activation poisons its outputs
 // as a float matmul would, on every path.
 TEST(QuantMatmulShapes, ZeroAndNanActivations) {

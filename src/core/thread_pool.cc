@@ -138,4 +138,16 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)
   if (error_) std::rethrow_exception(std::exchange(error_, nullptr));
 }
 
+void ThreadPool::parallel_chunks(size_t n, size_t chunk,
+                                 const std::function<void(size_t, size_t)>& fn) {
+  chunk = std::max<size_t>(1, chunk);
+  const size_t n_chunks = (n + chunk - 1) / chunk;
+  if (n_threads_ == 1 || n_chunks <= 1) return parallel_for(n, fn, n);
+  std::atomic<size_t> next{0};
+  parallel_for(static_cast<size_t>(n_threads_), [&](size_t, size_t) {
+    for (size_t c = next.fetch_add(1); c < n_chunks; c = next.fetch_add(1))
+      fn(c * chunk, std::min(n, (c + 1) * chunk));
+  });
+}
+
 }  // namespace gemstage

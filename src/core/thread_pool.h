@@ -36,6 +36,11 @@ class ThreadPool {
   // exception thrown by fn on any thread is rethrown here once every range has finished.
   void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
 
+  // fn(begin, end) over [0, n) in ranges of `chunk` (the last may be shorter), each taken in
+  // order by whichever thread is free. For memory-bound work, where threads sharing the DRAM
+  // bandwidth run at uneven speeds and an even split leaves one of them waiting at the end.
+  void parallel_chunks(size_t n, size_t chunk, const std::function<void(size_t, size_t)>& fn);
+
  private:
   void worker_loop(int index);
   void run_share(int index) noexcept;

@@ -188,7 +188,16 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
     rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.input_layernorm.data(), eps, x.data() + r0 * D);
   });
   sized(q, S * H * hd);
-  matmul(pool, x.data(), S, lw.q_proj, q.data());
+  if (ls.kv_shared) {
+    matmul(pool, x.data(), S, lw.q_proj, q.data());
+  } else {
+    auto& k = pass.k[static_cast<size_t>(li)];
+    auto& v = pass.v[static_cast<size_t>(li)];
+    sized(k, S * kvw);
+    sized(v, S * kvw);
+    matmul_many(pool, x.data(), S,
+                {{lw.q_proj, q.data()}, {lw.k_proj, k.data()}, {lw.v_proj, v.data()}});
+  }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     float* qr = q.data() + r0 * H * hd;
     rmsnorm_rows(qr, (r1 - r0) * H, hd, lw.q_norm.data(), eps, qr);
@@ -199,10 +208,6 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (!ls.kv_shared) {
     auto& k = pass.k[static_cast<size_t>(li)];
     auto& v = pass.v[static_cast<size_t>(li)];
-    sized(k, S * kvw);
-    sized(v, S * kvw);
-    matmul(pool, x.data(), S, lw.k_proj, k.data());
-    matmul(pool, x.data(), S, lw.v_proj, v.data());
     for_rows(pool, S, [&](int64_t r0, int64_t r1) {
       float* kr = k.data() + r0 * kvw;
       float* vr = v.data() + r0 * kvw;
@@ -275,8 +280,7 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& up = pass.up;
   sized(gate, S * I);
   sized(up, S * I);
-  matmul(pool, x.data(), S, lw.gate_proj, gate.data());
-  matmul(pool, x.data(), S, lw.up_proj, up.data());
+  matmul_many(pool, x.data(), S, {{lw.gate_proj, gate.data()}, {lw.up_proj, up.data()}});
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     gelu_tanh_mul(gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I, gate.data() + r0 * I);
   });

@@ -229,6 +229,19 @@ void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, fl
       16);
 }
 
+void matmul_many(ThreadPool& pool, const float* x, int64_t S,
+                 std::initializer_list<MatmulTarget> targets) {
+  std::vector<QuantTarget> quantized;
+  bool together = !g_force_scalar.load();
+  for (const MatmulTarget& t : targets) {
+    together = together && t.w.shape.size() == 2 && dtype_is_quantized(t.w.dtype) &&
+               t.w.dtype == targets.begin()->w.dtype && t.w.cols() == targets.begin()->w.cols();
+    quantized.push_back({&t.w, t.y});
+  }
+  if (together) return quant_matmul_many(pool, x, S, quantized, quant_best_isa());
+  for (const MatmulTarget& t : targets) matmul(pool, x, S, t.w, t.y);
+}
+
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y) {
   const int64_t K = w.cols(), N = w.rows();
   if (dtype_is_quantized(w.dtype)) {  // dequantize each row, then the same double dot

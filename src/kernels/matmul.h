@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "core/tensor.h"
 #include "core/thread_pool.h"
@@ -12,6 +13,17 @@
 namespace gemstage {
 
 void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y);
+
+// One matrix of a matmul_many call and where its outputs go.
+struct MatmulTarget {
+  const WeightView& w;
+  float* y;
+};
+// matmul of several matrices on the same input (Q, K, V; gate, up). Quantized matrices of one
+// format run as one job (kernels/quant.h, quant_matmul_many), which saves a pool hand-off and
+// an activation quantization per extra matrix in every decoded layer; others run one by one.
+void matmul_many(ThreadPool& pool, const float* x, int64_t S,
+                 std::initializer_list<MatmulTarget> targets);
 
 // Plain scalar reference (double accumulation); every optimized path is tested against it.
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y);

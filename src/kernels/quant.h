@@ -50,6 +50,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "core/dtype.h"
@@ -96,5 +97,16 @@ void quant_enable_amx(bool on);
 // this checks in % 32 and nbytes).
 void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y,
                   QuantIsa isa);
+
+// One matrix of a quant_matmul_many call and where its outputs go.
+struct QuantTarget {
+  const WeightView* w;
+  float* y;
+};
+// y_i = x * W_i^T for matrices of one dtype and input width that read the same input (Q, K and V;
+// gate and up): the activations are quantized once, and below the AMX threshold all rows of all
+// the matrices are one job for the pool instead of one job each.
+void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
+                       std::span<const QuantTarget> targets, QuantIsa isa);
 
 }  // namespace gemstage
