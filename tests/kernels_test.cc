@@ -262,6 +262,23 @@ TEST_F(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
   EXPECT_EQ(out[2], 1e6f);
 }
 
+TEST_F(VectorOps, RmsNormMatchesScalar) {
+  for (int n : {1, 15, 33, 256, 1541}) {
+    const auto x = randn(static_cast<size_t>(3 * n), 45, 3.0f);
+    const auto w = randn(static_cast<size_t>(n), 46);
+    for (const float* wp : {w.data(), static_cast<const float*>(nullptr)}) {
+      auto run = [&] {
+        std::vector<float> y(x.size());
+        rmsnorm_rows(x.data(), 3, n, wp, 1e-6f, y.data());
+        return y;
+      };
+      const auto want = scalar(run), got = run();
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_NEAR(got[i], want[i], 2e-6f * std::max(1.0f, std::fabs(want[i]))) << n;
+    }
+  }
+}
+
 TEST_F(VectorOps, SoftcapAndSoftmaxMatchScalar) {
   for (int n : {1, 16, 31, 1001}) {
     const auto x = randn(static_cast<size_t>(n), 41, 40.0f);

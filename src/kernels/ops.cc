@@ -20,6 +20,14 @@ void vector_ops_force_scalar(bool on) {
 }
 
 void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
+  if (vector_ops_use_avx512()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float ss = avx512::sum_squares(x + r * n, n);
+      avx512::scale_row(x + r * n, std::pow(ss / static_cast<float>(n) + eps, -0.5f), w, n,
+                        y + r * n);
+    }
+    return;
+  }
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;

@@ -1,7 +1,7 @@
 // Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
 // formula it implements; the scalar code in ops.cc is the reference, and gelu_tanh_mul, softcap,
-// softmax_inplace (and attention.h's dot/axpy) dispatch to AVX-512 twins (vec_avx512.h) on CPUs
-// that have it.
+// softmax_inplace, rmsnorm_rows (and attention.h's dot/axpy) dispatch to AVX-512 twins
+// (vec_avx512.h) on CPUs that have it.
 #pragma once
 
 #include <cstdint>
