@@ -166,11 +166,8 @@ GEMSTAGE_AMX void dequantize_row_bf16(const uint8_t* row, int64_t nb, int64_t c0
   }
 }
 
-// Activation row x (K natural columns) -> B-tile layout: for K step ks, the row's 32 bf16 as 16
-// column pairs, pair kk at dword (tile * 256 + kk * 16 + lane) of `packed`, tile = the row's
-// tile's first step + ks. xq is a K-float scratch row.
-GEMSTAGE_AMX void pack_activation_row(const float* x, int64_t K, uint32_t* tile0, int lane,
-                                      size_t tile_stride_dwords, float* xq) {
+// Row x (K natural columns) -> xq in Q8 order, the order the weights are stored in.
+void permute_to_q8_order(const float* x, int64_t K, float* xq) {
   const int64_t nb = K / kQuantBlock, n_chunks = (nb + kCB - 1) / kCB;
   for (int64_t c = 0; c < n_chunks; ++c) {
     const int64_t m = std::min(kCB, nb - c * kCB);
@@ -179,14 +176,57 @@ GEMSTAGE_AMX void pack_activation_row(const float* x, int64_t K, uint32_t* tile0
     for (int64_t j = 0; j < 8; ++j)
       for (int64_t i = 0; i < m; ++i) std::memcpy(qc + j * 4 * m + 4 * i, xc + 32 * i + 4 * j, 16);
   }
-  const __m512i rows =
-      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                         _mm512_set1_epi32(16));
+}
+
+// v[i] (16 dwords each) -> v[j][i] = old v[i][j]: 32-bit, 64-bit, then two 128-bit lane stages.
+GEMSTAGE_AMX inline void transpose_16x16_dwords(__m512i (&v)[16]) {
+  __m512i a[16], b[16];
+  for (int k = 0; k < 8; ++k) {
+    a[2 * k] = _mm512_unpacklo_epi32(v[2 * k], v[2 * k + 1]);
+    a[2 * k + 1] = _mm512_unpackhi_epi32(v[2 * k], v[2 * k + 1]);
+  }
+  // b[4m + c], 128-bit lane L: rows 4m..4m+3 of column 4L + c.
+  for (int m = 0; m < 4; ++m) {
+    b[4 * m] = _mm512_unpacklo_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 1] = _mm512_unpackhi_epi64(a[4 * m], a[4 * m + 2]);
+    b[4 * m + 2] = _mm512_unpacklo_epi64(a[4 * m + 1], a[4 * m + 3]);
+    b[4 * m + 3] = _mm512_unpackhi_epi64(a[4 * m + 1], a[4 * m + 3]);
+  }
+  // Column 4L + c gathers lane L of b[c], b[4 + c], b[8 + c], b[12 + c].
+  for (int c = 0; c < 4; ++c) {
+    const __m512i e0 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i e1 = _mm512_shuffle_i32x4(b[c], b[4 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    const __m512i e2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(1, 0, 1, 0));
+    const __m512i e3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], _MM_SHUFFLE(3, 2, 3, 2));
+    v[c] = _mm512_shuffle_i32x4(e0, e2, _MM_SHUFFLE(2, 0, 2, 0));
+    v[4 + c] = _mm512_shuffle_i32x4(e0, e2, _MM_SHUFFLE(3, 1, 3, 1));
+    v[8 + c] = _mm512_shuffle_i32x4(e1, e3, _MM_SHUFFLE(2, 0, 2, 0));
+    v[12 + c] = _mm512_shuffle_i32x4(e1, e3, _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// One B tile row group: activation rows x[0 .. rows) (row stride ld, K columns from x; rows past
+// `rows` are padding, packed as zeros) -> for each K step ks the tile at tile0 + ks * 256
+// dwords, whose row kk holds column pair kk of the 16 activation rows (dword kk * 16 + row).
+// Each step converts 16 rows to bf16 pairs and transposes them in registers (a scatter per row
+// was 6% of a 512-token prefill). xq is a 16 * K float scratch.
+GEMSTAGE_AMX void pack_activation_tile(const float* x, int64_t ld, int64_t rows, int64_t K,
+                                       uint32_t* tile0, float* xq) {
+  for (int64_t r = 0; r < kTileRows; ++r) {
+    if (r < rows)
+      permute_to_q8_order(x + r * ld, K, xq + r * K);
+    else
+      std::memset(xq + r * K, 0, static_cast<size_t>(K) * sizeof(float));
+  }
   for (int64_t ks = 0; ks < K / kStep; ++ks) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(xq + ks * kStep + 16),
-                                           _mm512_loadu_ps(xq + ks * kStep));
-    _mm512_i32scatter_epi32(tile0 + static_cast<size_t>(ks) * tile_stride_dwords + lane, rows,
-                            as_si512(v), 4);
+    __m512i v[16];
+    for (int64_t r = 0; r < kTileRows; ++r) {
+      const float* q = xq + r * K + ks * kStep;
+      v[r] = as_si512(_mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 16), _mm512_loadu_ps(q)));
+    }
+    transpose_16x16_dwords(v);
+    uint32_t* tile = tile0 + static_cast<size_t>(ks) * 256;
+    for (int kk = 0; kk < 16; ++kk) _mm512_storeu_si512(tile + kk * 16, v[kk]);
   }
 }
 
@@ -331,19 +371,14 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
       // buffer is only resized, not cleared.
       packed.resize(static_cast<size_t>(row_tiles * n_steps * kTileElems));
       auto* packed32 = reinterpret_cast<uint32_t*>(packed.data());
-      pool.parallel_for(static_cast<size_t>(row_tiles * kTileRows), [&](size_t b, size_t e) {
-        std::vector<float> xq(static_cast<size_t>(kw));
-        for (size_t s = b; s < e; ++s) {
-          const int64_t si = static_cast<int64_t>(s);
-          uint32_t* tile0 = packed32 + static_cast<size_t>((si / kTileRows) * n_steps) * 256;
-          const int lane = static_cast<int>(si % kTileRows);
-          if (si < rows) {
-            // The block starts on a chunk boundary, so its columns permute like a row of width kw.
-            pack_activation_row(x + (s0 + si) * K + k0, kw, tile0, lane, 256, xq.data());
-            continue;
-          }
-          for (int64_t ks = 0; ks < n_steps; ++ks)
-            for (int kk = 0; kk < 16; ++kk) tile0[ks * 256 + kk * 16 + lane] = 0;
+      pool.parallel_for(static_cast<size_t>(row_tiles), [&](size_t b, size_t e) {
+        std::vector<float> xq(static_cast<size_t>(kTileRows * kw));
+        for (size_t tile = b; tile < e; ++tile) {
+          const int64_t r0 = static_cast<int64_t>(tile) * kTileRows;
+          // The block starts on a chunk boundary, so its columns permute like a row of width kw.
+          const float* src = r0 < rows ? x + (s0 + r0) * K + k0 : nullptr;  // null: all padding
+          pack_activation_tile(src, K, rows - r0, kw,
+                               packed32 + static_cast<size_t>(r0 * n_steps) * 16, xq.data());
         }
       });
       pool.parallel_for(static_cast<size_t>(n_strips), [&](size_t b, size_t e) {
