@@ -127,6 +127,11 @@ TEST(Cli, BenchJsonHasLlamaBenchFields) {
       EXPECT_TRUE(e.contains(k)) << k;
     EXPECT_GT(e["avg_ts"].get<double>(), 0.0);
     EXPECT_EQ(e["samples_ts"].size(), 2u);
+    // What was resident at the end (Linux /proc) can only be part of the peak.
+    const double file = e["final_rss_file_gb"], anon = e["final_rss_anon_gb"];
+    EXPECT_GT(file, 0.0);  // the mapped fixture weights
+    EXPECT_GT(anon, 0.0);
+    EXPECT_LE(file + anon, e["peak_rss_gb"].get<double>() + 1e-3);
   }
   EXPECT_EQ(j[3]["n_depth"], 16);
   EXPECT_EQ(j[3]["n_gen"], 4);

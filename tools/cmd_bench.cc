@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -44,6 +45,32 @@ std::vector<int64_t> int_list(const std::string& s, const char* flag) {
     }
   }
   return out;
+}
+
+// Resident memory: the peak, and what the pages resident at the end are. File pages are the
+// mmapped bundle: the weights read per token plus every embedding and PLE row gathered so far
+// (random prompts gather rows all over the tables); anonymous pages are the KV cache,
+// activations and heap. From /proc/self/status on Linux; elsewhere only the peak (getrusage).
+struct MemoryUse {
+  double peak_gb = 0, file_gb = -1, anon_gb = -1;
+};
+
+MemoryUse memory_use() {
+  MemoryUse m;
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  m.peak_gb = static_cast<double>(ru.ru_maxrss) * 1024 / 1e9;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    std::istringstream fields(line);
+    std::string key;
+    double kb = 0;
+    if (!(fields >> key >> kb)) continue;
+    if (key == "RssFile:") m.file_gb = kb * 1024 / 1e9;
+    if (key == "RssAnon:") m.anon_gb = kb * 1024 / 1e9;
+  }
+  return m;
 }
 
 // Sustained read bandwidth: sum a buffer much larger than the caches with every thread.
@@ -119,6 +146,12 @@ int run_bench(const BenchArgs& a) {
       if (ng > 0) rows.push_back({0, ng, d, {}});
   }
   const int64_t model_ctx = p->max_context();
+  // Refuse up front what would only fail after the depth's prefill (minutes at large depths).
+  for (const Row& r : rows)
+    if (r.n_depth + r.n_prompt + r.n_gen > model_ctx)
+      fail("bench: depth ", r.n_depth, " + ", r.n_prompt + r.n_gen, " tokens needs a context of ",
+           r.n_depth + r.n_prompt + r.n_gen, ", but this model's is ", model_ctx,
+           " (a bundle's is its export --max-context; re-export with a larger one or lower -d)");
   for (Row& r : rows) {
     p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
     if (a.warmup) {
@@ -146,9 +179,8 @@ int run_bench(const BenchArgs& a) {
       r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
     }
   }
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  const double rss_gb = static_cast<double>(ru.ru_maxrss) * 1024 / 1e9;
+  const MemoryUse mem = memory_use();
+  const double rss_gb = mem.peak_gb;
   const double gbs = measure_read_gbs(pool);
   const double bpt = bytes_per_token(*p);
   auto stats = [](const std::vector<double>& v) {
@@ -172,6 +204,8 @@ int run_bench(const BenchArgs& a) {
                      {"samples_ts", r.ts},
                      {"load_seconds", t_load},
                      {"peak_rss_gb", rss_gb},
+                     {"final_rss_file_gb", mem.file_gb},
+                     {"final_rss_anon_gb", mem.anon_gb},
                      {"read_bandwidth_gbs", gbs},
                      {"decode_bound_ts", gbs * 1e9 / bpt}});
     }
@@ -187,8 +221,11 @@ int run_bench(const BenchArgs& a) {
     std::cout << "| " << a.model << " | " << pool.size() << " | " << test.str() << " | "
               << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
   }
-  std::cout << std::setprecision(3) << "load " << t_load << " s; peak RSS " << rss_gb
-            << " GB; read bandwidth " << gbs << " GB/s with " << pool.size()
+  std::cout << std::setprecision(3) << "load " << t_load << " s; peak RSS " << rss_gb << " GB";
+  if (mem.file_gb >= 0)
+    std::cout << " (resident at the end: " << mem.file_gb << " GB of mapped bundle files, "
+              << mem.anon_gb << " GB anonymous: KV cache, activations, heap)";
+  std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
             << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
   return 0;
