@@ -188,35 +188,30 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
     rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.input_layernorm.data(), eps, x.data() + r0 * D);
   });
   sized(q, S * H * hd);
+  // A KV-shared layer reads its donor's K/V and computes none of its own.
+  float* k = nullptr;
+  float* v = nullptr;
   if (ls.kv_shared) {
     matmul(pool, x.data(), S, lw.q_proj, q.data());
   } else {
-    auto& k = pass.k[static_cast<size_t>(li)];
-    auto& v = pass.v[static_cast<size_t>(li)];
-    sized(k, S * kvw);
-    sized(v, S * kvw);
-    matmul_many(pool, x.data(), S,
-                {{lw.q_proj, q.data()}, {lw.k_proj, k.data()}, {lw.v_proj, v.data()}});
+    auto& kbuf = pass.k[static_cast<size_t>(li)];
+    auto& vbuf = pass.v[static_cast<size_t>(li)];
+    sized(kbuf, S * kvw);
+    sized(vbuf, S * kvw);
+    k = kbuf.data();
+    v = vbuf.data();
+    matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}, {lw.v_proj, v}});
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     float* qr = q.data() + r0 * H * hd;
     rmsnorm_rows(qr, (r1 - r0) * H, hd, lw.q_norm.data(), eps, qr);
     for (int64_t r = r0; r < r1; ++r)
       apply_rope(rope, r, q.data() + r * H * hd, static_cast<int>(H));
+    if (!k) return;
+    rmsnorm_rows(k + r0 * kvw, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps, k + r0 * kvw);
+    for (int64_t r = r0; r < r1; ++r) apply_rope(rope, r, k + r * kvw, static_cast<int>(Hkv));
+    rmsnorm_rows(v + r0 * kvw, (r1 - r0) * Hkv, hd, nullptr, eps, v + r0 * kvw);
   });
-
-  if (!ls.kv_shared) {
-    auto& k = pass.k[static_cast<size_t>(li)];
-    auto& v = pass.v[static_cast<size_t>(li)];
-    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-      float* kr = k.data() + r0 * kvw;
-      float* vr = v.data() + r0 * kvw;
-      rmsnorm_rows(kr, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps, kr);
-      for (int64_t r = r0; r < r1; ++r)
-        apply_rope(rope, r, k.data() + r * kvw, static_cast<int>(Hkv));
-      rmsnorm_rows(vr, (r1 - r0) * Hkv, hd, nullptr, eps, vr);
-    });
-  }
   const int src = ls.kv_shared ? ls.kv_donor : li;
   const auto& ck = pass.k[static_cast<size_t>(src)];
   const auto& cv = pass.v[static_cast<size_t>(src)];

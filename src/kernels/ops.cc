@@ -20,22 +20,21 @@ void vector_ops_force_scalar(bool on) {
 }
 
 void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
-  if (vector_ops_use_avx512()) {
-    for (int64_t r = 0; r < rows; ++r) {
-      const float ss = avx512::sum_squares(x + r * n, n);
-      avx512::scale_row(x + r * n, std::pow(ss / static_cast<float>(n) + eps, -0.5f), w, n,
-                        y + r * n);
-    }
-    return;
-  }
+  const bool simd = vector_ops_use_avx512();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
     float ss = 0.0f;
-    for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    if (simd) {
+      ss = avx512::dot(xr, xr, n);
+    } else {
+      for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
+    }
     // HF: pow(mean + eps, -0.5), not rsqrt.
     const float inv = std::pow(ss / static_cast<float>(n) + eps, -0.5f);
-    if (w) {
+    if (simd) {
+      avx512::scale_row(xr, inv, w, n, yr);
+    } else if (w) {
       for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
     } else {
       for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv;
@@ -85,8 +84,6 @@ RopeAngles RopeAngles::at(const RopeTable& table, int64_t first, int64_t rows) {
   RopeAngles a;
   a.head_dim = table.head_dim;
   a.n_rotated = table.n_rotated;
-  a.first = first;
-  a.rows = rows;
   const size_t n = static_cast<size_t>(rows) * static_cast<size_t>(table.n_rotated);
   a.cos.resize(n);
   a.sin.resize(n);

@@ -44,13 +44,13 @@ struct RopeTable {
 // was ~5% of a 512-token prefill).
 struct RopeAngles {
   int head_dim = 0, n_rotated = 0;
-  int64_t first = 0, rows = 0;
-  std::vector<float> cos, sin;  // [rows, n_rotated]
+  std::vector<float> cos, sin;  // [rows, n_rotated], row r at position first + r
 
   static RopeAngles at(const RopeTable& table, int64_t first, int64_t rows);
 };
 
-// Applies RoPE at position angles.first + row to n_heads consecutive vectors of head_dim floats.
+// Applies RoPE at row `row` of the angles (position first + row) to n_heads consecutive vectors of
+// head_dim floats.
 void apply_rope(const RopeAngles& angles, int64_t row, float* v, int n_heads);
 // The same at `pos` alone.
 void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads);

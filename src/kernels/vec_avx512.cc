@@ -88,21 +88,6 @@ GEMSTAGE_AVX512F void gelu_tanh_mul(const float* gate, const float* up, int64_t 
   }
 }
 
-GEMSTAGE_AVX512F float sum_squares(const float* x, int64_t n) {
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 32 <= n; i += 32) {
-    const __m512 v0 = _mm512_loadu_ps(x + i), v1 = _mm512_loadu_ps(x + i + 16);
-    a0 = _mm512_fmadd_ps(v0, v0, a0);
-    a1 = _mm512_fmadd_ps(v1, v1, a1);
-  }
-  for (; i < n; i += 16) {
-    const __m512 v = _mm512_maskz_loadu_ps(tail_mask(n - i), x + i);
-    a0 = _mm512_fmadd_ps(v, v, a0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
 GEMSTAGE_AVX512F void scale_row(const float* x, float inv, const float* w, int64_t n, float* y) {
   const __m512 s = _mm512_set1_ps(inv);
   for (int64_t i = 0; i < n; i += 16) {

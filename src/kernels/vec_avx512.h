@@ -15,9 +15,7 @@ namespace gemstage::avx512 {
 
 bool available();  // AVX-512F on this CPU
 
-// The sum of squares of one row (rmsnorm's reduction, in 16 lanes instead of one chain).
-float sum_squares(const float* x, int64_t n);
-// y = x * inv * w (w == nullptr: y = x * inv).
+// y = x * inv * w (w == nullptr: y = x * inv); rmsnorm's scaling, its reduction being dot(x, x).
 void scale_row(const float* x, float inv, const float* w, int64_t n, float* y);
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out);
 void softcap(float* x, int64_t n, float cap);
