@@ -178,45 +178,69 @@ TEST(Rope, RelativePositionInvariance) {
   EXPECT_NEAR(dot_at(10, 3), dot_at(107, 100), 1e-4);
 }
 
-TEST(Attention, HeadMatchesDoubleReferenceOnOddSizes) {
-  for (auto [hd, n] : {std::pair{37, 13}, std::pair{64, 1}, std::pair{5, 129}}) {
-    const auto q = randn(static_cast<size_t>(hd), 11), k = randn(static_cast<size_t>(n * hd), 12),
-               v = randn(static_cast<size_t>(n * hd), 13);
-    std::vector<float> scores(static_cast<size_t>(n)), out(static_cast<size_t>(hd)),
-        ref(static_cast<size_t>(hd));
-    attend_head(
-        q.data(), hd, n, [&](int64_t j) { return k.data() + j * hd; },
-        [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
-    attention_reference(q.data(), k.data(), v.data(), hd, n, ref.data());
-    for (int i = 0; i < hd; ++i) EXPECT_NEAR(out[i], ref[i], 1e-5) << "hd " << hd << " n " << n;
-  }
-}
-
-TEST(Attention, GroupMatchesPerHeadReferenceOnOddSizes) {
-  // G query heads against one shared KV head, as the decoder calls it for grouped-query layers.
-  // Sizes cover the vector tails (hd % 16, hd % 32 < 16), more than 8 heads (two register
-  // groups), value rows crossing the 16-row blocks; both the AVX-512 and the portable path.
+TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
+  // M queries of one KV group, each with its own visible key range, as the decoder calls it for
+  // a prefill task (causal and sliding ranges) or a decode row. Sizes cover the vector tails
+  // (hd % 16, hd % 32 < 16), query counts off the 4x4 score tiles and the 8-query value tiles,
+  // key counts crossing kKeyBlock, ranges that skip whole key blocks, a single visible key; both
+  // the AVX-512 and the portable path.
   for (bool portable : {false, true})
-    for (auto [G, hd, n] : {std::tuple{3, 37, 13}, std::tuple{8, 64, 1}, std::tuple{2, 5, 129},
-                            std::tuple{11, 47, 37}, std::tuple{8, 256, 40}}) {
+    for (auto [M, hd, n] :
+         {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
+          std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70}}) {
       vector_ops_force_scalar(portable);
-      const auto q = randn(static_cast<size_t>(G * hd), 21),
+      // Scores of a few units, like the decoder's normalized q and k; not so peaked that one key
+      // takes all the weight.
+      const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
+      const auto q = randn(static_cast<size_t>(M * hd), 21, qs),
                  k = randn(static_cast<size_t>(n * hd), 22),
                  v = randn(static_cast<size_t>(n * hd), 23);
-      std::vector<float> scores(static_cast<size_t>(G * n)), out(static_cast<size_t>(G * hd)),
-          ref(static_cast<size_t>(hd));
-      attend_group(
-          q.data(), G, hd, n, [&](int64_t j) { return k.data() + j * hd; },
-          [&](int64_t j) { return v.data() + j * hd; }, scores.data(), out.data());
-      for (int g = 0; g < G; ++g) {
-        attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
-        for (int i = 0; i < hd; ++i)
-          EXPECT_NEAR(out[static_cast<size_t>(g * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
-              << "G " << G << " head " << g << " hd " << hd << " n " << n << " portable "
-              << portable;
+      std::vector<float> out(static_cast<size_t>(M * hd)), ref(static_cast<size_t>(hd));
+      std::mt19937 rng(static_cast<uint32_t>(M * 1000 + n));
+      QueryBlock queries;
+      for (int64_t m = 0; m < M; ++m) {
+        int64_t lo = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+        int64_t hi = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+        if (lo > hi) std::swap(lo, hi);
+        if (m == 0) lo = 0, hi = n - 1;  // one query sees every key
+        queries.add(q.data() + m * hd, out.data() + m * hd, lo, hi);
+      }
+      AttentionScratch scratch;
+      attend_queries(
+          queries, hd, [&](int64_t j) { return k.data() + j * hd; },
+          [&](int64_t j) { return v.data() + j * hd; }, scratch);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t lo = queries.lo[static_cast<size_t>(m)],
+                      hi = queries.hi[static_cast<size_t>(m)];
+        attention_reference(q.data() + m * hd, k.data() + lo * hd, v.data() + lo * hd, hd,
+                            hi - lo + 1, ref.data());
+        for (int64_t i = 0; i < hd; ++i)
+          ASSERT_NEAR(out[static_cast<size_t>(m * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
+              << "M " << M << " query " << m << " keys [" << lo << ", " << hi << "] hd " << hd
+              << " n " << n << " portable " << portable;
       }
       vector_ops_force_scalar(false);
     }
+}
+
+TEST(Attention, ScratchIsReusedAcrossCallsOfDifferentSizes) {
+  // The decoder keeps one scratch per thread; a large call followed by a smaller one must not
+  // see the first call's running max or sum.
+  const int64_t hd = 32;
+  const auto q = randn(static_cast<size_t>(20 * hd), 31, 0.3f), k = randn(40 * hd, 32),
+             v = randn(40 * hd, 33);
+  auto run = [&](int64_t M, int64_t n, AttentionScratch& scratch) {
+    std::vector<float> out(static_cast<size_t>(M * hd));
+    QueryBlock queries;
+    for (int64_t m = 0; m < M; ++m) queries.add(q.data() + m * hd, out.data() + m * hd, 0, n - 1);
+    attend_queries(
+        queries, hd, [&](int64_t j) { return k.data() + j * hd; },
+        [&](int64_t j) { return v.data() + j * hd; }, scratch);
+    return out;
+  };
+  AttentionScratch shared, fresh;
+  run(20, 40, shared);
+  EXPECT_EQ(run(3, 5, shared), run(3, 5, fresh));
 }
 
 // The AVX-512 twins against the scalar reference (vector_ops_force_scalar) on odd sizes, so

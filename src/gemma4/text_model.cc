@@ -223,40 +223,51 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
   const int64_t window = cfg_.sliding_window;
 
-  auto& attn = pass.attn;  // attend_group writes every element of its heads
+  auto& attn = pass.attn;  // attend_queries writes every element of its queries
   sized(attn, S * H * hd);
-  // One task per (row, KV head, slice of its G query heads). The slices exist only for decode,
-  // where S * Hkv tasks (often 1) would leave threads idle: each slice re-reads the group's keys,
-  // so there are just enough of them to occupy the pool.
+  // One task per (block of rows, KV head, slice of its G query heads). A task's queries share
+  // every key and value row the kernel loads, so a prefill task takes several rows, about
+  // kQueriesPerTask queries. Decode has one row; when its S * Hkv tasks would leave threads idle
+  // the group's heads are sliced, each slice re-reading the keys, into just enough tasks to
+  // occupy the pool. Causal rows see more keys the later they are, so tasks go to whichever
+  // thread is free, latest rows first.
+  constexpr int64_t kQueriesPerTask = 16;
   const int64_t per_group = S * Hkv;
   int64_t slices = 1;
   if (per_group < pool.size())
     slices = std::min<int64_t>(G, (pool.size() + per_group - 1) / per_group);
   const int64_t slice_heads = (G + slices - 1) / slices;
   slices = (G + slice_heads - 1) / slice_heads;
-  pool.parallel_for(static_cast<size_t>(per_group * slices), [&](size_t b, size_t e) {
-    std::vector<float> scores;
+  const int64_t rows_per_task = std::max<int64_t>(1, kQueriesPerTask / slice_heads);
+  const int64_t row_blocks = (S + rows_per_task - 1) / rows_per_task;
+  const int64_t n_tasks = row_blocks * Hkv * slices;
+  pool.parallel_chunks(static_cast<size_t>(n_tasks), 1, [&](size_t b, size_t e) {
+    thread_local AttentionScratch scratch;
+    thread_local QueryBlock queries;
     for (size_t task = b; task < e; ++task) {
       const int64_t t = static_cast<int64_t>(task);
-      const int64_t r = t / (Hkv * slices), kvh = t / slices % Hkv, part = t % slices;
-      const int64_t h0 = kvh * G + part * slice_heads;
+      const int64_t rb = row_blocks - 1 - t / (Hkv * slices), kvh = t / slices % Hkv;
+      const int64_t part = t % slices, h0 = kvh * G + part * slice_heads;
       const int64_t ng = std::min(slice_heads, G - part * slice_heads);
-      const int64_t pos = start + r;
-      // Sliding: keys in (pos - W, pos]; full: [0, pos].
-      const int64_t lo = ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t n = pos - lo + 1;
-      scores.resize(static_cast<size_t>(ng * n));
+      queries.clear();
+      for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
+        const int64_t pos = start + r;
+        // Sliding: keys in (pos - W, pos]; full: [0, pos].
+        const int64_t lo =
+            ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
+        for (int64_t g = 0; g < ng; ++g) {
+          const int64_t at = (r * H + h0 + g) * hd;
+          queries.add(q.data() + at, attn.data() + at, lo, pos);
+        }
+      }
       // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
-      auto key = [&](int64_t j) {
-        const int64_t p = lo + j;
+      auto key = [&](int64_t p) {
         return (p < start ? past->k_at(p) : ck.data() + (p - start) * kvw) + kvh * hd;
       };
-      auto val = [&](int64_t j) {
-        const int64_t p = lo + j;
+      auto val = [&](int64_t p) {
         return (p < start ? past->v_at(p) : cv.data() + (p - start) * kvw) + kvh * hd;
       };
-      attend_group(q.data() + (r * H + h0) * hd, ng, hd, n, key, val, scores.data(),
-                   attn.data() + (r * H + h0) * hd);
+      attend_queries(queries, hd, key, val, scratch);
     }
   });
   auto& branch = pass.branch;

@@ -27,17 +27,47 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
-               int64_t stride) {
-  if (vector_ops_use_avx512()) return avx512::dot_heads(q, G, hd, k, scores, stride);
-  for (int64_t g = 0; g < G; ++g) scores[g * stride] = dot_f32(q + g * hd, k, hd);
+namespace {
+
+float portable_dot(const float* a, const float* b, int64_t n) {
+  double s = 0;  // the reference: no reordering question at all
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+  return static_cast<float>(s);
 }
 
-void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
-                       int64_t nk, int64_t hd, float* out) {
-  if (vector_ops_use_avx512()) return avx512::accumulate_values(p, pstride, G, v, nk, hd, out);
-  for (int64_t j = 0; j < nk; ++j)
-    for (int64_t g = 0; g < G; ++g) axpy_f32(p[g * pstride + j], v[j], out + g * hd, hd);
+}  // namespace
+
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+  const int64_t M = qb.size();
+  if (vector_ops_use_avx512())
+    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), M,
+                                    head_dim, k, v, nk, first, s.scores.data(), kKeyBlock,
+                                    s.max.data(), s.sum.data());
+  for (int64_t m = 0; m < M; ++m) {
+    const size_t mi = static_cast<size_t>(m);
+    const int64_t a = std::max<int64_t>(qb.lo[mi] - first, 0);
+    const int64_t b = std::min<int64_t>(qb.hi[mi] - first, nk - 1);
+    if (a > b) continue;  // none of this block's keys is visible to this query
+    float* row = s.scores.data() + m * kKeyBlock;
+    float block_max = -INFINITY;
+    for (int64_t j = a; j <= b; ++j) {
+      row[j] = portable_dot(qb.q[mi], k[j], head_dim);
+      block_max = std::max(block_max, row[j]);
+    }
+    const float new_max = std::max(s.max[mi], block_max);
+    const float scale = std::exp(s.max[mi] - new_max);  // 0 for the first visible block
+    float* o = qb.out[mi];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= scale;
+    float added = 0;
+    for (int64_t j = a; j <= b; ++j) {
+      const float p = std::exp(row[j] - new_max);
+      added += p;
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[j][d];
+    }
+    s.sum[mi] = s.sum[mi] * scale + added;
+    s.max[mi] = new_max;
+  }
 }
 
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,

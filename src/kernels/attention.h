@@ -1,10 +1,20 @@
-// One query head against a run of keys: out = softmax(q·k_j)·v_j, scaling 1.0 (Gemma 4 has no
-// 1/sqrt(d) and no attention soft-cap). Keys and values are fetched through callables so the
-// same kernel reads a sliding ring, a growing full cache, or the current chunk.
+// Causal attention of query heads against the keys and values of one KV head: out =
+// softmax(q·k_j)·v_j with scaling 1.0 (Gemma 4 has no 1/sqrt(d) and no attention soft-cap).
+// Keys and values are fetched by absolute position through callables, so the same kernel reads a
+// sliding ring, a growing full cache, or the current chunk's fresh rows.
+//
+// The kernel is flash-style: keys are taken in blocks of kKeyBlock with a running max and sum
+// per query, so its scratch stays in L1 at any depth (a 32k-key score row per query would not),
+// and a block of queries (a chunk's rows times the group's heads during prefill) shares every
+// key and value it loads. Scores come from 4x4 register tiles (4 queries x 4 keys), the value
+// pass from 8-query x 32-column tiles; the AVX-512 twins live in vec_avx512.cc, the portable
+// loops in attention.cc stay the reference.
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 #include "kernels/ops.h"
 
@@ -14,38 +24,67 @@ float dot_f32(const float* a, const float* b, int64_t n);
 // y += a * x
 void axpy_f32(float a, const float* x, float* y, int64_t n);
 
-// scores[g * stride] = dot(q + g * hd, k, hd) for the G heads of q: k is read once for all.
-void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
-               int64_t stride);
-// out[g * hd + d] += sum_j p[g * pstride + j] * v[j][d] over nk value rows: the AVX-512 path
-// keeps a slice of every head's output in registers across all nk rows instead of re-reading and
-// re-writing it once per row.
-void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
-                       int64_t nk, int64_t hd, float* out);
+constexpr int64_t kKeyBlock = 32;
 
-// G query heads that share one KV head (grouped-query attention), q and out holding the G heads
-// back to back: every key and value row is read once for the whole group. At long context the
-// full layers' caches are far larger than the L2 cache, so reading them once per group instead of
-// once per query head is what keeps deep decode from slowing G-fold. scores holds G * n_keys.
-template <typename KeyFn, typename ValFn>
-void attend_group(const float* q, int64_t G, int64_t head_dim, int64_t n_keys, KeyFn key, ValFn val,
-                  float* scores, float* out) {
-  for (int64_t j = 0; j < n_keys; ++j) dot_heads(q, G, head_dim, key(j), scores + j, n_keys);
-  for (int64_t g = 0; g < G; ++g) softmax_inplace(scores + g * n_keys, n_keys);
-  for (int64_t d = 0; d < G * head_dim; ++d) out[d] = 0.0f;
-  constexpr int64_t kRows = 16;  // value rows per accumulate_values call
-  const float* rows[kRows];
-  for (int64_t j0 = 0; j0 < n_keys; j0 += kRows) {
-    const int64_t nk = std::min(kRows, n_keys - j0);
-    for (int64_t j = 0; j < nk; ++j) rows[j] = val(j0 + j);
-    accumulate_values(scores + j0, n_keys, G, rows, nk, head_dim, out);
+// The queries of one call: query m reads q[m] (head_dim floats), writes out[m], and sees the keys
+// at absolute positions lo[m]..hi[m] (inclusive, lo <= hi).
+struct QueryBlock {
+  std::vector<const float*> q;
+  std::vector<float*> out;
+  std::vector<int64_t> lo, hi;
+
+  int64_t size() const { return static_cast<int64_t>(q.size()); }
+  void clear() {
+    q.clear();
+    out.clear();
+    lo.clear();
+    hi.clear();
   }
-}
+  void add(const float* query, float* result, int64_t first_key, int64_t last_key) {
+    q.push_back(query);
+    out.push_back(result);
+    lo.push_back(first_key);
+    hi.push_back(last_key);
+  }
+};
+
+// Per-thread working memory, reused across calls so the decode loop does not allocate.
+struct AttentionScratch {
+  std::vector<float> scores;  // [queries, kKeyBlock]
+  std::vector<float> max, sum;
+  const float* keys[kKeyBlock];
+  const float* values[kKeyBlock];
+};
+
+// One key block (nk <= kKeyBlock keys at positions first..first+nk-1) of the running softmax:
+// scores, masks, rescales each query's out/max/sum and adds this block's p·v.
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s);
 
 template <typename KeyFn, typename ValFn>
-void attend_head(const float* q, int64_t head_dim, int64_t n_keys, KeyFn key, ValFn val,
-                 float* scores, float* out) {
-  attend_group(q, 1, head_dim, n_keys, key, val, scores, out);
+void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
+                    AttentionScratch& s) {
+  const int64_t M = qb.size();
+  if (M == 0) return;
+  s.scores.resize(static_cast<size_t>(M * kKeyBlock));
+  s.max.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
+  s.sum.assign(static_cast<size_t>(M), 0.0f);
+  for (int64_t m = 0; m < M; ++m) std::fill_n(qb.out[static_cast<size_t>(m)], head_dim, 0.0f);
+  const int64_t first = *std::min_element(qb.lo.begin(), qb.lo.end());
+  const int64_t last = *std::max_element(qb.hi.begin(), qb.hi.end());
+  for (int64_t p0 = first; p0 <= last; p0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, last - p0 + 1);
+    for (int64_t j = 0; j < nk; ++j) {
+      s.keys[j] = key(p0 + j);
+      s.values[j] = val(p0 + j);
+    }
+    attend_key_block(qb, head_dim, s.keys, s.values, nk, p0, s);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float inv = 1.0f / s.sum[static_cast<size_t>(m)];
+    float* o = qb.out[static_cast<size_t>(m)];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
+  }
 }
 
 // Double-precision reference over contiguous K/V [n_keys, head_dim].

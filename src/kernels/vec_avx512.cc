@@ -160,30 +160,16 @@ GEMSTAGE_AVX512F inline __mmask16 lanes_left(int64_t n) {
   return n <= 0 ? static_cast<__mmask16>(0) : tail_mask(n);
 }
 
-template <int NG>
-GEMSTAGE_AVX512F void dot_heads_n(const float* q, int64_t hd, const float* k, float* scores,
-                                  int64_t stride) {
-  __m512 acc[NG];
-  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < hd; d += 16) {
-    const __mmask16 m = tail_mask(hd - d);
-    const __m512 kv = _mm512_maskz_loadu_ps(m, k + d);
-    for (int g = 0; g < NG; ++g)
-      acc[g] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + g * hd + d), kv, acc[g]);
-  }
-  for (int g = 0; g < NG; ++g) scores[g * stride] = _mm512_reduce_add_ps(acc[g]);
-}
-
-// Two vectors (32 columns) of each of NG heads stay in registers across all nk value rows.
+// Two vectors (32 columns) of each of NG queries stay in registers across all nk value rows.
 template <int NG>
 GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const float* const* v,
-                                          int64_t nk, int64_t hd, float* out) {
+                                          int64_t nk, int64_t hd, float* const* out) {
   for (int64_t d = 0; d < hd; d += 32) {
     const __mmask16 m0 = lanes_left(hd - d), m1 = lanes_left(hd - d - 16);
     __m512 a0[NG], a1[NG];
     for (int g = 0; g < NG; ++g) {
-      a0[g] = _mm512_maskz_loadu_ps(m0, out + g * hd + d);
-      a1[g] = _mm512_maskz_loadu_ps(m1, out + g * hd + d + 16);
+      a0[g] = _mm512_maskz_loadu_ps(m0, out[g] + d);
+      a1[g] = _mm512_maskz_loadu_ps(m1, out[g] + d + 16);
     }
     for (int64_t j = 0; j < nk; ++j) {
       const __m512 v0 = _mm512_maskz_loadu_ps(m0, v[j] + d),
@@ -195,10 +181,86 @@ GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const
       }
     }
     for (int g = 0; g < NG; ++g) {
-      _mm512_mask_storeu_ps(out + g * hd + d, m0, a0[g]);
-      _mm512_mask_storeu_ps(out + g * hd + d + 16, m1, a1[g]);
+      _mm512_mask_storeu_ps(out[g] + d, m0, a0[g]);
+      _mm512_mask_storeu_ps(out[g] + d + 16, m1, a1[g]);
     }
   }
+}
+
+// Horizontal sums of 16 accumulators a[4k + q] (query q, key k) in one vector, element 4q + k:
+// three rounds of lane shuffles and adds instead of 16 separate reductions.
+GEMSTAGE_AVX512F inline __m512 reduce_4x4(const __m512* a) {
+  __m512 c[8], e[4];
+  for (int i = 0; i < 8; ++i)  // 512 -> 256: [a(L0+L2), a(L1+L3), b(L0+L2), b(L1+L3)]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 256 -> 128: 128-bit lane L of e[i] holds a[4i + L]
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  // 128 -> 32 inside each 128-bit lane: element 4L + i becomes the total of a[4i + L].
+  const __m512 t0 = _mm512_add_ps(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
+  const __m512 t1 = _mm512_add_ps(_mm512_unpacklo_ps(e[2], e[3]), _mm512_unpackhi_ps(e[2], e[3]));
+  return _mm512_add_ps(_mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(1, 0, 1, 0)),
+                       _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
+}
+
+// s[(m0 + i) * ss + j0 + j] = q[m0 + i] · k[j0 + j] for the 4x4 tile at (m0, j0). Past the last
+// query or key the tile repeats the last one, and those sums are not stored.
+GEMSTAGE_AVX512F void score_tile(const float* const* q, int64_t M, int64_t m0,
+                                 const float* const* k, int64_t nk, int64_t j0, int64_t hd,
+                                 float* s, int64_t ss) {
+  const float* qp[4];
+  const float* kp[4];
+  for (int i = 0; i < 4; ++i) {
+    qp[i] = q[std::min<int64_t>(m0 + i, M - 1)];
+    kp[i] = k[std::min<int64_t>(j0 + i, nk - 1)];
+  }
+  // Sixteen named accumulators, not an array: GCC keeps a 1 KiB array of vectors on the stack
+  // and stores every accumulator back to it in each iteration (measured 2x slower).
+  const __m512 z = _mm512_setzero_ps();
+  __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;  // a<key><query>
+  __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __mmask16 m = tail_mask(hd - d);
+    const __m512 q0 = _mm512_maskz_loadu_ps(m, qp[0] + d), q1 = _mm512_maskz_loadu_ps(m, qp[1] + d);
+    const __m512 q2 = _mm512_maskz_loadu_ps(m, qp[2] + d), q3 = _mm512_maskz_loadu_ps(m, qp[3] + d);
+    __m512 kv = _mm512_maskz_loadu_ps(m, kp[0] + d);
+    a00 = _mm512_fmadd_ps(q0, kv, a00);
+    a01 = _mm512_fmadd_ps(q1, kv, a01);
+    a02 = _mm512_fmadd_ps(q2, kv, a02);
+    a03 = _mm512_fmadd_ps(q3, kv, a03);
+    kv = _mm512_maskz_loadu_ps(m, kp[1] + d);
+    a10 = _mm512_fmadd_ps(q0, kv, a10);
+    a11 = _mm512_fmadd_ps(q1, kv, a11);
+    a12 = _mm512_fmadd_ps(q2, kv, a12);
+    a13 = _mm512_fmadd_ps(q3, kv, a13);
+    kv = _mm512_maskz_loadu_ps(m, kp[2] + d);
+    a20 = _mm512_fmadd_ps(q0, kv, a20);
+    a21 = _mm512_fmadd_ps(q1, kv, a21);
+    a22 = _mm512_fmadd_ps(q2, kv, a22);
+    a23 = _mm512_fmadd_ps(q3, kv, a23);
+    kv = _mm512_maskz_loadu_ps(m, kp[3] + d);
+    a30 = _mm512_fmadd_ps(q0, kv, a30);
+    a31 = _mm512_fmadd_ps(q1, kv, a31);
+    a32 = _mm512_fmadd_ps(q2, kv, a32);
+    a33 = _mm512_fmadd_ps(q3, kv, a33);
+  }
+  const __m512 acc[16] = {a00, a01, a02, a03, a10, a11, a12, a13,
+                          a20, a21, a22, a23, a30, a31, a32, a33};
+  alignas(64) float t[16];
+  _mm512_store_ps(t, reduce_4x4(acc));
+  const int64_t nq = std::min<int64_t>(4, M - m0), nkk = std::min<int64_t>(4, nk - j0);
+  for (int64_t i = 0; i < nq; ++i)
+    for (int64_t j = 0; j < nkk; ++j) s[(m0 + i) * ss + j0 + j] = t[4 * i + j];
+}
+
+// Lanes base..base+15 that fall inside [a, b].
+GEMSTAGE_AVX512F inline __mmask16 range_mask(int64_t a, int64_t b, int64_t base) {
+  const int64_t lo = std::clamp<int64_t>(a - base, 0, 16),
+                hi = std::clamp<int64_t>(b - base + 1, 0, 16);
+  if (lo >= hi) return 0;
+  const uint32_t upto_hi = hi == 16 ? 0xffffu : (1u << hi) - 1u;
+  return static_cast<__mmask16>(upto_hi & ~((1u << lo) - 1u));
 }
 
 // The G heads in groups of at most 8 (what fits in registers): f.template operator()<NG>(g0) for
@@ -237,17 +299,63 @@ void for_head_groups(int64_t G, F&& f) {
 
 }  // namespace
 
-void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
-               int64_t stride) {
-  for_head_groups(G, [&]<int NG>(int64_t g0) {
-    dot_heads_n<NG>(q + g0 * hd, hd, k, scores + g0 * stride, stride);
-  });
+namespace {
+
+// Scores every query against the block's keys, then turns them into p = exp(s - max) (0 where
+// the key is masked) while updating each query's running max and sum and rescaling its output.
+GEMSTAGE_AVX512F void score_and_rescale(const float* const* q, float* const* out, const int64_t* lo,
+                                        const int64_t* hi, int64_t M, int64_t hd,
+                                        const float* const* k, int64_t nk, int64_t first,
+                                        float* scores, int64_t ss, float* max, float* sum) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4)
+    for (int64_t j0 = 0; j0 < nk; j0 += 4) score_tile(q, M, m0, k, nk, j0, hd, scores, ss);
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t a = std::max<int64_t>(lo[m] - first, 0),
+                  b = std::min<int64_t>(hi[m] - first, nk - 1);
+    float* row = scores + m * ss;
+    if (a > b) {  // nothing visible in this block: p = 0, the running state stays
+      for (int64_t j = 0; j < nk; j += 16)
+        _mm512_mask_storeu_ps(row + j, tail_mask(nk - j), _mm512_setzero_ps());
+      continue;
+    }
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t j = 0; j < nk; j += 16) {
+      const __mmask16 vis = range_mask(a, b, j);
+      mx = _mm512_mask_max_ps(mx, vis, mx, _mm512_maskz_loadu_ps(vis, row + j));
+    }
+    const float new_max = std::max(max[m], _mm512_reduce_max_ps(mx));
+    const float scale = std::exp(max[m] - new_max);  // 0 for the first visible block
+    const __m512 vmax = _mm512_set1_ps(new_max);
+    __m512 added = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j += 16) {
+      const __mmask16 vis = range_mask(a, b, j);
+      const __m512 p = _mm512_maskz_mov_ps(
+          vis, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(vis, row + j), vmax)));
+      _mm512_mask_storeu_ps(row + j, tail_mask(nk - j), p);
+      added = _mm512_add_ps(added, p);
+    }
+    sum[m] = sum[m] * scale + _mm512_reduce_add_ps(added);
+    max[m] = new_max;
+    if (scale != 1.0f) {
+      const __m512 vs = _mm512_set1_ps(scale);
+      float* o = out[m];
+      for (int64_t d = 0; d < hd; d += 16) {
+        const __mmask16 t = tail_mask(hd - d);
+        _mm512_mask_storeu_ps(o + d, t, _mm512_mul_ps(vs, _mm512_maskz_loadu_ps(t, o + d)));
+      }
+    }
+  }
 }
 
-void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
-                       int64_t nk, int64_t hd, float* out) {
-  for_head_groups(G, [&]<int NG>(int64_t g0) {
-    accumulate_values_n<NG>(p + g0 * pstride, pstride, v, nk, hd, out + g0 * hd);
+}  // namespace
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
+                      float* max, float* sum) {
+  score_and_rescale(q, out, lo, hi, M, hd, k, nk, first, scores, ss, max, sum);
+  for_head_groups(M, [&]<int NG>(int64_t g0) {
+    accumulate_values_n<NG>(scores + g0 * ss, ss, v, nk, hd, out + g0);
   });
 }
 

@@ -22,9 +22,11 @@ void softcap(float* x, int64_t n, float cap);
 void softmax_inplace(float* s, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
 void axpy(float a, const float* x, float* y, int64_t n);
-void dot_heads(const float* q, int64_t G, int64_t hd, const float* k, float* scores,
-               int64_t stride);
-void accumulate_values(const float* p, int64_t pstride, int64_t G, const float* const* v,
-                       int64_t nk, int64_t hd, float* out);
+// attention.h's attend_key_block for M queries (pointers q/out, visible key ranges lo..hi) over
+// nk keys at positions first..; scores has row stride ss; max/sum are the running softmax state.
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
+                      float* max, float* sum);
 
 }  // namespace gemstage::avx512
