@@ -183,44 +183,56 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
   // a prefill task (causal and sliding ranges) or a decode row. Sizes cover the vector tails
   // (hd % 16, hd % 32 < 16), query counts off the 4x4 score tiles and the 8-query value tiles,
   // key counts crossing kKeyBlock, ranges that skip whole key blocks, a single visible key; both
-  // the AVX-512 and the portable path.
-  for (bool portable : {false, true})
-    for (auto [M, hd, n] :
-         {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
-          std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70}}) {
-      vector_ops_force_scalar(portable);
-      // Scores of a few units, like the decoder's normalized q and k; not so peaked that one key
-      // takes all the weight.
-      const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
-      const auto q = randn(static_cast<size_t>(M * hd), 21, qs),
-                 k = randn(static_cast<size_t>(n * hd), 22),
-                 v = randn(static_cast<size_t>(n * hd), 23);
-      std::vector<float> out(static_cast<size_t>(M * hd)), ref(static_cast<size_t>(hd));
-      std::mt19937 rng(static_cast<uint32_t>(M * 1000 + n));
-      QueryBlock queries;
-      for (int64_t m = 0; m < M; ++m) {
-        int64_t lo = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
-        int64_t hi = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
-        if (lo > hi) std::swap(lo, hi);
-        if (m == 0) lo = 0, hi = n - 1;  // one query sees every key
-        queries.add(q.data() + m * hd, out.data() + m * hd, lo, hi);
+  // the AVX-512 and the portable path, with f32 and with bf16 key/value rows (the reference then
+  // reads the same rows widened back to f32).
+  for (bool bf16 : {false, true})
+    for (bool portable : {false, true})
+      for (auto [M, hd, n] :
+           {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
+            std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70}}) {
+        vector_ops_force_scalar(portable);
+        // Scores of a few units, like the decoder's normalized q and k; not so peaked that one
+        // key takes all the weight.
+        const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
+        const auto q = randn(static_cast<size_t>(M * hd), 21, qs);
+        auto k = randn(static_cast<size_t>(n * hd), 22), v = randn(static_cast<size_t>(n * hd), 23);
+        std::vector<uint16_t> k16(k.size()), v16(v.size());
+        for (size_t i = 0; i < k.size(); ++i) {
+          k16[i] = f32_to_bf16(k[i]);
+          v16[i] = f32_to_bf16(v[i]);
+          if (bf16) k[i] = bf16_to_f32(k16[i]), v[i] = bf16_to_f32(v16[i]);
+        }
+        std::vector<float> out(static_cast<size_t>(M * hd)), ref(static_cast<size_t>(hd));
+        std::mt19937 rng(static_cast<uint32_t>(M * 1000 + n));
+        QueryBlock queries;
+        for (int64_t m = 0; m < M; ++m) {
+          int64_t lo = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+          int64_t hi = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+          if (lo > hi) std::swap(lo, hi);
+          if (m == 0) lo = 0, hi = n - 1;  // one query sees every key
+          queries.add(q.data() + m * hd, out.data() + m * hd, lo, hi);
+        }
+        AttentionScratch scratch;
+        if (bf16)
+          attend_queries(
+              queries, hd, [&](int64_t j) { return k16.data() + j * hd; },
+              [&](int64_t j) { return v16.data() + j * hd; }, scratch);
+        else
+          attend_queries(
+              queries, hd, [&](int64_t j) { return k.data() + j * hd; },
+              [&](int64_t j) { return v.data() + j * hd; }, scratch);
+        for (int64_t m = 0; m < M; ++m) {
+          const int64_t lo = queries.lo[static_cast<size_t>(m)],
+                        hi = queries.hi[static_cast<size_t>(m)];
+          attention_reference(q.data() + m * hd, k.data() + lo * hd, v.data() + lo * hd, hd,
+                              hi - lo + 1, ref.data());
+          for (int64_t i = 0; i < hd; ++i)
+            ASSERT_NEAR(out[static_cast<size_t>(m * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
+                << "M " << M << " query " << m << " keys [" << lo << ", " << hi << "] hd " << hd
+                << " n " << n << " portable " << portable << " bf16 " << bf16;
+        }
+        vector_ops_force_scalar(false);
       }
-      AttentionScratch scratch;
-      attend_queries(
-          queries, hd, [&](int64_t j) { return k.data() + j * hd; },
-          [&](int64_t j) { return v.data() + j * hd; }, scratch);
-      for (int64_t m = 0; m < M; ++m) {
-        const int64_t lo = queries.lo[static_cast<size_t>(m)],
-                      hi = queries.hi[static_cast<size_t>(m)];
-        attention_reference(q.data() + m * hd, k.data() + lo * hd, v.data() + lo * hd, hd,
-                            hi - lo + 1, ref.data());
-        for (int64_t i = 0; i < hd; ++i)
-          ASSERT_NEAR(out[static_cast<size_t>(m * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
-              << "M " << M << " query " << m << " keys [" << lo << ", " << hi << "] hd " << hd
-              << " n " << n << " portable " << portable;
-      }
-      vector_ops_force_scalar(false);
-    }
 }
 
 TEST(Attention, ScratchIsReusedAcrossCallsOfDifferentSizes) {

@@ -299,6 +299,9 @@ QuantStats measure_bundle(const std::string& weights) {
   const std::string bundle = export_tiny("bundle_" + weights, "0:2,2:6", weights);
   auto q = Pipeline::open(bundle, 256);
   auto ref = Pipeline::open(fixture("model"), 256);
+  // Quantized weights get a bf16 cache unless told otherwise; the f32 reference keeps f32.
+  EXPECT_EQ(q->kv_type(), KvType::BF16);
+  EXPECT_EQ(ref->kv_type(), KvType::F32);
   const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
   std::vector<int64_t> unused;
   const FloatTensor a = run_logits(*q, seq, 64, &unused, 0),
@@ -337,20 +340,31 @@ namespace {
 // Rolling the caches back and re-feeding gives exactly what a fresh run gives (chat turns whose
 // re-rendered prompt diverges inside the cached reply rely on this).
 TEST(Pipeline, TruncateThenRefeedEqualsFreshRun) {
-  auto p = Pipeline::open(fixture("model"), 256);
-  const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));  // 40 ids, window 8
-  ThreadPool pool(2);
-  p->forward(pool, std::span<const int32_t>(seq).first(36), nullptr, false, nullptr);
-  ASSERT_TRUE(p->truncate(21));
-  EXPECT_EQ(p->n_past(), 21);
-  const FloatTensor a =
-      p->forward(pool, std::span<const int32_t>(seq).subspan(21, 19), nullptr, true, nullptr);
-  p->reset();
-  const FloatTensor b = p->forward(pool, seq, nullptr, true, nullptr);
-  const std::vector<float> tail(b.data.end() - static_cast<std::ptrdiff_t>(a.data.size()),
-                                b.data.end());
-  EXPECT_LE(max_abs_diff(a.data, tail), 1e-6);
-  EXPECT_FALSE(p->truncate(100));
+  for (KvType kv : {KvType::F32, KvType::BF16}) {
+    SCOPED_TRACE(kv_type_name(kv));
+    auto p = Pipeline::open(fixture("model"), 256);
+    p->set_kv_type(kv);
+    EXPECT_EQ(p->kv_type(), kv);
+    const std::vector<int32_t> seq =
+        load_ids(fixture("long/sequence_ids.npy"));  // 40 ids, window 8
+    ThreadPool pool(2);
+    p->forward(pool, std::span<const int32_t>(seq).first(36), nullptr, false, nullptr);
+    ASSERT_TRUE(p->truncate(21));
+    EXPECT_EQ(p->n_past(), 21);
+    const FloatTensor a =
+        p->forward(pool, std::span<const int32_t>(seq).subspan(21, 19), nullptr, true, nullptr);
+    p->reset();
+    const FloatTensor b = p->forward(pool, seq, nullptr, true, nullptr);
+    const std::vector<float> tail(b.data.end() - static_cast<std::ptrdiff_t>(a.data.size()),
+                                  b.data.end());
+    EXPECT_LE(max_abs_diff(a.data, tail), 1e-6);
+    EXPECT_FALSE(p->truncate(100));
+  }
+}
+
+TEST(Pipeline, Bf16CheckpointKeepsAnF32Cache) {
+  // bf16 weights compute in f32, as the reference does; only quantized weights default to bf16.
+  EXPECT_EQ(Pipeline::open(fixture("model_bf16"), 64)->kv_type(), KvType::F32);
 }
 
 }  // namespace

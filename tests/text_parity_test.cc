@@ -103,6 +103,37 @@ TEST(TextDecode, IncrementalMatchesFullRecompute) {
   }
 }
 
+// With a bf16 cache the chunk's own keys are rounded exactly as the cached ones, so decoding
+// token by token still equals recomputing the sequence, and the logits stay near the f32-cache
+// golden ones (the rounding is 2^-9 relative, the tiny model's logits are O(1)).
+TEST(TextDecode, Bf16CacheIncrementalMatchesFullRecomputeAndStaysNearReference) {
+  auto model = Gemma4Model::open(fixture("model"));
+  const TextModel& text = model->text();
+  const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
+  const std::vector<int32_t> prompt_ids = load_ids(fixture("long/input_ids.npy"));
+  ThreadPool pool(2);
+  const size_t prompt = 20;
+  KvCache cache(text.config(), 64, 0, -1, KvType::BF16);
+  ASSERT_EQ(cache.kv_type(), KvType::BF16);
+  FloatTensor inc = text.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, cache,
+                                 {}, false, nullptr);
+  for (size_t n = prompt; n < seq.size(); ++n) {
+    KvCache fresh(text.config(), 64, 0, -1, KvType::BF16);
+    FloatTensor full = text.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, fresh,
+                                    {}, false, nullptr);
+    EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
+    inc = text.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, cache, {}, false,
+                       nullptr);
+  }
+  KvCache f32(text.config(), 64), bf16(text.config(), 64, 0, -1, KvType::BF16);
+  const FloatTensor a = text.forward(pool, prompt_ids, nullptr, f32, {}, true, nullptr);
+  const FloatTensor b = text.forward(pool, prompt_ids, nullptr, bf16, {}, true, nullptr);
+  const double d = max_abs_diff(a.data, b.data);
+  EXPECT_GT(d, 0.0) << "the bf16 cache changed nothing: is it really bf16?";
+  EXPECT_LE(d, 0.05);
+  EXPECT_LT(bf16.bytes(), f32.bytes());
+}
+
 // bf16 compute mode rounds sqrt(D) to bf16 before the multiply, as HF running in bf16 does.
 TEST(TextDecode, Bf16EmbedScaleMatchesReferenceVariant) {
   auto model = Gemma4Model::open(fixture("model_bf16"));

@@ -1,13 +1,16 @@
 // Helpers shared by the subcommands: thread pool sizing, timing, argmax, warnings.
 #pragma once
 
+#include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstdint>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "gemma4/model.h"
+#include "stage/pipeline.h"
 
 namespace gemstage::cli {
 
@@ -21,6 +24,22 @@ inline int64_t argmax_first(const float* v, int64_t n) {
   for (int64_t i = 1; i < n; ++i)
     if (v[i] > v[best]) best = i;
   return best;
+}
+
+// --cache-type: the KV cache's row type, "auto" leaving the pipeline's choice (Pipeline::kv_type).
+inline void add_cache_type(CLI::App* sub, std::string& v) {
+  sub->add_option("--cache-type", v,
+                  "KV cache row type: auto (bf16 for Q8_0/Q4_0 weights, else f32), f32 or bf16")
+      ->check(CLI::IsMember({"auto", "f32", "bf16"}))
+      ->capture_default_str();
+}
+inline std::optional<KvType> cache_type_of(const std::string& v) {
+  KvType t;
+  if (!kv_type_from_name(v, &t)) return std::nullopt;  // "auto"
+  return t;
+}
+inline void apply_cache_type(Pipeline& p, const std::string& v) {
+  if (const auto t = cache_type_of(v)) p.set_kv_type(*t);
 }
 
 inline void print_model_notes(const std::vector<std::string>& notes, bool verbose) {

@@ -27,6 +27,7 @@ struct BenchArgs {
   int threads = 0, reps = 5;
   bool json = false;
   bool warmup = true;
+  std::string cache_type = "auto";
 };
 
 std::vector<int64_t> int_list(const std::string& s, const char* flag) {
@@ -119,6 +120,7 @@ double bytes_per_token(const Pipeline& p) {
 int run_bench(const BenchArgs& a) {
   const double t0 = now_seconds();
   auto p = Pipeline::open(a.model);
+  apply_cache_type(*p, a.cache_type);
   const double t_load = now_seconds() - t0;
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const auto prompts = int_list(a.prompts, "-p"), gens = int_list(a.gens, "-n"),
@@ -199,6 +201,8 @@ int run_bench(const BenchArgs& a) {
                      {"n_prompt", r.n_prompt},
                      {"n_gen", r.n_gen},
                      {"n_depth", r.n_depth},
+                     {"type_k", kv_type_name(p->kv_type())},
+                     {"type_v", kv_type_name(p->kv_type())},
                      {"avg_ts", m},
                      {"stddev_ts", sd},
                      {"samples_ts", r.ts},
@@ -221,7 +225,8 @@ int run_bench(const BenchArgs& a) {
     std::cout << "| " << a.model << " | " << pool.size() << " | " << test.str() << " | "
               << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
   }
-  std::cout << std::setprecision(3) << "load " << t_load << " s; peak RSS " << rss_gb << " GB";
+  std::cout << std::setprecision(3) << "KV cache " << kv_type_name(p->kv_type()) << "; load "
+            << t_load << " s; peak RSS " << rss_gb << " GB";
   if (mem.file_gb >= 0)
     std::cout << " (resident at the end: " << mem.file_gb << " GB of mapped bundle files, "
               << mem.anon_gb << " GB anonymous: KV cache, activations, heap)";
@@ -246,6 +251,7 @@ void add_bench_command(CLI::App& app, Registry& reg) {
   sub->add_option("-d,--n-depth", a->depths, "context depths to run each test at, comma-separated")
       ->capture_default_str();
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  add_cache_type(sub, a->cache_type);
   sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

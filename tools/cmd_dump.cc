@@ -23,6 +23,7 @@ struct DumpArgs {
   int chunk = 0;  // 0: whole prompt in one pass
   int threads = 0;
   int64_t ctx = 0;
+  std::string cache_type = "auto";
   std::string ple_identity = "pad", embed_scale = "f32";
   std::vector<std::string> pixel_values, image_position_ids;  // preprocessed images, in order
   std::vector<std::string> images;                            // image files, preprocessed here
@@ -87,6 +88,7 @@ std::vector<std::string> split_list(const std::string& s) {
 int run_dump(const DumpArgs& a) {
   const double t0 = now_seconds();
   auto model = Pipeline::open(a.model, a.ctx);
+  apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   const TextConfig& tc = model->config().text;
   const double t_load = now_seconds() - t0;
@@ -201,6 +203,7 @@ void add_dump_command(CLI::App& app, Registry& reg) {
                   "greedy decode N tokens with the KV cache (decode_ids, decode_logits)");
   sub->add_option("--chunk", a->chunk, "prefill chunk size (0 = whole prompt in one pass)");
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  add_cache_type(sub, a->cache_type);
   sub->add_option("-c,--ctx-size", a->ctx, "KV cache context size (default: prompt + decode)");
   sub->add_option("--ple-identity", a->ple_identity,
                   "pad (HF, default) or raw (DIAGNOSTIC: reproduce the raw-placeholder-id PLE bug)")

@@ -36,7 +36,7 @@ struct GenerateArgs : CommonArgs {
 };
 
 int run_generate(const GenerateArgs& a) {
-  auto as = Assistant::open(a.model, a.ctx);
+  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
   print_model_notes(as->pipeline().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   PreparedPrompt p;
@@ -76,7 +76,7 @@ int run_generate(const GenerateArgs& a) {
 }
 
 int run_chat(const CommonArgs& a) {
-  auto as = Assistant::open(a.model, a.ctx);
+  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
   print_model_notes(as->pipeline().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   GenerationSession session(as->pipeline(), as->tokenizer());

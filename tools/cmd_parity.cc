@@ -22,6 +22,7 @@ struct ParityArgs {
   double tie_tol = 0.02, diverge_cos = 0.999;
   bool no_image_gate = false, verbose = false, quiet = false;
   int threads = 0;
+  std::string cache_type = "auto";
 };
 
 void write_text(const std::string& path, const std::string& text) {
@@ -39,6 +40,7 @@ int run_parity_cmd(const ParityArgs& a) {
 
   const ReferenceDump ref = load_reference(a.reference);
   auto model = Pipeline::open(a.model);
+  apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   ParityOptions opt;
   opt.images = a.images;
@@ -122,6 +124,7 @@ void add_parity_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--no-image-gate", a->no_image_gate,
                 "skip the second run with the image replaced by a blank one");
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  add_cache_type(sub, a->cache_type);
   sub->add_flag("-q,--quiet", a->quiet, "no table (gate lines only)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a] { return run_parity_cmd(*a); });

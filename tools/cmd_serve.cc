@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "server/server.h"
+#include "tools/cli_common.h"
 #include "tools/commands.h"
 #include "tools/generation_args.h"
 
@@ -51,6 +52,7 @@ int run_serve(const ServeArgs& a) {
   o.port = a.port;
   o.parallel = a.parallel;
   o.ctx = a.ctx;
+  o.kv_type = cache_type_of(a.cache_type);
   o.api_key = a.api_key;
   o.max_body = a.max_body;
   o.threads = a.threads;

@@ -27,6 +27,7 @@ void add_common(CLI::App* sub, CommonArgs& a) {
   sub->add_option(
       "-c,--ctx-size", a.ctx,
       "context size in tokens (default: the model's or bundle's maximum; caches grow as used)");
+  add_cache_type(sub, a.cache_type);
   sub->add_option("-b,--chunk", a.chunk, "prefill chunk size")->capture_default_str();
   sub->add_option("-t,--threads", a.threads, "worker threads (default: all cores)");
   sub->add_flag("--ignore-eos", a.ignore_eos, "do not stop on the model's end-of-turn / EOS ids");

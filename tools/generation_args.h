@@ -17,6 +17,7 @@ struct CommonArgs {
   int max_tokens = 256;
   int threads = 0;
   int64_t ctx = 0;
+  std::string cache_type = "auto";
   int64_t chunk = 512;
   float temperature = 1.0f, top_p = 0.95f, min_p = 0.0f, repeat_penalty = 1.0f;
   int top_k = 64, repeat_last_n = 64;

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/attention.h"
 #include "kernels/matmul.h"
@@ -134,6 +135,9 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
 struct TextModel::LayerPass {
   RopeAngles rope_sliding, rope_full;
   std::vector<std::vector<float>> k, v;  // per layer: [S, kv heads * head_dim]
+  // The same rounded to bf16 when the cache holds bf16, so the chunk's own keys enter attention
+  // exactly as later chunks will read them back from the cache.
+  std::vector<std::vector<uint16_t>> k16, v16;
   std::vector<float> x, q, attn, branch, gate, up, ple_gate;
 };
 
@@ -152,8 +156,13 @@ void for_rows(ThreadPool& pool, int64_t rows, Fn fn) {
   });
 }
 
-void sized(std::vector<float>& buf, int64_t n) {
+template <typename T>
+void sized(std::vector<T>& buf, int64_t n) {
   buf.resize(static_cast<size_t>(n));
+}
+
+void to_bf16_rows(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = f32_to_bf16(x[i]);
 }
 
 // hidden += rmsnorm(branch) * w for rows [r0, r1) of width D.
@@ -189,6 +198,7 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   });
   sized(q, S * H * hd);
   // A KV-shared layer reads its donor's K/V and computes none of its own.
+  const bool bf16_kv = cache.kv_type() == KvType::BF16;
   float* k = nullptr;
   float* v = nullptr;
   if (ls.kv_shared) {
@@ -200,6 +210,10 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
     sized(vbuf, S * kvw);
     k = kbuf.data();
     v = vbuf.data();
+    if (bf16_kv) {
+      sized(pass.k16[static_cast<size_t>(li)], S * kvw);
+      sized(pass.v16[static_cast<size_t>(li)], S * kvw);
+    }
     matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}, {lw.v_proj, v}});
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
@@ -211,6 +225,11 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
     rmsnorm_rows(k + r0 * kvw, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps, k + r0 * kvw);
     for (int64_t r = r0; r < r1; ++r) apply_rope(rope, r, k + r * kvw, static_cast<int>(Hkv));
     rmsnorm_rows(v + r0 * kvw, (r1 - r0) * Hkv, hd, nullptr, eps, v + r0 * kvw);
+    if (!bf16_kv) return;
+    auto& k16 = pass.k16[static_cast<size_t>(li)];
+    auto& v16 = pass.v16[static_cast<size_t>(li)];
+    to_bf16_rows(k + r0 * kvw, (r1 - r0) * kvw, k16.data() + r0 * kvw);
+    to_bf16_rows(v + r0 * kvw, (r1 - r0) * kvw, v16.data() + r0 * kvw);
   });
   const int src = ls.kv_shared ? ls.kv_donor : li;
   const auto& ck = pass.k[static_cast<size_t>(src)];
@@ -241,35 +260,43 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   const int64_t rows_per_task = std::max<int64_t>(1, kQueriesPerTask / slice_heads);
   const int64_t row_blocks = (S + rows_per_task - 1) / rows_per_task;
   const int64_t n_tasks = row_blocks * Hkv * slices;
-  pool.parallel_chunks(static_cast<size_t>(n_tasks), 1, [&](size_t b, size_t e) {
-    thread_local AttentionScratch scratch;
-    thread_local QueryBlock queries;
-    for (size_t task = b; task < e; ++task) {
-      const int64_t t = static_cast<int64_t>(task);
-      const int64_t rb = row_blocks - 1 - t / (Hkv * slices), kvh = t / slices % Hkv;
-      const int64_t part = t % slices, h0 = kvh * G + part * slice_heads;
-      const int64_t ng = std::min(slice_heads, G - part * slice_heads);
-      queries.clear();
-      for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
-        const int64_t pos = start + r;
-        // Sliding: keys in (pos - W, pos]; full: [0, pos].
-        const int64_t lo =
-            ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
-        for (int64_t g = 0; g < ng; ++g) {
-          const int64_t at = (r * H + h0 + g) * hd;
-          queries.add(q.data() + at, attn.data() + at, lo, pos);
+  // T: the cache's row type (float or bf16 bits); the chunk's fresh rows come in the same type.
+  auto attend_tasks = [&]<typename T>(const T* fresh_k, const T* fresh_v) {
+    pool.parallel_chunks(static_cast<size_t>(n_tasks), 1, [&](size_t b, size_t e) {
+      thread_local AttentionScratch scratch;
+      thread_local QueryBlock queries;
+      for (size_t task = b; task < e; ++task) {
+        const int64_t t = static_cast<int64_t>(task);
+        const int64_t rb = row_blocks - 1 - t / (Hkv * slices), kvh = t / slices % Hkv;
+        const int64_t part = t % slices, h0 = kvh * G + part * slice_heads;
+        const int64_t ng = std::min(slice_heads, G - part * slice_heads);
+        queries.clear();
+        for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
+          const int64_t pos = start + r;
+          // Sliding: keys in (pos - W, pos]; full: [0, pos].
+          const int64_t lo =
+              ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
+          for (int64_t g = 0; g < ng; ++g) {
+            const int64_t at = (r * H + h0 + g) * hd;
+            queries.add(q.data() + at, attn.data() + at, lo, pos);
+          }
         }
+        // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
+        auto key = [&](int64_t p) {
+          return (p < start ? past->k_at<T>(p) : fresh_k + (p - start) * kvw) + kvh * hd;
+        };
+        auto val = [&](int64_t p) {
+          return (p < start ? past->v_at<T>(p) : fresh_v + (p - start) * kvw) + kvh * hd;
+        };
+        attend_queries(queries, hd, key, val, scratch);
       }
-      // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
-      auto key = [&](int64_t p) {
-        return (p < start ? past->k_at(p) : ck.data() + (p - start) * kvw) + kvh * hd;
-      };
-      auto val = [&](int64_t p) {
-        return (p < start ? past->v_at(p) : cv.data() + (p - start) * kvw) + kvh * hd;
-      };
-      attend_queries(queries, hd, key, val, scratch);
-    }
-  });
+    });
+  };
+  if (past->kv_type() == KvType::BF16)
+    attend_tasks(pass.k16[static_cast<size_t>(src)].data(),
+                 pass.v16[static_cast<size_t>(src)].data());
+  else
+    attend_tasks(ck.data(), cv.data());
   auto& branch = pass.branch;
   sized(branch, S * D);
   matmul(pool, attn.data(), S, lw.o_proj, branch.data());
@@ -345,6 +372,8 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hi
   pass.rope_full = RopeAngles::at(rope_full_, cache.n_past(), S);
   pass.k.resize(static_cast<size_t>(L));
   pass.v.resize(static_cast<size_t>(L));
+  pass.k16.resize(static_cast<size_t>(L));
+  pass.v16.resize(static_cast<size_t>(L));
   for (int li = begin; li < end; ++li) layer_forward(pool, li, hidden, pli, cache, pass, taps);
   for (int li = begin; li < end; ++li)
     if (!cfg_.layers[static_cast<size_t>(li)].kv_shared)

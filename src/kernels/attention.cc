@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "core/dtype.h"
 #include "kernels/vec_avx512.h"
 
 namespace gemstage {
@@ -29,22 +30,24 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
 
 namespace {
 
-float portable_dot(const float* a, const float* b, int64_t n) {
+inline float to_f32(float x) {
+  return x;
+}
+inline float to_f32(uint16_t bf16) {
+  return bf16_to_f32(bf16);
+}
+
+template <typename T>
+float portable_dot(const float* a, const T* b, int64_t n) {
   double s = 0;  // the reference: no reordering question at all
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * b[i];
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * to_f32(b[i]);
   return static_cast<float>(s);
 }
 
-}  // namespace
-
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
-                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
-  const int64_t M = qb.size();
-  if (vector_ops_use_avx512())
-    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), M,
-                                    head_dim, k, v, nk, first, s.scores.data(), kKeyBlock,
-                                    s.max.data(), s.sum.data());
-  for (int64_t m = 0; m < M; ++m) {
+template <typename T>
+void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* k,
+                        const T* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+  for (int64_t m = 0; m < qb.size(); ++m) {
     const size_t mi = static_cast<size_t>(m);
     const int64_t a = std::max<int64_t>(qb.lo[mi] - first, 0);
     const int64_t b = std::min<int64_t>(qb.hi[mi] - first, nk - 1);
@@ -63,11 +66,31 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const
     for (int64_t j = a; j <= b; ++j) {
       const float p = std::exp(row[j] - new_max);
       added += p;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * v[j][d];
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * to_f32(v[j][d]);
     }
     s.sum[mi] = s.sum[mi] * scale + added;
     s.max[mi] = new_max;
   }
+}
+
+}  // namespace
+
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+  if (vector_ops_use_avx512())
+    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
+                                    qb.size(), head_dim, k, v, nk, first, s.scores.data(),
+                                    kKeyBlock, s.max.data(), s.sum.data());
+  portable_key_block(qb, head_dim, k, v, nk, first, s);
+}
+
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
+                      const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+  if (vector_ops_use_avx512())
+    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
+                                    qb.size(), head_dim, k, v, nk, first, s.scores.data(),
+                                    kKeyBlock, s.max.data(), s.sum.data());
+  portable_key_block(qb, head_dim, k, v, nk, first, s);
 }
 
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,

@@ -1,7 +1,8 @@
 // Causal attention of query heads against the keys and values of one KV head: out =
 // softmax(q·k_j)·v_j with scaling 1.0 (Gemma 4 has no 1/sqrt(d) and no attention soft-cap).
 // Keys and values are fetched by absolute position through callables, so the same kernel reads a
-// sliding ring, a growing full cache, or the current chunk's fresh rows.
+// sliding ring, a growing full cache, or the current chunk's fresh rows. Their rows are f32 or
+// bf16 (uint16_t bit patterns, as runtime/kv_cache.h stores them); queries and outputs are f32.
 //
 // The kernel is flash-style: keys are taken in blocks of kKeyBlock with a running max and sum
 // per query, so its scratch stays in L1 at any depth (a 32k-key score row per query would not),
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels/ops.h"
@@ -48,24 +50,45 @@ struct QueryBlock {
   }
 };
 
+// The key and value rows of one block, in the cache's row type.
+template <typename T>
+struct KeyBlockRows {
+  const T* keys[kKeyBlock];
+  const T* values[kKeyBlock];
+};
+
 // Per-thread working memory, reused across calls so the decode loop does not allocate.
 struct AttentionScratch {
   std::vector<float> scores;  // [queries, kKeyBlock]
   std::vector<float> max, sum;
-  const float* keys[kKeyBlock];
-  const float* values[kKeyBlock];
+  KeyBlockRows<float> f32;
+  KeyBlockRows<uint16_t> bf16;
+
+  template <typename T>
+  KeyBlockRows<T>& rows() {
+    if constexpr (std::is_same_v<T, float>)
+      return f32;
+    else
+      return bf16;
+  }
 };
 
 // One key block (nk <= kKeyBlock keys at positions first..first+nk-1) of the running softmax:
 // scores, masks, rescales each query's out/max/sum and adds this block's p·v.
 void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, AttentionScratch& s);
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
+                      const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s);
 
 template <typename KeyFn, typename ValFn>
 void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
                     AttentionScratch& s) {
+  using Row = std::remove_cv_t<std::remove_pointer_t<decltype(key(int64_t{}))>>;
+  static_assert(std::is_same_v<Row, float> || std::is_same_v<Row, uint16_t>,
+                "key rows are f32 or bf16 bits");
   const int64_t M = qb.size();
   if (M == 0) return;
+  KeyBlockRows<Row>& rows = s.rows<Row>();
   s.scores.resize(static_cast<size_t>(M * kKeyBlock));
   s.max.assign(static_cast<size_t>(M), -std::numeric_limits<float>::infinity());
   s.sum.assign(static_cast<size_t>(M), 0.0f);
@@ -75,10 +98,10 @@ void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val
   for (int64_t p0 = first; p0 <= last; p0 += kKeyBlock) {
     const int64_t nk = std::min(kKeyBlock, last - p0 + 1);
     for (int64_t j = 0; j < nk; ++j) {
-      s.keys[j] = key(p0 + j);
-      s.values[j] = val(p0 + j);
+      rows.keys[j] = key(p0 + j);
+      rows.values[j] = val(p0 + j);
     }
-    attend_key_block(qb, head_dim, s.keys, s.values, nk, p0, s);
+    attend_key_block(qb, head_dim, rows.keys, rows.values, nk, p0, s);
   }
   for (int64_t m = 0; m < M; ++m) {
     const float inv = 1.0f / s.sum[static_cast<size_t>(m)];

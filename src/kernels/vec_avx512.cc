@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #define GEMSTAGE_AVX512F __attribute__((target("avx512f")))
 
@@ -160,9 +161,27 @@ GEMSTAGE_AVX512F inline __mmask16 lanes_left(int64_t n) {
   return n <= 0 ? static_cast<__mmask16>(0) : tail_mask(n);
 }
 
+// Lanes m of a row as f32: f32 rows load directly, bf16 bits widen exactly. The masked 16-bit
+// load needs AVX-512BW, so a partial bf16 vector (only an odd head_dim's tail) goes through a
+// zero-padded copy. m is always a low-lanes mask.
+GEMSTAGE_AVX512F inline __m512 load_lanes(__mmask16 m, const float* p) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+GEMSTAGE_AVX512F inline __m512 load_lanes(__mmask16 m, const uint16_t* p) {
+  __m256i h;
+  if (m == static_cast<__mmask16>(0xffff)) {
+    h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else {
+    alignas(32) uint16_t t[16] = {};
+    std::memcpy(t, p, static_cast<size_t>(__builtin_popcount(m)) * sizeof(uint16_t));
+    h = _mm256_load_si256(reinterpret_cast<const __m256i*>(t));
+  }
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
 // Two vectors (32 columns) of each of NG queries stay in registers across all nk value rows.
-template <int NG>
-GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const float* const* v,
+template <int NG, typename T>
+GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const T* const* v,
                                           int64_t nk, int64_t hd, float* const* out) {
   for (int64_t d = 0; d < hd; d += 32) {
     const __mmask16 m0 = lanes_left(hd - d), m1 = lanes_left(hd - d - 16);
@@ -172,8 +191,7 @@ GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const
       a1[g] = _mm512_maskz_loadu_ps(m1, out[g] + d + 16);
     }
     for (int64_t j = 0; j < nk; ++j) {
-      const __m512 v0 = _mm512_maskz_loadu_ps(m0, v[j] + d),
-                   v1 = _mm512_maskz_loadu_ps(m1, v[j] + d + 16);
+      const __m512 v0 = load_lanes(m0, v[j] + d), v1 = load_lanes(m1, v[j] + d + 16);
       for (int g = 0; g < NG; ++g) {
         const __m512 s = _mm512_set1_ps(p[g * pstride + j]);
         a0[g] = _mm512_fmadd_ps(s, v0, a0[g]);
@@ -206,11 +224,11 @@ GEMSTAGE_AVX512F inline __m512 reduce_4x4(const __m512* a) {
 
 // s[(m0 + i) * ss + j0 + j] = q[m0 + i] · k[j0 + j] for the 4x4 tile at (m0, j0). Past the last
 // query or key the tile repeats the last one, and those sums are not stored.
-GEMSTAGE_AVX512F void score_tile(const float* const* q, int64_t M, int64_t m0,
-                                 const float* const* k, int64_t nk, int64_t j0, int64_t hd,
-                                 float* s, int64_t ss) {
+template <typename T>
+GEMSTAGE_AVX512F void score_tile(const float* const* q, int64_t M, int64_t m0, const T* const* k,
+                                 int64_t nk, int64_t j0, int64_t hd, float* s, int64_t ss) {
   const float* qp[4];
-  const float* kp[4];
+  const T* kp[4];
   for (int i = 0; i < 4; ++i) {
     qp[i] = q[std::min<int64_t>(m0 + i, M - 1)];
     kp[i] = k[std::min<int64_t>(j0 + i, nk - 1)];
@@ -224,22 +242,22 @@ GEMSTAGE_AVX512F void score_tile(const float* const* q, int64_t M, int64_t m0,
     const __mmask16 m = tail_mask(hd - d);
     const __m512 q0 = _mm512_maskz_loadu_ps(m, qp[0] + d), q1 = _mm512_maskz_loadu_ps(m, qp[1] + d);
     const __m512 q2 = _mm512_maskz_loadu_ps(m, qp[2] + d), q3 = _mm512_maskz_loadu_ps(m, qp[3] + d);
-    __m512 kv = _mm512_maskz_loadu_ps(m, kp[0] + d);
+    __m512 kv = load_lanes(m, kp[0] + d);
     a00 = _mm512_fmadd_ps(q0, kv, a00);
     a01 = _mm512_fmadd_ps(q1, kv, a01);
     a02 = _mm512_fmadd_ps(q2, kv, a02);
     a03 = _mm512_fmadd_ps(q3, kv, a03);
-    kv = _mm512_maskz_loadu_ps(m, kp[1] + d);
+    kv = load_lanes(m, kp[1] + d);
     a10 = _mm512_fmadd_ps(q0, kv, a10);
     a11 = _mm512_fmadd_ps(q1, kv, a11);
     a12 = _mm512_fmadd_ps(q2, kv, a12);
     a13 = _mm512_fmadd_ps(q3, kv, a13);
-    kv = _mm512_maskz_loadu_ps(m, kp[2] + d);
+    kv = load_lanes(m, kp[2] + d);
     a20 = _mm512_fmadd_ps(q0, kv, a20);
     a21 = _mm512_fmadd_ps(q1, kv, a21);
     a22 = _mm512_fmadd_ps(q2, kv, a22);
     a23 = _mm512_fmadd_ps(q3, kv, a23);
-    kv = _mm512_maskz_loadu_ps(m, kp[3] + d);
+    kv = load_lanes(m, kp[3] + d);
     a30 = _mm512_fmadd_ps(q0, kv, a30);
     a31 = _mm512_fmadd_ps(q1, kv, a31);
     a32 = _mm512_fmadd_ps(q2, kv, a32);
@@ -303,10 +321,11 @@ namespace {
 
 // Scores every query against the block's keys, then turns them into p = exp(s - max) (0 where
 // the key is masked) while updating each query's running max and sum and rescaling its output.
+template <typename T>
 GEMSTAGE_AVX512F void score_and_rescale(const float* const* q, float* const* out, const int64_t* lo,
-                                        const int64_t* hi, int64_t M, int64_t hd,
-                                        const float* const* k, int64_t nk, int64_t first,
-                                        float* scores, int64_t ss, float* max, float* sum) {
+                                        const int64_t* hi, int64_t M, int64_t hd, const T* const* k,
+                                        int64_t nk, int64_t first, float* scores, int64_t ss,
+                                        float* max, float* sum) {
   for (int64_t m0 = 0; m0 < M; m0 += 4)
     for (int64_t j0 = 0; j0 < nk; j0 += 4) score_tile(q, M, m0, k, nk, j0, hd, scores, ss);
   for (int64_t m = 0; m < M; ++m) {
@@ -347,16 +366,30 @@ GEMSTAGE_AVX512F void score_and_rescale(const float* const* q, float* const* out
   }
 }
 
+template <typename T>
+void key_block(const float* const* q, float* const* out, const int64_t* lo, const int64_t* hi,
+               int64_t M, int64_t hd, const T* const* k, const T* const* v, int64_t nk,
+               int64_t first, float* scores, int64_t ss, float* max, float* sum) {
+  score_and_rescale(q, out, lo, hi, M, hd, k, nk, first, scores, ss, max, sum);
+  for_head_groups(M, [&]<int NG>(int64_t g0) {
+    accumulate_values_n<NG>(scores + g0 * ss, ss, v, nk, hd, out + g0);
+  });
+}
+
 }  // namespace
 
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
                       float* max, float* sum) {
-  score_and_rescale(q, out, lo, hi, M, hd, k, nk, first, scores, ss, max, sum);
-  for_head_groups(M, [&]<int NG>(int64_t g0) {
-    accumulate_values_n<NG>(scores + g0 * ss, ss, v, nk, hd, out + g0);
-  });
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
+}
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
+                      const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
 }
 
 }  // namespace gemstage::avx512

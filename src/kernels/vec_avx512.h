@@ -28,5 +28,10 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
                       const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
                       float* max, float* sum);
+// The same with bf16 key and value rows (uint16_t bit patterns).
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
+                      const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum);
 
 }  // namespace gemstage::avx512

@@ -11,8 +11,10 @@ namespace fs = std::filesystem;
 Assistant::Assistant(std::unique_ptr<Pipeline> p, Tokenizer t)
     : pipe_(std::move(p)), tok_(std::move(t)) {}
 
-std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_context) {
+std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_context,
+                                           std::optional<KvType> kv_type) {
   auto pipe = Pipeline::open(path, max_context);
+  if (kv_type) pipe->set_kv_type(*kv_type);
   const std::string dir = pipe->assets_dir();
   if (!fs::exists(fs::path(dir) / "tokenizer.json"))
     fail(dir,

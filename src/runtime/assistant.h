@@ -36,7 +36,9 @@ struct PreparedPrompt {
 class Assistant {
  public:
   // path: HF checkpoint dir or bundle; max_context 0: the model's maximum.
-  static std::unique_ptr<Assistant> open(const std::string& path, int64_t max_context = 0);
+  // kv_type: the KV cache's row type; nullopt keeps the pipeline's choice (Pipeline::kv_type).
+  static std::unique_ptr<Assistant> open(const std::string& path, int64_t max_context = 0,
+                                         std::optional<KvType> kv_type = std::nullopt);
 
   Pipeline& pipeline() { return *pipe_; }
   const Tokenizer& tokenizer() const { return tok_; }

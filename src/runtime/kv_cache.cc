@@ -3,19 +3,43 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/dtype.h"
 #include "core/error.h"
 
 namespace gemstage {
 
-LayerKvCache::LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context)
+const char* kv_type_name(KvType t) {
+  return t == KvType::BF16 ? "bf16" : "f32";
+}
+
+bool kv_type_from_name(const std::string& s, KvType* out) {
+  if (s == "f32")
+    *out = KvType::F32;
+  else if (s == "bf16")
+    *out = KvType::BF16;
+  else
+    return false;
+  return true;
+}
+
+LayerKvCache::LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context,
+                           KvType kv_type)
     : type_(type),
       width_(width),
       window_(window),
       ring_(window + kRollbackSlack),
-      max_context_(max_context) {
-  if (type_ == LayerType::Sliding) {
-    k_.assign(static_cast<size_t>(ring_ * width_), 0.0f);
-    v_.assign(static_cast<size_t>(ring_ * width_), 0.0f);
+      max_context_(max_context),
+      kv_type_(kv_type) {
+  if (type_ == LayerType::Sliding) resize_rows(static_cast<size_t>(ring_ * width_));
+}
+
+void LayerKvCache::resize_rows(size_t n) {
+  if (kv_type_ == KvType::F32) {
+    k_.resize(n);
+    v_.resize(n);
+  } else {
+    k16_.resize(n);
+    v16_.resize(n);
   }
 }
 
@@ -38,27 +62,32 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
   if (type_ == LayerType::Full) {
     // Grow geometrically so long prefills stay linear; never beyond max_context.
     const size_t need = static_cast<size_t>((n_ + rows) * width_);
-    if (need > k_.size()) {
-      const size_t cap =
-          std::min(static_cast<size_t>(max_context_ * width_), std::max(need, k_.size() * 2));
-      k_.resize(cap);
-      v_.resize(cap);
-    }
+    const size_t held = std::max(k_.size(), k16_.size());
+    if (need > held)
+      resize_rows(std::min(static_cast<size_t>(max_context_ * width_), std::max(need, held * 2)));
   }
   // Only the last `window` rows of a long chunk survive in a ring.
   const int64_t skip = type_ == LayerType::Sliding ? std::max<int64_t>(0, rows - ring_) : 0;
   for (int64_t r = skip; r < rows; ++r) {
     const int64_t s = slot(n_ + r);
-    std::memcpy(k_.data() + s * width_, k + r * width_,
-                static_cast<size_t>(width_) * sizeof(float));
-    std::memcpy(v_.data() + s * width_, v + r * width_,
-                static_cast<size_t>(width_) * sizeof(float));
+    if (kv_type_ == KvType::F32) {
+      std::memcpy(k_.data() + s * width_, k + r * width_,
+                  static_cast<size_t>(width_) * sizeof(float));
+      std::memcpy(v_.data() + s * width_, v + r * width_,
+                  static_cast<size_t>(width_) * sizeof(float));
+    } else {
+      for (int64_t i = 0; i < width_; ++i) {
+        k16_[static_cast<size_t>(s * width_ + i)] = f32_to_bf16(k[r * width_ + i]);
+        v16_[static_cast<size_t>(s * width_ + i)] = f32_to_bf16(v[r * width_ + i]);
+      }
+    }
   }
   n_ += rows;
 }
 
-KvCache::KvCache(const TextConfig& t, int64_t max_context, int layer_begin, int layer_end)
-    : max_context_(max_context) {
+KvCache::KvCache(const TextConfig& t, int64_t max_context, int layer_begin, int layer_end,
+                 KvType kv_type)
+    : max_context_(max_context), kv_type_(kv_type) {
   if (max_context <= 0) fail("context size must be positive");
   layers_.resize(t.layers.size());
   const size_t end = layer_end < 0 ? t.layers.size() : static_cast<size_t>(layer_end);
@@ -66,7 +95,7 @@ KvCache::KvCache(const TextConfig& t, int64_t max_context, int layer_begin, int 
     const LayerSpec& s = t.layers[i];
     if (s.kv_shared) continue;
     layers_[i] = std::make_unique<LayerKvCache>(s.type, int64_t{s.num_kv_heads} * s.head_dim,
-                                                t.sliding_window, max_context);
+                                                t.sliding_window, max_context, kv_type);
   }
 }
 

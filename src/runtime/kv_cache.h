@@ -1,52 +1,87 @@
 // KV caches. Sliding layers keep a ring of `window` rows (a query needs at most window-1 past
 // keys plus itself); full layers grow to the context; KV-shared layers own nothing and read their
-// donor's cache. K is stored after k_norm + RoPE, V after its scale-free norm, both f32.
+// donor's cache. K is stored after k_norm + RoPE, V after its scale-free norm.
+//
+// Rows are f32 or bf16 (KvType). At long context the full layers' caches are what a decoded token
+// reads besides the weights (E2B at 32k: seven full-layer reads of 134 MB each in f32), so bf16
+// halves that traffic and the cache's memory; f32 keeps an f32 checkpoint bit-faithful to HF.
 #pragma once
 
 #include <cstdint>
 #include <memory>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #include "gemma4/config.h"
 
 namespace gemstage {
 
+enum class KvType : uint8_t { F32, BF16 };
+const char* kv_type_name(KvType t);
+// "f32" / "bf16"; false for anything else.
+bool kv_type_from_name(const std::string& s, KvType* out);
+
 // Rows a sliding ring keeps beyond the window, so a cache can be rolled back this far.
 constexpr int64_t kRollbackSlack = 512;
 
 class LayerKvCache {
  public:
-  LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context);
+  LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context,
+               KvType kv_type = KvType::F32);
 
   LayerType type() const { return type_; }
+  KvType kv_type() const { return kv_type_; }
   int64_t width() const { return width_; }
   int64_t size() const { return n_; }  // positions 0..n-1 have been appended
   // Oldest position still held (sliding: n - window).
   int64_t first_held() const;
-  const float* k_at(int64_t pos) const { return k_.data() + slot(pos) * width_; }
-  const float* v_at(int64_t pos) const { return v_.data() + slot(pos) * width_; }
-  // Appends rows for positions size()..size()+rows-1.
+  // Row of position pos in the cache's type: T = float for F32, uint16_t (bf16 bits) for BF16.
+  template <typename T>
+  const T* k_at(int64_t pos) const {
+    return rows<T>(k_, k16_) + slot(pos) * width_;
+  }
+  template <typename T>
+  const T* v_at(int64_t pos) const {
+    return rows<T>(v_, v16_) + slot(pos) * width_;
+  }
+  // Appends rows for positions size()..size()+rows-1 (rounded to nearest-even for BF16).
   void append(const float* k, const float* v, int64_t rows);
   // Forgets positions n.. (a chat whose new prompt diverges from what was cached). Sliding rings
   // keep kRollbackSlack extra rows so the window before n is still intact; false if too far back.
   bool truncate(int64_t n);
-  size_t bytes() const { return (k_.capacity() + v_.capacity()) * sizeof(float); }
+  size_t bytes() const {
+    return (k_.capacity() + v_.capacity()) * sizeof(float) +
+           (k16_.capacity() + v16_.capacity()) * sizeof(uint16_t);
+  }
 
  private:
+  template <typename T>
+  const T* rows(const std::vector<float>& f32, const std::vector<uint16_t>& bf16) const {
+    if constexpr (std::is_same_v<T, float>)
+      return kv_type_ == KvType::F32 ? f32.data() : nullptr;
+    else
+      return kv_type_ == KvType::BF16 ? bf16.data() : nullptr;
+  }
+  void resize_rows(size_t n);
   int64_t slot(int64_t pos) const { return type_ == LayerType::Sliding ? pos % ring_ : pos; }
 
   LayerType type_;
   int64_t width_, window_, ring_, max_context_;
+  KvType kv_type_;
   int64_t n_ = 0;
-  std::vector<float> k_, v_;
+  std::vector<float> k_, v_;         // F32
+  std::vector<uint16_t> k16_, v16_;  // BF16
 };
 
 class KvCache {
  public:
   // Holds the own-KV layers in [layer_begin, layer_end) (-1: all): a stage's cache group.
-  KvCache(const TextConfig& t, int64_t max_context, int layer_begin = 0, int layer_end = -1);
+  KvCache(const TextConfig& t, int64_t max_context, int layer_begin = 0, int layer_end = -1,
+          KvType kv_type = KvType::F32);
 
   int64_t max_context() const { return max_context_; }
+  KvType kv_type() const { return kv_type_; }
   int64_t n_past() const { return n_past_; }
   void set_n_past(int64_t n) { n_past_ = n; }
   // The cache a layer reads (its donor's for shared layers); null for a layer outside this cache.
@@ -60,6 +95,7 @@ class KvCache {
  private:
   std::vector<std::unique_ptr<LayerKvCache>> layers_;
   int64_t max_context_;
+  KvType kv_type_;
   int64_t n_past_ = 0;
 };
 

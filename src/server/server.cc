@@ -227,7 +227,7 @@ void Server::Impl::load() {
     const int per_slot = std::max(1, total / opt.parallel);
     for (int i = 0; i < opt.parallel; ++i) {
       auto s = std::make_unique<Slot>();
-      s->assistant = Assistant::open(opt.model_path, opt.ctx);
+      s->assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type);
       s->pool = std::make_unique<ThreadPool>(per_slot);
       s->session =
           std::make_unique<GenerationSession>(s->assistant->pipeline(), s->assistant->tokenizer());

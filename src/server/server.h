@@ -33,6 +33,7 @@ struct ServerOptions {
   int port = 8080;                     // 0: any free port (port() says which)
   int parallel = 1;                    // slots: requests generated at the same time
   int64_t ctx = 0;                     // context per slot; 0: the model's maximum
+  std::optional<KvType> kv_type;       // KV cache row type; nullopt: the pipeline's choice
   std::string api_key;                 // non-empty: /v1/* requires "Authorization: Bearer <key>"
   size_t max_body = size_t{32} << 20;  // request bodies over this get 413
   int threads = 0;                     // compute threads for all slots together; 0: all cores

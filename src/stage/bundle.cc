@@ -252,7 +252,7 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
   UnionSource all(files);
   TextModel whole(c, bind_text_weights(c, all));
-  KvCache cache(c.text, ctx);
+  KvCache cache(c.text, ctx, 0, -1, pipe->kv_type());
   const FloatTensor unstaged = whole.forward(pool, ids, &soft, cache, {}, true, nullptr);
   double d = 0;
   for (size_t i = 0; i < unstaged.data.size(); ++i)

@@ -102,6 +102,13 @@ std::unique_ptr<Pipeline> Pipeline::open(const std::string& path, int64_t max_co
         p->vision_ = std::make_unique<VisionTower>(p->config_,
                                                    bind_vision_weights(p->config_, *rs->weights));
   check_contract_chain(p->decls_, p->config_);
+  for (auto& rs : p->stages_) {
+    if (rs->decl.role != StageRole::TransformerLayers) continue;
+    const auto& layer = rs->model->weights().layers[static_cast<size_t>(rs->decl.layers.begin)];
+    const DType w = layer.q_proj.dtype;
+    p->kv_type_ = w == DType::Q8_0 || w == DType::Q4_0 ? KvType::BF16 : KvType::F32;
+    break;
+  }
   p->build_caches();
   return p;
 }
@@ -110,12 +117,17 @@ void Pipeline::build_caches() {
   for (auto& rs : stages_)
     if (rs->decl.role == StageRole::TransformerLayers)
       rs->cache = std::make_unique<KvCache>(config_.text, max_context_, rs->decl.layers.begin,
-                                            rs->decl.layers.end);
+                                            rs->decl.layers.end, kv_type_);
   n_past_ = 0;
 }
 
 void Pipeline::reset(int64_t max_context) {
   if (max_context > 0) max_context_ = max_context;
+  build_caches();
+}
+
+void Pipeline::set_kv_type(KvType t) {
+  kv_type_ = t;
   build_caches();
 }
 

@@ -36,6 +36,12 @@ class Pipeline {
   int64_t max_context() const { return max_context_; }
   // Drops every KV cache and sizes new ones for max_context (0: keep the current size).
   void reset(int64_t max_context = 0);
+  // The KV caches' row type. open() picks BF16 for quantized (Q8_0/Q4_0) transformer weights,
+  // whose own rounding is far larger and which gain half the cache traffic at depth, and F32
+  // for f32 and bf16 weights, which compute in f32 as the reference does. set_kv_type
+  // overrides it and drops the caches, as reset() does.
+  KvType kv_type() const { return kv_type_; }
+  void set_kv_type(KvType t);
   // Forgets positions n.. in every stage's caches; false (nothing changed) if they cannot.
   bool truncate(int64_t n);
 
@@ -73,6 +79,7 @@ class Pipeline {
   std::vector<std::string> notes_;
   std::unique_ptr<VisionTower> vision_;
   int64_t n_past_ = 0, max_context_ = 0;
+  KvType kv_type_ = KvType::F32;
 };
 
 }  // namespace gemstage
