@@ -235,6 +235,46 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
       }
 }
 
+TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
+  // Decode splits one row's keys into parts, one per thread, and merges their unnormalized
+  // states; a part past the last key (sum 0, output never written) must not count.
+  for (bool portable : {false, true}) {
+    vector_ops_force_scalar(portable);
+    const int64_t hd = 40, n = 75, G = 3;
+    const auto q = randn(static_cast<size_t>(G * hd), 41, 0.3f), k = randn(n * hd, 42),
+               v = randn(n * hd, 43);
+    const std::pair<int64_t, int64_t> ranges[] = {{0, 31}, {32, 74}, {75, 74}};  // last: empty
+    const int64_t P = 3;
+    std::vector<float> part_out(static_cast<size_t>(P * G * hd), std::nanf("")),
+        part_max(static_cast<size_t>(P * G)), part_sum(static_cast<size_t>(P * G), 0.0f);
+    AttentionScratch scratch;
+    for (int64_t p = 0; p < P; ++p) {
+      const auto [lo, hi] = ranges[p];
+      if (lo > hi) continue;
+      QueryBlock queries;
+      for (int64_t g = 0; g < G; ++g)
+        queries.add(q.data() + g * hd, part_out.data() + (p * G + g) * hd, lo, hi);
+      attend_queries_partial(
+          queries, hd, [&](int64_t j) { return k.data() + j * hd; },
+          [&](int64_t j) { return v.data() + j * hd; }, scratch);
+      for (int64_t g = 0; g < G; ++g) {
+        part_max[static_cast<size_t>(p * G + g)] = scratch.max[static_cast<size_t>(g)];
+        part_sum[static_cast<size_t>(p * G + g)] = scratch.sum[static_cast<size_t>(g)];
+      }
+    }
+    std::vector<float> out(static_cast<size_t>(hd)), ref(static_cast<size_t>(hd));
+    for (int64_t g = 0; g < G; ++g) {
+      merge_partial_attention(part_out.data() + g * hd, part_max.data() + g, part_sum.data() + g, P,
+                              G, hd, out.data());
+      attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
+      for (int64_t i = 0; i < hd; ++i)
+        ASSERT_NEAR(out[static_cast<size_t>(i)], ref[static_cast<size_t>(i)], 1e-5)
+            << "head " << g << " portable " << portable;
+    }
+    vector_ops_force_scalar(false);
+  }
+}
+
 TEST(Attention, ScratchIsReusedAcrossCallsOfDifferentSizes) {
   // The decoder keeps one scratch per thread; a large call followed by a smaller one must not
   // see the first call's running max or sum.

@@ -139,6 +139,8 @@ struct TextModel::LayerPass {
   // exactly as later chunks will read them back from the cache.
   std::vector<std::vector<uint16_t>> k16, v16;
   std::vector<float> x, q, attn, branch, gate, up, ple_gate;
+  // Decode's key-split attention: each part's unnormalized output, max and sum per query.
+  std::vector<float> part_out, part_max, part_sum;
 };
 
 namespace {
@@ -242,24 +244,27 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
   const int64_t window = cfg_.sliding_window;
 
-  auto& attn = pass.attn;  // attend_queries writes every element of its queries
+  auto& attn = pass.attn;  // every element is written by attend_queries or the merge
   sized(attn, S * H * hd);
-  // One task per (block of rows, KV head, slice of its G query heads). A task's queries share
-  // every key and value row the kernel loads, so a prefill task takes several rows, about
-  // kQueriesPerTask queries. Decode has one row; when its S * Hkv tasks would leave threads idle
-  // the group's heads are sliced, each slice re-reading the keys, into just enough tasks to
-  // occupy the pool. Causal rows see more keys the later they are, so tasks go to whichever
-  // thread is free, latest rows first.
+  // One task per (block of rows, KV head, part of the keys). A task's queries share every key
+  // and value row the kernel loads, so a prefill task takes several rows, about
+  // kQueriesPerTask queries; causal rows see more keys the later they are, so tasks go to
+  // whichever thread is free, latest rows first. Decode has one row, too few (row, KV head)
+  // groups to occupy the pool: each group's keys are then split into key_parts ranges whose
+  // partial softmax states are merged afterwards, so every key and value is still read once per
+  // token (the cache at depth is what decode reads besides the weights).
   constexpr int64_t kQueriesPerTask = 16;
   const int64_t per_group = S * Hkv;
-  int64_t slices = 1;
-  if (per_group < pool.size())
-    slices = std::min<int64_t>(G, (pool.size() + per_group - 1) / per_group);
-  const int64_t slice_heads = (G + slices - 1) / slices;
-  slices = (G + slice_heads - 1) / slice_heads;
-  const int64_t rows_per_task = std::max<int64_t>(1, kQueriesPerTask / slice_heads);
+  const int64_t key_parts = per_group < pool.size() ? (pool.size() + per_group - 1) / per_group : 1;
+  const int64_t rows_per_task = key_parts > 1 ? 1 : std::max<int64_t>(1, kQueriesPerTask / G);
   const int64_t row_blocks = (S + rows_per_task - 1) / rows_per_task;
-  const int64_t n_tasks = row_blocks * Hkv * slices;
+  const int64_t n_tasks = row_blocks * Hkv * key_parts;
+  const int64_t n_queries = S * H;
+  if (key_parts > 1) {
+    sized(pass.part_out, key_parts * n_queries * hd);
+    sized(pass.part_max, key_parts * n_queries);
+    sized(pass.part_sum, key_parts * n_queries);
+  }
   // T: the cache's row type (float or bf16 bits); the chunk's fresh rows come in the same type.
   auto attend_tasks = [&]<typename T>(const T* fresh_k, const T* fresh_v) {
     pool.parallel_chunks(static_cast<size_t>(n_tasks), 1, [&](size_t b, size_t e) {
@@ -267,20 +272,31 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
       thread_local QueryBlock queries;
       for (size_t task = b; task < e; ++task) {
         const int64_t t = static_cast<int64_t>(task);
-        const int64_t rb = row_blocks - 1 - t / (Hkv * slices), kvh = t / slices % Hkv;
-        const int64_t part = t % slices, h0 = kvh * G + part * slice_heads;
-        const int64_t ng = std::min(slice_heads, G - part * slice_heads);
+        const int64_t rb = row_blocks - 1 - t / (Hkv * key_parts), kvh = t / key_parts % Hkv;
+        const int64_t part = t % key_parts;
         queries.clear();
         for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
           const int64_t pos = start + r;
           // Sliding: keys in (pos - W, pos]; full: [0, pos].
-          const int64_t lo =
-              ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
-          for (int64_t g = 0; g < ng; ++g) {
-            const int64_t at = (r * H + h0 + g) * hd;
-            queries.add(q.data() + at, attn.data() + at, lo, pos);
+          int64_t lo = ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
+          int64_t hi = pos;
+          float* out = attn.data();
+          if (key_parts > 1) {  // this part's share of the key blocks; may be empty
+            const int64_t blocks = (hi - lo + kKeyBlock) / kKeyBlock;
+            const int64_t per_part = (blocks + key_parts - 1) / key_parts;
+            lo += part * per_part * kKeyBlock;
+            hi = std::min(hi, lo + per_part * kKeyBlock - 1);
+            out = pass.part_out.data() + part * n_queries * hd;
+            for (int64_t g = 0; g < G; ++g)  // marks an empty part for the merge
+              pass.part_sum[static_cast<size_t>(part * n_queries + r * H + kvh * G + g)] = 0.0f;
+            if (lo > hi) continue;
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t at = (r * H + kvh * G + g) * hd;
+            queries.add(q.data() + at, out + at, lo, hi);
           }
         }
+        if (queries.size() == 0) continue;
         // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
         auto key = [&](int64_t p) {
           return (p < start ? past->k_at<T>(p) : fresh_k + (p - start) * kvw) + kvh * hd;
@@ -288,7 +304,16 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
         auto val = [&](int64_t p) {
           return (p < start ? past->v_at<T>(p) : fresh_v + (p - start) * kvw) + kvh * hd;
         };
-        attend_queries(queries, hd, key, val, scratch);
+        if (key_parts == 1) {
+          attend_queries(queries, hd, key, val, scratch);
+          continue;
+        }
+        attend_queries_partial(queries, hd, key, val, scratch);
+        for (int64_t m = 0; m < queries.size(); ++m) {  // G heads of one row, in order
+          const int64_t at = (queries.out[static_cast<size_t>(m)] - pass.part_out.data()) / hd;
+          pass.part_max[static_cast<size_t>(at)] = scratch.max[static_cast<size_t>(m)];
+          pass.part_sum[static_cast<size_t>(at)] = scratch.sum[static_cast<size_t>(m)];
+        }
       }
     });
   };
@@ -297,6 +322,11 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
                  pass.v16[static_cast<size_t>(src)].data());
   else
     attend_tasks(ck.data(), cv.data());
+  if (key_parts > 1)
+    for (int64_t i = 0; i < n_queries; ++i)
+      merge_partial_attention(pass.part_out.data() + i * hd, pass.part_max.data() + i,
+                              pass.part_sum.data() + i, key_parts, n_queries, hd,
+                              attn.data() + i * hd);
   auto& branch = pass.branch;
   sized(branch, S * D);
   matmul(pool, attn.data(), S, lw.o_proj, branch.data());

@@ -93,6 +93,23 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* co
   portable_key_block(qb, head_dim, k, v, nk, first, s);
 }
 
+void merge_partial_attention(const float* part_out, const float* max, const float* sum,
+                             int64_t n_parts, int64_t stride, int64_t head_dim, float* out) {
+  float m = -INFINITY;
+  for (int64_t i = 0; i < n_parts; ++i)
+    if (sum[i * stride] > 0) m = std::max(m, max[i * stride]);
+  std::fill_n(out, head_dim, 0.0f);
+  float total = 0;
+  for (int64_t i = 0; i < n_parts; ++i) {
+    if (!(sum[i * stride] > 0)) continue;  // its output was never written
+    const float w = std::exp(max[i * stride] - m);
+    total += w * sum[i * stride];
+    axpy_f32(w, part_out + i * stride * head_dim, out, head_dim);
+  }
+  const float inv = 1.0f / total;
+  for (int64_t d = 0; d < head_dim; ++d) out[d] *= inv;
+}
+
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,
                          int64_t n_keys, float* out) {
   std::vector<double> s(static_cast<size_t>(n_keys));

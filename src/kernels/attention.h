@@ -80,9 +80,12 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const
 void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
                       const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s);
 
+// The running softmax over the queries' keys, left unnormalized: out[m] holds sum_j p_j v_j with
+// p_j = exp(s_j - s.max[m]), and s.sum[m] holds sum_j p_j. Partial results over disjoint key
+// ranges merge exactly (merge_partial_attention); attend_queries normalizes in place.
 template <typename KeyFn, typename ValFn>
-void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
-                    AttentionScratch& s) {
+void attend_queries_partial(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
+                            AttentionScratch& s) {
   using Row = std::remove_cv_t<std::remove_pointer_t<decltype(key(int64_t{}))>>;
   static_assert(std::is_same_v<Row, float> || std::is_same_v<Row, uint16_t>,
                 "key rows are f32 or bf16 bits");
@@ -103,12 +106,24 @@ void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val
     }
     attend_key_block(qb, head_dim, rows.keys, rows.values, nk, p0, s);
   }
-  for (int64_t m = 0; m < M; ++m) {
+}
+
+template <typename KeyFn, typename ValFn>
+void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
+                    AttentionScratch& s) {
+  attend_queries_partial(qb, head_dim, key, val, s);
+  for (int64_t m = 0; m < qb.size(); ++m) {
     const float inv = 1.0f / s.sum[static_cast<size_t>(m)];
     float* o = qb.out[static_cast<size_t>(m)];
     for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv;
   }
 }
+
+// out = the attention over the union of n_parts disjoint key ranges, from each range's
+// unnormalized output (head_dim floats at part_out + i * stride * head_dim), max[i * stride] and
+// sum[i * stride]; a part whose sum is 0 saw no key and its output is not read.
+void merge_partial_attention(const float* part_out, const float* max, const float* sum,
+                             int64_t n_parts, int64_t stride, int64_t head_dim, float* out);
 
 // Double-precision reference over contiguous K/V [n_keys, head_dim].
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,
