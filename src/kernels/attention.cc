@@ -73,10 +73,10 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
   }
 }
 
-}  // namespace
-
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
-                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+// One dispatch for both row types: the AVX-512 twin when available, else the portable loops.
+template <typename T>
+void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* k,
+                        const T* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
   if (vector_ops_use_avx512())
     return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
                                     qb.size(), head_dim, k, v, nk, first, s.scores.data(),
@@ -84,13 +84,16 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const
   portable_key_block(qb, head_dim, k, v, nk, first, s);
 }
 
+}  // namespace
+
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+  dispatch_key_block(qb, head_dim, k, v, nk, first, s);
+}
+
 void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
                       const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
-  if (vector_ops_use_avx512())
-    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
-                                    qb.size(), head_dim, k, v, nk, first, s.scores.data(),
-                                    kKeyBlock, s.max.data(), s.sum.data());
-  portable_key_block(qb, head_dim, k, v, nk, first, s);
+  dispatch_key_block(qb, head_dim, k, v, nk, first, s);
 }
 
 void merge_partial_attention(const float* part_out, const float* max, const float* sum,
