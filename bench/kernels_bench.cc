@@ -169,9 +169,15 @@ BENCHMARK(BM_RmsNorm)->Arg(1)->Arg(128);
 
 // M query heads of one KV group (head_dim 256 sliding / 512 full) over n_keys cached keys, all
 // visible: 8 queries is one decode row of E2B's group, 16 a prefill task. args: hd, n_keys, M
-void BM_Attention(benchmark::State& state) {
+// Attention of M queries over n cached keys of head_dim hd: f32 rows, or bf16 bits (kv_bf16).
+void BM_Attention(benchmark::State& state, bool kv_bf16) {
   const int64_t hd = state.range(0), n = state.range(1), M = state.range(2);
   const auto q = activations(M * hd), k = activations(n * hd), v = activations(n * hd);
+  std::vector<uint16_t> k16(k.size()), v16(v.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k16[i] = f32_to_bf16(k[i]);
+    v16[i] = f32_to_bf16(v[i]);
+  }
   std::vector<float> out(static_cast<size_t>(M * hd));
   QueryBlock queries;
   for (int64_t m = 0; m < M; ++m) queries.add(q.data() + m * hd, out.data() + m * hd, 0, n - 1);
@@ -181,18 +187,33 @@ void BM_Attention(benchmark::State& state) {
   ThreadPool& pool = pool_of(1);
   for (auto _ : state) {
     pool.parallel_for(1, [&](size_t, size_t) {
-      attend_queries(
-          queries, hd, [&](int64_t j) { return k.data() + j * hd; },
-          [&](int64_t j) { return v.data() + j * hd; }, scratch);
+      if (kv_bf16)
+        attend_queries(
+            queries, hd, [&](int64_t j) { return k16.data() + j * hd; },
+            [&](int64_t j) { return v16.data() + j * hd; }, scratch);
+      else
+        attend_queries(
+            queries, hd, [&](int64_t j) { return k.data() + j * hd; },
+            [&](int64_t j) { return v.data() + j * hd; }, scratch);
     });
     benchmark::DoNotOptimize(out.data());
   }
   const double it = static_cast<double>(state.iterations());
-  state.SetBytesProcessed(static_cast<int64_t>(it * 2.0 * static_cast<double>(n * hd) * 4));
+  const double row_bytes = kv_bf16 ? 2 : 4;
+  state.SetBytesProcessed(static_cast<int64_t>(it * 2.0 * static_cast<double>(n * hd) * row_bytes));
   state.counters["GFLOP/s"] = benchmark::Counter(it * 4.0 * static_cast<double>(M * n * hd) / 1e9,
                                                  benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_Attention)->Args({256, 512, 8})->Args({256, 512, 16})->Args({512, 4096, 8});
+BENCHMARK_CAPTURE(BM_Attention, f32, false)
+    ->Args({256, 512, 8})
+    ->Args({256, 512, 16})
+    ->Args({512, 4096, 8});
+// bf16 rows as the cache stores them for quantized bundles; 32768 keys is E2B's full-layer
+// attention of one decoded token (one KV head, 8 query heads) at depth 32k.
+BENCHMARK_CAPTURE(BM_Attention, bf16, true)
+    ->Args({256, 512, 16})
+    ->Args({512, 4096, 8})
+    ->Args({512, 32768, 8});
 
 const bool registered = [] {
   for (const Fmt& f : kFormats)

@@ -1,6 +1,8 @@
 // Bad checkpoints give a clear error that names the problem, and never read out of bounds.
 #include <gtest/gtest.h>
 
+#include <cctype>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -113,6 +115,92 @@ TEST(Safetensors, ReadsAValidFile) {
   const WeightView w = f.view("w");
   EXPECT_EQ(weight_at(w, 1), -2.0f);
   EXPECT_EQ(f.metadata().at("format"), "pt");
+}
+
+// Resident kB of this process's mappings of `path` (Linux /proc/self/smaps; -1 elsewhere).
+long resident_kb_of_mapping(const std::string& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  if (!smaps) return -1;
+  const std::string want = fs::canonical(path).string();
+  long kb = 0;
+  bool in_file = false;
+  for (std::string line; std::getline(smaps, line);) {
+    if (line.find('-') < line.find(' ') && line.find(" r") != std::string::npos &&
+        std::isxdigit(static_cast<unsigned char>(line[0]))) {
+      in_file = line.size() >= want.size() &&
+                line.compare(line.size() - want.size(), want.size(), want) == 0;
+    } else if (in_file && line.rfind("Rss:", 0) == 0) {
+      kb += std::stol(line.substr(4));
+    }
+  }
+  return kb;
+}
+
+// A [2048, 2048] BF16 table (4 KiB rows, 8 MiB) whose element (r, c) is the exact small integer
+// (r * 2048 + c) % 251 - 125.
+std::string write_bf16_table(const std::string& dir) {
+  const int rows = 2048, cols = 2048;
+  std::string data(static_cast<size_t>(rows) * cols * 2, '\0');
+  for (int i = 0; i < rows * cols; ++i) {
+    const float v = static_cast<float>(i % 251 - 125);
+    uint32_t u;
+    std::memcpy(&u, &v, 4);
+    const uint16_t h = static_cast<uint16_t>(u >> 16);
+    std::memcpy(data.data() + 2 * static_cast<size_t>(i), &h, 2);
+  }
+  const std::string p = dir + "/model.safetensors";
+  write_file(p, safetensors_bytes(R"({"t":{"dtype":"BF16","shape":[2048,2048],"data_offsets":[0,)" +
+                                      std::to_string(data.size()) + "]}}",
+                                  data));
+  return p;
+}
+
+// Token-embedding and PLE lookups read their rows with pread: the rows are right, and they do
+// not become resident pages of the mapping (mapped lookups of random rows left most of the
+// 2.3 GB E2B PLE table in the process's RSS). The rows read start past the first 2 MiB, which
+// opening the file may map whole (reading the header can fault in one huge page).
+TEST(Safetensors, GatheredRowsAreReadFromTheFileNotTheMapping) {
+  const std::string p = write_bf16_table(temp_dir("st_gather"));
+  SafetensorsFile f(p);
+  const WeightView w = f.view("t");
+  ASSERT_GE(w.file.fd, 0);
+  std::vector<uint8_t> raw;
+  std::vector<float> row(2048);
+  const long before = resident_kb_of_mapping(p);
+  for (int r = 600; r < 2048; r += 16) {
+    gather_weight_row_to_f32(w, r, row.data(), raw);
+    for (int c : {0, 1, 777, 2047})
+      ASSERT_EQ(row[static_cast<size_t>(c)], static_cast<float>((r * 2048 + c) % 251 - 125))
+          << "row " << r << " col " << c;
+  }
+  const long after_gather = resident_kb_of_mapping(p);
+  if (before < 0) GTEST_SKIP() << "no /proc/self/smaps to measure residency";
+  EXPECT_LE(after_gather - before, 4) << "gathered rows were faulted into the mapping";
+  // A copy of the view pointed at other memory (a quantized or converted copy) reads that memory.
+  std::vector<uint16_t> mine(2048 * 2, 0x3f80);  // bf16 1.0
+  WeightView copy = w;
+  copy.shape = {2, 2048};
+  copy.data = mine.data();
+  copy.nbytes = mine.size() * 2;
+  gather_weight_row_to_f32(copy, 1, row.data(), raw);
+  EXPECT_EQ(row[5], 1.0f);
+  // The same rows through the mapping do become resident: the measurement can tell.
+  for (int r = 600; r < 2048; r += 16) weight_row_to_f32(w, r, row.data());
+  EXPECT_GE(resident_kb_of_mapping(p) - after_gather, 200);
+}
+
+// A file cut short after it was opened: the gather names the tensor instead of dying of
+// SIGBUS as a read through the mapping would.
+TEST(Safetensors, GatherFromAFileTruncatedAfterOpeningIsAClearError) {
+  const std::string p = write_bf16_table(temp_dir("st_gather_cut"));
+  SafetensorsFile f(p);
+  fs::resize_file(p, 4096);
+  std::vector<uint8_t> raw;
+  std::vector<float> row(2048);
+  const std::string msg =
+      error_of([&] { gather_weight_row_to_f32(f.view("t"), 1500, row.data(), raw); });
+  EXPECT_NE(msg.find("tensor t"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("ends before the row"), std::string::npos) << msg;
 }
 
 // A sharded copy of the fixture (split by the index) loads and gives identical tensors.

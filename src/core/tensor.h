@@ -36,6 +36,14 @@ struct WeightView {
   Shape shape;
   const void* data = nullptr;
   size_t nbytes = 0;
+  // The mapped file `data` lies in, so lookups of single rows can pread them instead (see
+  // gather_weight_row_to_f32). Only used while `data` is inside [map, map + size): a copy of the
+  // view pointed at other memory reads that memory.
+  struct FileBacking {
+    int fd = -1;
+    const uint8_t* map = nullptr;
+    size_t size = 0;
+  } file;
 
   int64_t rows() const { return shape.empty() ? 1 : shape.front(); }
   int64_t cols() const { return shape.empty() ? 1 : shape.back(); }
@@ -47,5 +55,12 @@ float weight_at(const WeightView& w, int64_t i);
 // Row `row` of a float-typed view converted to f32; Q8_0/Q4_0 views are dequantized
 // (nbytes = rows * quant_row_bytes, see kernels/quant.h).
 void weight_row_to_f32(const WeightView& w, int64_t row, float* out);
+// The same row, read with pread from the view's file when it has one (through the mapping when
+// not); `raw` is scratch for the stored bytes. For tables looked up one row per token (token
+// embeddings, the PLE table): touching a mapped row maps the kernel's whole fault-around window
+// (64 KiB) into the process, so a prompt's random rows left most of the 2.3 GB E2B PLE table
+// resident; read rows stay in the page cache and out of the process's memory.
+void gather_weight_row_to_f32(const WeightView& w, int64_t row, float* out,
+                              std::vector<uint8_t>& raw);
 
 }  // namespace gemstage

@@ -13,12 +13,14 @@ namespace gemstage {
 
 namespace {
 
-// Gathers rows of a [V, n] table (any float dtype) into out[rows, n], times `scale`.
+// Gathers rows of a [V, n] table (any float dtype) into out[rows, n], times `scale`. Rows are
+// read from the table's file, not its mapping (see gather_weight_row_to_f32).
 void gather_rows(const WeightView& table, std::span<const int32_t> ids, float scale, float* out) {
   const int64_t n = table.cols();
+  thread_local std::vector<uint8_t> raw;
   for (size_t r = 0; r < ids.size(); ++r) {
     float* o = out + static_cast<int64_t>(r) * n;
-    weight_row_to_f32(table, ids[r], o);
+    gather_weight_row_to_f32(table, ids[r], o, raw);
     for (int64_t i = 0; i < n; ++i) o[i] *= scale;
   }
 }

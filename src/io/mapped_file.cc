@@ -32,10 +32,17 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
     data_ = static_cast<const uint8_t*>(p);
   }
   ::close(fd);
+  row_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (row_fd_ < 0) {
+    if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+    fail(path, ": cannot open a second time for row reads (", std::strerror(errno), ")");
+  }
+  ::posix_fadvise(row_fd_, 0, 0, POSIX_FADV_RANDOM);
 }
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (row_fd_ >= 0) ::close(row_fd_);
 }
 
 std::string read_text_file(const std::string& path, size_t max_bytes) {

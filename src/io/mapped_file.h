@@ -17,11 +17,16 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // A descriptor of the same file for pread of scattered rows (WeightView::file). It is a
+  // separate open file, told to expect random reads, so its lack of readahead does not slow
+  // the mapping's sequential faults, which share the first open's readahead state.
+  int row_fd() const { return row_fd_; }
 
  private:
   std::string path_;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  int row_fd_ = -1;
 };
 
 // Whole small file into memory (config.json, tokenizer.json, .npy). Refuses files over max_bytes.

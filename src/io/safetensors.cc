@@ -97,6 +97,7 @@ WeightView SafetensorsFile::view(const std::string& key) const {
   w.dtype = e.dtype;
   w.shape = e.shape;
   w.data = file_.data() + data_start_ + e.begin;
+  w.file = {file_.row_fd(), file_.data(), file_.size()};
   w.nbytes = e.end - e.begin;
   return w;
 }

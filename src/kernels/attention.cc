@@ -28,6 +28,18 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void prefetch_key_rows(const void* const* keys, const void* const* values, int64_t n,
+                       size_t row_bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = static_cast<const char*>(keys[j]);
+    const char* v = static_cast<const char*>(values[j]);
+    for (size_t off = 0; off < row_bytes; off += 64) {
+      __builtin_prefetch(k + off, 0, 3);
+      __builtin_prefetch(v + off, 0, 3);
+    }
+  }
+}
+
 namespace {
 
 inline float to_f32(float x) {

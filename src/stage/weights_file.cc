@@ -168,6 +168,7 @@ WeightView WeightsFile::view(const std::string& key) const {
   w.dtype = it->second.dtype;
   w.shape = it->second.shape;
   w.data = file_.data() + data_start_ + it->second.begin;
+  w.file = {file_.row_fd(), file_.data(), file_.size()};
   w.nbytes = it->second.end - it->second.begin;
   return w;
 }
