@@ -188,13 +188,9 @@ void BM_Attention(benchmark::State& state, bool kv_bf16) {
   for (auto _ : state) {
     pool.parallel_for(1, [&](size_t, size_t) {
       if (kv_bf16)
-        attend_queries(
-            queries, hd, [&](int64_t j) { return k16.data() + j * hd; },
-            [&](int64_t j) { return v16.data() + j * hd; }, scratch);
+        attend_contiguous(queries, hd, k16.data(), v16.data(), scratch);
       else
-        attend_queries(
-            queries, hd, [&](int64_t j) { return k.data() + j * hd; },
-            [&](int64_t j) { return v.data() + j * hd; }, scratch);
+        attend_contiguous(queries, hd, k.data(), v.data(), scratch);
     });
     benchmark::DoNotOptimize(out.data());
   }

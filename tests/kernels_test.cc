@@ -214,13 +214,9 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
         }
         AttentionScratch scratch;
         if (bf16)
-          attend_queries(
-              queries, hd, [&](int64_t j) { return k16.data() + j * hd; },
-              [&](int64_t j) { return v16.data() + j * hd; }, scratch);
+          attend_contiguous(queries, hd, k16.data(), v16.data(), scratch);
         else
-          attend_queries(
-              queries, hd, [&](int64_t j) { return k.data() + j * hd; },
-              [&](int64_t j) { return v.data() + j * hd; }, scratch);
+          attend_contiguous(queries, hd, k.data(), v.data(), scratch);
         for (int64_t m = 0; m < M; ++m) {
           const int64_t lo = queries.lo[static_cast<size_t>(m)],
                         hi = queries.hi[static_cast<size_t>(m)];
@@ -285,9 +281,7 @@ TEST(Attention, ScratchIsReusedAcrossCallsOfDifferentSizes) {
     std::vector<float> out(static_cast<size_t>(M * hd));
     QueryBlock queries;
     for (int64_t m = 0; m < M; ++m) queries.add(q.data() + m * hd, out.data() + m * hd, 0, n - 1);
-    attend_queries(
-        queries, hd, [&](int64_t j) { return k.data() + j * hd; },
-        [&](int64_t j) { return v.data() + j * hd; }, scratch);
+    attend_contiguous(queries, hd, k.data(), v.data(), scratch);
     return out;
   };
   AttentionScratch shared, fresh;

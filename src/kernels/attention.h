@@ -143,6 +143,15 @@ void attend_queries(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val
   }
 }
 
+// attend_queries over contiguous rows: key and value j at k / v + j * head_dim.
+template <typename T>
+void attend_contiguous(const QueryBlock& qb, int64_t head_dim, const T* k, const T* v,
+                       AttentionScratch& s) {
+  attend_queries(
+      qb, head_dim, [&](int64_t j) { return k + j * head_dim; },
+      [&](int64_t j) { return v + j * head_dim; }, s);
+}
+
 // out = the attention over the union of n_parts disjoint key ranges, from each range's
 // unnormalized output (head_dim floats at part_out + i * stride * head_dim), max[i * stride] and
 // sum[i * stride]; a part whose sum is 0 saw no key and its output is not read.
