@@ -168,8 +168,8 @@ void BM_RmsNorm(benchmark::State& state) {
 BENCHMARK(BM_RmsNorm)->Arg(1)->Arg(128);
 
 // M query heads of one KV group (head_dim 256 sliding / 512 full) over n_keys cached keys, all
-// visible: 8 queries is one decode row of E2B's group, 16 a prefill task. args: hd, n_keys, M
-// Attention of M queries over n cached keys of head_dim hd: f32 rows, or bf16 bits (kv_bf16).
+// visible: 8 queries is one decode row of E2B's group, 16 a prefill task. args: hd, n_keys, M.
+// Rows are f32, or bf16 bits (kv_bf16) as the cache stores them for quantized bundles.
 void BM_Attention(benchmark::State& state, bool kv_bf16) {
   const int64_t hd = state.range(0), n = state.range(1), M = state.range(2);
   const auto q = activations(M * hd), k = activations(n * hd), v = activations(n * hd);
@@ -210,6 +210,56 @@ BENCHMARK_CAPTURE(BM_Attention, bf16, true)
     ->Args({256, 512, 16})
     ->Args({512, 4096, 8})
     ->Args({512, 32768, 8});
+
+// One decoded token's attention as the decoder runs it at depth: the group's 8 queries over
+// n_keys bf16 rows, the keys split into one range per thread, the partial softmax states merged.
+// The cache lives in one allocation, as LayerKvCache's does. args: n_keys, threads
+void BM_AttentionDecode(benchmark::State& state) {
+  const int64_t hd = 512, M = 8, n = state.range(0);
+  const int threads = static_cast<int>(state.range(1));
+  const auto q = activations(M * hd);
+  std::vector<uint16_t> k16(static_cast<size_t>(n * hd)), v16(k16.size());
+  {
+    const auto f = activations(n * hd);
+    for (size_t i = 0; i < k16.size(); ++i) k16[i] = v16[(i + 7) % v16.size()] = f32_to_bf16(f[i]);
+  }
+  std::vector<float> part_out(static_cast<size_t>(threads * M * hd)),
+      part_max(static_cast<size_t>(threads * M)), part_sum(part_max.size()),
+      out(static_cast<size_t>(M * hd));
+  std::vector<AttentionScratch> scratch(static_cast<size_t>(threads));
+  ThreadPool& pool = pool_of(threads);
+  const int64_t per_part = (n + threads - 1) / threads;
+  for (auto _ : state) {
+    pool.parallel_for(static_cast<size_t>(threads), [&](size_t b, size_t e) {
+      for (size_t t = b; t < e; ++t) {
+        const int64_t lo = static_cast<int64_t>(t) * per_part, hi = std::min(n, lo + per_part) - 1;
+        QueryBlock queries;
+        for (int64_t m = 0; m < M; ++m)
+          queries.add(q.data() + m * hd, part_out.data() + (static_cast<int64_t>(t) * M + m) * hd,
+                      lo, hi);
+        AttentionScratch& s = scratch[t];
+        attend_queries_partial(
+            queries, hd, [&](int64_t j) { return k16.data() + j * hd; },
+            [&](int64_t j) { return v16.data() + j * hd; }, s);
+        std::copy(s.max.begin(), s.max.end(), part_max.begin() + static_cast<int64_t>(t) * M);
+        std::copy(s.sum.begin(), s.sum.end(), part_sum.begin() + static_cast<int64_t>(t) * M);
+      }
+    });
+    for (int64_t m = 0; m < M; ++m)
+      merge_partial_attention(part_out.data() + m * hd, part_max.data() + m, part_sum.data() + m,
+                              threads, M, hd, out.data() + m * hd);
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.SetBytesProcessed(static_cast<int64_t>(it * 2.0 * static_cast<double>(n * hd) * 2));
+  state.counters["GFLOP/s"] = benchmark::Counter(it * 4.0 * static_cast<double>(M * n * hd) / 1e9,
+                                                 benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_AttentionDecode)
+    ->ArgNames({"keys", "threads"})
+    ->Args({32768, 1})
+    ->Args({32768, 2})
+    ->UseRealTime();
 
 const bool registered = [] {
   for (const Fmt& f : kFormats)

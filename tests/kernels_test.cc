@@ -182,14 +182,16 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
   // M queries of one KV group, each with its own visible key range, as the decoder calls it for
   // a prefill task (causal and sliding ranges) or a decode row. Sizes cover the vector tails
   // (hd % 16, hd % 32 < 16), query counts off the 4x4 score tiles and the 8-query value tiles,
-  // key counts crossing kKeyBlock, ranges that skip whole key blocks, a single visible key; both
+  // key counts crossing kKeyBlock, ranges that skip whole key blocks, a single visible key, a
+  // span past kPrefetchMinBytes (the AVX-512 kernel then prefetches the next block's rows); both
   // the AVX-512 and the portable path, with f32 and with bf16 key/value rows (the reference then
   // reads the same rows widened back to f32).
   for (bool bf16 : {false, true})
     for (bool portable : {false, true})
       for (auto [M, hd, n] :
            {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
-            std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70}}) {
+            std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70},
+            std::tuple{5, 32, 37}, std::tuple{8, 512, 1100}}) {
         vector_ops_force_scalar(portable);
         // Scores of a few units, like the decoder's normalized q and k; not so peaked that one
         // key takes all the weight.

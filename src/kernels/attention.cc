@@ -28,18 +28,6 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
-void prefetch_key_rows(const void* const* keys, const void* const* values, int64_t n,
-                       size_t row_bytes) {
-  for (int64_t j = 0; j < n; ++j) {
-    const char* k = static_cast<const char*>(keys[j]);
-    const char* v = static_cast<const char*>(values[j]);
-    for (size_t off = 0; off < row_bytes; off += 64) {
-      __builtin_prefetch(k + off, 0, 3);
-      __builtin_prefetch(v + off, 0, 3);
-    }
-  }
-}
-
 namespace {
 
 inline float to_f32(float x) {
@@ -87,25 +75,29 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
 
 // One dispatch for both row types: the AVX-512 twin when available, else the portable loops.
 template <typename T>
-void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* k,
-                        const T* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
+void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<T>& rows,
+                        int64_t nk, const KeyBlockRows<T>& next, int64_t next_nk, int64_t first,
+                        AttentionScratch& s) {
   if (vector_ops_use_avx512())
     return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
-                                    qb.size(), head_dim, k, v, nk, first, s.scores.data(),
-                                    kKeyBlock, s.max.data(), s.sum.data());
-  portable_key_block(qb, head_dim, k, v, nk, first, s);
+                                    qb.size(), head_dim, rows.keys, rows.values, nk, first,
+                                    s.scores.data(), kKeyBlock, s.max.data(), s.sum.data(),
+                                    next.keys, next.values, next_nk);
+  portable_key_block(qb, head_dim, rows.keys, rows.values, nk, first, s);  // the reference
 }
 
 }  // namespace
 
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
-                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
-  dispatch_key_block(qb, head_dim, k, v, nk, first, s);
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<float>& rows,
+                      int64_t nk, const KeyBlockRows<float>& next, int64_t next_nk, int64_t first,
+                      AttentionScratch& s) {
+  dispatch_key_block(qb, head_dim, rows, nk, next, next_nk, first, s);
 }
 
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
-                      const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s) {
-  dispatch_key_block(qb, head_dim, k, v, nk, first, s);
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<uint16_t>& rows,
+                      int64_t nk, const KeyBlockRows<uint16_t>& next, int64_t next_nk,
+                      int64_t first, AttentionScratch& s) {
+  dispatch_key_block(qb, head_dim, rows, nk, next, next_nk, first, s);
 }
 
 void merge_partial_attention(const float* part_out, const float* max, const float* sum,

@@ -73,21 +73,30 @@ struct AttentionScratch {
   }
 };
 
-// Asks for the rows of the next key block (keys and values, `row_bytes` each) while the current
-// block is computed. At long context the cache streams from DRAM and the hardware prefetchers,
-// following 64 separate rows, do not run far enough ahead: E2B's full layer at 32k keys ran at
-// 47-71 GFLOP/s on one core without, 85 with (130 at 4096 keys, from L3). Spans that fit in L2
-// are not prefetched (kPrefetchMinBytes): there it only costs instructions.
+// The AVX-512 kernels prefetch the next key block's rows while computing the current one, in
+// spans that do not fit in L2 (kPrefetchMinBytes; there it only costs instructions). At long
+// context the cache streams from DRAM and the hardware prefetchers, following 64 separate rows,
+// do not run far enough ahead: E2B's full layer at 32k bf16 keys ran at 47-71 GFLOP/s on one core
+// without, 70-85 with the block's prefetches issued at once, 90-107 with them spread over the
+// score tiles (vec_avx512.cc: TilePrefetch). The portable reference does not prefetch.
 constexpr size_t kPrefetchMinBytes = size_t{1} << 20;
-void prefetch_key_rows(const void* const* keys, const void* const* values, int64_t n,
-                       size_t row_bytes);
+
+// Why bf16 rows are widened to f32 rather than multiplied as bf16 pairs (VDPBF16PS): measured
+// on an AVX512-BF16 CPU (AMD EPYC), that only wins when q (and p) are rounded to one bf16, which
+// moved the tiny model's logits 0.073 from the f32 cache's (0.05 allowed) and, p being rounded
+// relative to each block's running max, made token-by-token decode differ from recomputing the
+// prompt by 4e-4. With q split into two bf16 (2^-17) the scores ran no faster than the widened
+// FMAs.
 
 // One key block (nk <= kKeyBlock keys at positions first..first+nk-1) of the running softmax:
-// scores, masks, rescales each query's out/max/sum and adds this block's p·v.
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const float* const* k,
-                      const float* const* v, int64_t nk, int64_t first, AttentionScratch& s);
-void attend_key_block(const QueryBlock& qb, int64_t head_dim, const uint16_t* const* k,
-                      const uint16_t* const* v, int64_t nk, int64_t first, AttentionScratch& s);
+// scores, masks, rescales each query's out/max/sum and adds this block's p·v. The next block's
+// next_nk rows (0: none, or not worth prefetching) are prefetched meanwhile.
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<float>& rows,
+                      int64_t nk, const KeyBlockRows<float>& next, int64_t next_nk, int64_t first,
+                      AttentionScratch& s);
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<uint16_t>& rows,
+                      int64_t nk, const KeyBlockRows<uint16_t>& next, int64_t next_nk,
+                      int64_t first, AttentionScratch& s);
 
 // The running softmax over the queries' keys, left unnormalized: out[m] holds sum_j p_j v_j with
 // p_j = exp(s_j - s.max[m]), and s.sum[m] holds sum_j p_j. Partial results over disjoint key
@@ -120,14 +129,8 @@ void attend_queries_partial(const QueryBlock& qb, int64_t head_dim, KeyFn key, V
   int64_t nk = fetch(rows[0], first);
   for (int64_t p0 = first, b = 0; p0 <= last; p0 += kKeyBlock, b ^= 1) {
     KeyBlockRows<Row>&cur = rows[b], &next = rows[b ^ 1];
-    int64_t next_nk = 0;
-    if (p0 + kKeyBlock <= last) {
-      next_nk = fetch(next, p0 + kKeyBlock);
-      if (prefetch)
-        prefetch_key_rows(reinterpret_cast<const void* const*>(next.keys),
-                          reinterpret_cast<const void* const*>(next.values), next_nk, row_bytes);
-    }
-    attend_key_block(qb, head_dim, cur.keys, cur.values, nk, p0, s);
+    const int64_t next_nk = p0 + kKeyBlock <= last ? fetch(next, p0 + kKeyBlock) : 0;
+    attend_key_block(qb, head_dim, cur, nk, next, prefetch ? next_nk : 0, p0, s);
     nk = next_nk;
   }
 }

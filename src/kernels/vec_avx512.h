@@ -24,14 +24,17 @@ float dot(const float* a, const float* b, int64_t n);
 void axpy(float a, const float* x, float* y, int64_t n);
 // attention.h's attend_key_block for M queries (pointers q/out, visible key ranges lo..hi) over
 // nk keys at positions first..; scores has row stride ss; max/sum are the running softmax state.
+// next_k/next_v: the next block's next_n rows (0: none), prefetched along the way.
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
-                      float* max, float* sum);
+                      float* max, float* sum, const float* const* next_k,
+                      const float* const* next_v, int64_t next_n);
 // The same with bf16 key and value rows (uint16_t bit patterns).
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
-                      int64_t ss, float* max, float* sum);
+                      int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
+                      const uint16_t* const* next_v, int64_t next_n);
 
 }  // namespace gemstage::avx512
