@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "core/error.h"
+#include "test_util.h"
 
 using namespace gemstage;
 namespace fs = std::filesystem;
@@ -177,8 +178,7 @@ TEST(ChatFormat, ThinkingNeedsTheThinkToken) {
 }
 
 TEST(ChatFormat, ConfigIdsMustAgreeWithTheTokenizer) {
-  const fs::path dir = fs::temp_directory_path() / "gemstage_chat_cfg";
-  fs::create_directories(dir);
+  const fs::path dir = gemstage::testing::temp_dir("chat_cfg");
   std::ofstream(dir / "config.json") << R"({"boi_token_id": 7, "image_token_id": 2040})";
   EXPECT_THROW(resolve_chat_token_ids(tiny(), (dir / "config.json").string()), Error);
 }
@@ -188,8 +188,7 @@ TEST(ChatFormat, StopIds) {
   // The fixture has only config.json (eos_token_id 1 in text_config); <turn|> always stops.
   EXPECT_EQ(load_stop_token_ids(t, kModelDir), (std::vector<int32_t>{1, 106}));
   EXPECT_EQ(load_stop_token_ids(t, ""), (std::vector<int32_t>{1, 106}));
-  const fs::path dir = fs::temp_directory_path() / "gemstage_chat_stop";
-  fs::create_directories(dir);
+  const fs::path dir = gemstage::testing::temp_dir("chat_stop");
   std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": [1, 106, 50]})";
   EXPECT_EQ(load_stop_token_ids(t, dir.string()), (std::vector<int32_t>{1, 50, 106}));
   std::ofstream(dir / "generation_config.json") << R"({"eos_token_id": [1, 999999]})";

@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <functional>
 #include <string>
@@ -26,12 +27,33 @@ inline std::vector<int32_t> load_ids(const std::string& path) {
   return out;
 }
 
+// Removes the directories temp_dir made when the test process exits, so a suite run leaves
+// nothing behind in /tmp (each run wrote ~100 exported bundles). GEMSTAGE_KEEP_TEST_DIRS=1
+// keeps them for a post-mortem.
+class TempDirRegistry {
+ public:
+  static TempDirRegistry& instance() {
+    static TempDirRegistry registry;
+    return registry;
+  }
+  void add(const std::filesystem::path& p) { dirs_.push_back(p); }
+  ~TempDirRegistry() {
+    if (std::getenv("GEMSTAGE_KEEP_TEST_DIRS") != nullptr) return;
+    std::error_code ignored;
+    for (const auto& d : dirs_) std::filesystem::remove_all(d, ignored);
+  }
+
+ private:
+  std::vector<std::filesystem::path> dirs_;
+};
+
 inline std::string temp_dir(const std::string& name) {
   // Per process, so the release and sanitizer suites (or parallel ctest runs) never collide.
   const auto p = std::filesystem::temp_directory_path() /
                  ("gemstage_test_" + std::to_string(::getpid()) + "_" + name);
   std::filesystem::remove_all(p);
   std::filesystem::create_directories(p);
+  TempDirRegistry::instance().add(p);
   return p.string();
 }
 

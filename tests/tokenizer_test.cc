@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "io/mapped_file.h"
+#include "test_util.h"
 #include "tokenizer/utf8.h"
 
 using namespace gemstage;
@@ -26,9 +27,7 @@ const Tokenizer& tiny() {
 }
 
 fs::path scratch_dir(const std::string& name) {
-  const fs::path dir = fs::temp_directory_path() / ("gemstage_tok_" + name);
-  fs::create_directories(dir);
-  return dir;
+  return gemstage::testing::temp_dir("tok_" + name);
 }
 
 void write_file(const fs::path& path, const std::string& text) {

@@ -17,6 +17,7 @@
 #include "gemma4/registry.h"
 #include "gemma4/vision_model.h"
 #include "io/npy.h"
+#include "test_util.h"
 
 using namespace gemstage;
 
@@ -299,9 +300,7 @@ TEST(VisionWeights, WithoutClippedLinearsTheBoundsAreInfinite) {
 }
 
 TEST(VisionWeights, TextOnlyCheckpointHasNoTower) {
-  const auto dir = std::filesystem::temp_directory_path() / "gemstage_vision_textonly";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const std::filesystem::path dir = gemstage::testing::temp_dir("vision_textonly");
   std::string cfg;
   {
     std::FILE* f = std::fopen(fx("model/config.json").c_str(), "rb");
@@ -641,11 +640,7 @@ std::string read_file(const std::string& p) {
 }  // namespace
 
 TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
-  const auto tmp =
-      std::filesystem::temp_directory_path() /
-      ("gemstage_vision_cli_" + std::to_string(::testing::UnitTest::GetInstance()->random_seed()));
-  std::filesystem::remove_all(tmp);
-  std::filesystem::create_directories(tmp);
+  const std::filesystem::path tmp = gemstage::testing::temp_dir("vision_cli");
   const std::string d = fx("multimodal/"), out = (tmp / "out").string(),
                     log = (tmp / "log.txt").string();
   const std::string args = "dump -m " + fx("model") + " --ids " + d + "input_ids.npy" +
@@ -706,10 +701,7 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
 // The full image path: image.png decoded and preprocessed here gives the fixture's exact pixel
 // values, and the multimodal logits and greedy ids of the HF reference, for f32 and bf16 weights.
 TEST(DumpCli, ImageFileThroughPreprocessingMatchesTheFixture) {
-  const auto tmp = std::filesystem::temp_directory_path() /
-                   ("gemstage_vision_png_" + std::to_string(::getpid()));
-  std::filesystem::remove_all(tmp);
-  std::filesystem::create_directories(tmp);
+  const std::filesystem::path tmp = gemstage::testing::temp_dir("vision_png");
   for (const auto& [model, ref] :
        {std::pair{"model", "multimodal/"}, std::pair{"model_bf16", "multimodal_bf16/"}}) {
     const std::string out = (tmp / model).string(), log = (tmp / "log.txt").string();
