@@ -28,8 +28,8 @@ inline std::vector<int32_t> load_ids(const std::string& path) {
 }
 
 // Removes the directories temp_dir made when the test process exits, so a suite run leaves
-// nothing behind in /tmp (each run wrote ~100 exported bundles). GEMSTAGE_KEEP_TEST_DIRS=1
-// keeps them for a post-mortem.
+// none of its exported bundles and checkpoints in /tmp. GEMSTAGE_KEEP_TEST_DIRS=1 keeps them
+// for a post-mortem.
 class TempDirRegistry {
  public:
   static TempDirRegistry& instance() {
