@@ -6,6 +6,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "kernels/weight_rows.h"
 #include "core/error.h"
 #include "gemma4/config.h"
 #include "gemma4/model.h"
@@ -239,7 +240,8 @@ TEST(Checkpoint, ShardedCheckpointLoadsAndMatches) {
   EXPECT_EQ(a->store().keys(), b->store().keys());
   const std::vector<int32_t> ids = load_ids(fixture("text/input_ids.npy"));
   ThreadPool pool(2);
-  KvCache c1(a->text().config(), 64), c2(b->text().config(), 64);
+  KvCache c1 = make_kv_cache(a->text().config(), 64);
+  KvCache c2 = make_kv_cache(b->text().config(), 64);
   const FloatTensor la = a->text().forward(pool, ids, nullptr, c1, {}, false, nullptr);
   const FloatTensor lb = b->text().forward(pool, ids, nullptr, c2, {}, false, nullptr);
   EXPECT_EQ(la.data, lb.data);

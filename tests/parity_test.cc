@@ -21,7 +21,7 @@
 #include "parity/gate.h"
 #include "parity/plot.h"
 #include "parity/reference.h"
-#include "parity/taps.h"
+#include "trace/taps.h"
 #include "test_util.h"
 
 namespace gemstage {

@@ -7,6 +7,7 @@
 #include <deque>
 #include <memory>
 
+#include "kernels/weight_rows.h"
 #include "gemma4/model.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
@@ -82,7 +83,7 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(2);
   auto run = [&](const TextModel& text) {
-    KvCache cache(text.config(), 256);
+    KvCache cache = make_kv_cache(text.config(), 256);
     return text.forward(pool, ids, nullptr, cache, {}, true, nullptr);
   };
   const FloatTensor want = run(model->text());

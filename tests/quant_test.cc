@@ -1,4 +1,5 @@
 // Q8_0 / Q4_0: layout, round-trip bounds, readers, and every matmul path against the reference.
+#include "kernels/weight_rows.h"
 #include "kernels/quant.h"
 
 #include <gtest/gtest.h>

@@ -10,7 +10,7 @@
 #include "core/error.h"
 #include "stage/bundle.h"
 #include "stage/partition.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -83,7 +83,7 @@ std::string export_tiny(const std::string& name, const std::string& stages,
   return out;
 }
 
-FloatTensor run_logits(Pipeline& p, const std::vector<int32_t>& ids, int chunk,
+FloatTensor run_logits(Sequence& p, const std::vector<int32_t>& ids, int chunk,
                        std::vector<int64_t>* greedy, int n_decode) {
   ThreadPool pool(2);
   p.reset(256);
@@ -113,8 +113,8 @@ class StagedEqualsUnstaged : public ::testing::TestWithParam<std::string> {};
 TEST_P(StagedEqualsUnstaged, F32BundleLogitsAndGreedyIds) {
   const std::string bundle = export_tiny(
       "bundle_" + std::to_string(std::hash<std::string>{}(GetParam())), GetParam(), "f32");
-  auto staged = Pipeline::open(bundle, 256);
-  auto unstaged = Pipeline::open(fixture("model"), 256);
+  auto staged = Sequence::open(bundle, 256);
+  auto unstaged = Sequence::open(fixture("model"), 256);
   EXPECT_TRUE(staged->is_bundle());
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
   std::vector<int64_t> g1, g2;
@@ -134,7 +134,7 @@ INSTANTIATE_TEST_SUITE_P(Splits, StagedEqualsUnstaged,
 // fixture's BF16 checkpoint: its logits must match the bf16 golden outputs.
 TEST(Bundle, Bf16BundleMatchesTheBf16Reference) {
   const std::string bundle = export_tiny("bundle_bf16", "0:2,2:6", "bf16");
-  auto staged = Pipeline::open(bundle, 256);
+  auto staged = Sequence::open(bundle, 256);
   const std::vector<int32_t> ids = load_ids(fixture("text_bf16/input_ids.npy"));
   std::vector<int64_t> greedy;
   const FloatTensor a = run_logits(*staged, ids, 24, &greedy, 8);
@@ -176,7 +176,7 @@ TEST_F(CorruptBundle, TransformerStageFedInputIds) {
             std::string::npos)
       << log;
   // The runtime refuses to run it too.
-  EXPECT_NE(error_of([&] { Pipeline::open(dir_); }).find("receives token ids"), std::string::npos);
+  EXPECT_NE(error_of([&] { Sequence::open(dir_); }).find("receives token ids"), std::string::npos);
 }
 
 TEST_F(CorruptBundle, TruncatedWeights) {
@@ -184,7 +184,7 @@ TEST_F(CorruptBundle, TruncatedWeights) {
   const std::string log = check_log();
   EXPECT_NE(log.find("layers_2_6.gsw is"), std::string::npos) << log;
   EXPECT_NE(log.find("truncated"), std::string::npos) << log;
-  EXPECT_NE(error_of([&] { Pipeline::open(dir_); }).find("truncated"), std::string::npos);
+  EXPECT_NE(error_of([&] { Sequence::open(dir_); }).find("truncated"), std::string::npos);
 }
 
 TEST_F(CorruptBundle, FlippedWeightByte) {
@@ -252,7 +252,7 @@ TEST(Bundle, StagedMultimodalEqualsUnstagedAndTheFixture) {
   const std::string bundle = export_tiny("bundle_mm", "0:1,1:2,2:6", "f32");
   const std::string d = fixture("multimodal/");
   const std::vector<int32_t> ids = load_ids(d + "input_ids.npy");
-  auto run = [&](Pipeline& p, std::vector<int64_t>* greedy) {
+  auto run = [&](Sequence& p, std::vector<int64_t>* greedy) {
     ThreadPool pool(2);
     p.reset(256);
     const auto images = vision_inputs_from_arrays(
@@ -272,8 +272,8 @@ TEST(Bundle, StagedMultimodalEqualsUnstagedAndTheFixture) {
     }
     return taps.get("logits");
   };
-  auto staged = Pipeline::open(bundle, 256);
-  auto unstaged = Pipeline::open(fixture("model"), 256);
+  auto staged = Sequence::open(bundle, 256);
+  auto unstaged = Sequence::open(fixture("model"), 256);
   std::vector<int64_t> g1, g2;
   const FloatTensor a = run(*staged, &g1), b = run(*unstaged, &g2);
   EXPECT_LE(max_abs_diff(a.data, b.data), 1e-5);
@@ -297,8 +297,8 @@ struct QuantStats {
 
 QuantStats measure_bundle(const std::string& weights) {
   const std::string bundle = export_tiny("bundle_" + weights, "0:2,2:6", weights);
-  auto q = Pipeline::open(bundle, 256);
-  auto ref = Pipeline::open(fixture("model"), 256);
+  auto q = Sequence::open(bundle, 256);
+  auto ref = Sequence::open(fixture("model"), 256);
   // Quantized weights get a bf16 cache unless told otherwise; the f32 reference keeps f32.
   EXPECT_EQ(q->kv_type(), KvType::BF16);
   EXPECT_EQ(ref->kv_type(), KvType::F32);
@@ -339,10 +339,10 @@ namespace {
 
 // Rolling the caches back and re-feeding gives exactly what a fresh run gives (chat turns whose
 // re-rendered prompt diverges inside the cached reply rely on this).
-TEST(Pipeline, TruncateThenRefeedEqualsFreshRun) {
+TEST(Sequence, TruncateThenRefeedEqualsFreshRun) {
   for (KvType kv : {KvType::F32, KvType::BF16}) {
     SCOPED_TRACE(kv_type_name(kv));
-    auto p = Pipeline::open(fixture("model"), 256);
+    auto p = Sequence::open(fixture("model"), 256);
     p->set_kv_type(kv);
     EXPECT_EQ(p->kv_type(), kv);
     const std::vector<int32_t> seq =
@@ -362,9 +362,9 @@ TEST(Pipeline, TruncateThenRefeedEqualsFreshRun) {
   }
 }
 
-TEST(Pipeline, Bf16CheckpointKeepsAnF32Cache) {
+TEST(Sequence, Bf16CheckpointKeepsAnF32Cache) {
   // bf16 weights compute in f32, as the reference does; only quantized weights default to bf16.
-  EXPECT_EQ(Pipeline::open(fixture("model_bf16"), 64)->kv_type(), KvType::F32);
+  EXPECT_EQ(Sequence::open(fixture("model_bf16"), 64)->kv_type(), KvType::F32);
 }
 
 }  // namespace

@@ -39,7 +39,7 @@ TEST_P(TextParity, EveryTapWithinToleranceAndGreedyDecodeExact) {
   const std::vector<int32_t> ids = load_ids(dir + "input_ids.npy");
   ThreadPool pool(2);
   TapRecorder taps({"all"});
-  KvCache cache(text.config(), 256);
+  KvCache cache = make_kv_cache(text.config(), 256);
   const size_t chunk = c.chunk > 0 ? static_cast<size_t>(c.chunk) : ids.size();
   FloatTensor last;
   for (size_t b = 0; b < ids.size(); b += chunk)
@@ -90,11 +90,11 @@ TEST(TextDecode, IncrementalMatchesFullRecompute) {
   const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
   ThreadPool pool(2);
   const size_t prompt = 20;
-  KvCache cache(text.config(), 64);
+  KvCache cache = make_kv_cache(text.config(), 64);
   FloatTensor inc = text.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, cache,
                                  {}, false, nullptr);
   for (size_t n = prompt; n < seq.size(); ++n) {
-    KvCache fresh(text.config(), 64);
+    KvCache fresh = make_kv_cache(text.config(), 64);
     FloatTensor full = text.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, fresh,
                                     {}, false, nullptr);
     EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
@@ -113,19 +113,20 @@ TEST(TextDecode, Bf16CacheIncrementalMatchesFullRecomputeAndStaysNearReference) 
   const std::vector<int32_t> prompt_ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(2);
   const size_t prompt = 20;
-  KvCache cache(text.config(), 64, 0, -1, KvType::BF16);
+  KvCache cache = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
   ASSERT_EQ(cache.kv_type(), KvType::BF16);
   FloatTensor inc = text.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, cache,
                                  {}, false, nullptr);
   for (size_t n = prompt; n < seq.size(); ++n) {
-    KvCache fresh(text.config(), 64, 0, -1, KvType::BF16);
+    KvCache fresh = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
     FloatTensor full = text.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, fresh,
                                     {}, false, nullptr);
     EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
     inc = text.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, cache, {}, false,
                        nullptr);
   }
-  KvCache f32(text.config(), 64), bf16(text.config(), 64, 0, -1, KvType::BF16);
+  KvCache f32 = make_kv_cache(text.config(), 64);
+  KvCache bf16 = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
   const FloatTensor a = text.forward(pool, prompt_ids, nullptr, f32, {}, true, nullptr);
   const FloatTensor b = text.forward(pool, prompt_ids, nullptr, bf16, {}, true, nullptr);
   const double d = max_abs_diff(a.data, b.data);
@@ -139,7 +140,7 @@ TEST(TextDecode, Bf16EmbedScaleMatchesReferenceVariant) {
   auto model = Gemma4Model::open(fixture("model_bf16"));
   const std::vector<int32_t> ids = load_ids(fixture("text_bf16/input_ids.npy"));
   ThreadPool pool(2);
-  KvCache cache(model->text().config(), 64);
+  KvCache cache = make_kv_cache(model->text().config(), 64);
   TextRunOptions opt;
   opt.embed_scale = EmbedScaleMode::BF16;
   FloatTensor logits = model->text().forward(pool, ids, nullptr, cache, opt, true, nullptr);
@@ -154,7 +155,7 @@ TEST(TextDecode, ContextLimitIsAClearError) {
   auto model = Gemma4Model::open(fixture("model"));
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(1);
-  KvCache cache(model->text().config(), 16);
+  KvCache cache = make_kv_cache(model->text().config(), 16);
   try {
     model->text().forward(pool, ids, nullptr, cache, {}, false, nullptr);
     FAIL() << "expected a context-limit error";

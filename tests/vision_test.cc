@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "kernels/weight_rows.h"
 #include "core/error.h"
 #include "gemma4/model.h"
 #include "gemma4/multimodal.h"
@@ -93,7 +94,7 @@ MmRun run_multimodal(const Gemma4Model& m, PleIdentity mode, int64_t chunk, int 
   TextRunOptions opt;
   opt.ple_identity = mode;
   const TextConfig& tc = m.text().config();
-  KvCache cache(tc, static_cast<int64_t>(ids.size()) + steps + 1);
+  KvCache cache = make_kv_cache(tc, static_cast<int64_t>(ids.size()) + steps + 1);
   FloatTensor last =
       prefill(pool, m.text(), m.config(), ids, &soft, cache, opt, chunk, true, r.taps.get());
   const int64_t V = tc.vocab_size;
@@ -602,7 +603,7 @@ TEST(Multimodal, PlaceholderCountMustEqualSoftTokens) {
   const FloatTensor soft = m.vision()->encode_all(pool, fixture_images(m), nullptr);
   std::vector<int32_t> ids = load_ids32(fx("multimodal/input_ids.npy"));
   ids.erase(ids.begin() + 10);  // 55 placeholders for 56 soft tokens
-  KvCache cache(m.text().config(), 128);
+  KvCache cache = make_kv_cache(m.text().config(), 128);
   TextRunOptions opt;
   std::string e = error_of(
       [&] { prefill(pool, m.text(), m.config(), ids, &soft, cache, opt, 7, false, nullptr); });

@@ -9,8 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "gemma4/model.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 
 namespace gemstage::cli {
 
@@ -26,7 +25,7 @@ inline int64_t argmax_first(const float* v, int64_t n) {
   return best;
 }
 
-// --cache-type: the KV cache's row type, "auto" leaving the pipeline's choice (Pipeline::kv_type).
+// --cache-type: the KV cache's row type, "auto" leaving the model's choice (Model::default_kv_type).
 inline void add_cache_type(CLI::App* sub, std::string& v) {
   sub->add_option("--cache-type", v,
                   "KV cache row type: auto (bf16 for Q8_0/Q4_0 weights, else f32), f32 or bf16")
@@ -38,7 +37,7 @@ inline std::optional<KvType> cache_type_of(const std::string& v) {
   if (!kv_type_from_name(v, &t)) return std::nullopt;  // "auto"
   return t;
 }
-inline void apply_cache_type(Pipeline& p, const std::string& v) {
+inline void apply_cache_type(Sequence& p, const std::string& v) {
   if (const auto t = cache_type_of(v)) p.set_kv_type(*t);
 }
 

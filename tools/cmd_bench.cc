@@ -13,7 +13,7 @@
 #include <sstream>
 
 #include "core/error.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -108,7 +108,7 @@ double measure_read_gbs(ThreadPool& pool) {
 
 // Weight bytes a decoded token reads: every matrix except the gathered tables (token embedding
 // and PLE rows in the embeddings stage), plus one row of each table.
-double bytes_per_token(const Pipeline& p) {
+double bytes_per_token(const Sequence& p) {
   const TextWeights& w = p.embeddings_model().weights();
   double b = static_cast<double>(w.per_layer_model_projection.nbytes);
   b += static_cast<double>(w.embed_tokens.nbytes) / std::max<int64_t>(1, w.embed_tokens.rows());
@@ -119,7 +119,7 @@ double bytes_per_token(const Pipeline& p) {
 
 int run_bench(const BenchArgs& a) {
   const double t0 = now_seconds();
-  auto p = Pipeline::open(a.model);
+  auto p = Sequence::open(a.model);
   apply_cache_type(*p, a.cache_type);
   const double t_load = now_seconds() - t0;
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());

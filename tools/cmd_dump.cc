@@ -9,7 +9,7 @@
 #include "image/image_decode.h"
 #include "image/image_processor.h"
 #include "io/npy.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -31,7 +31,7 @@ struct DumpArgs {
 };
 
 // The images of the prompt, in prompt order, as the vision tower takes them.
-std::vector<VisionInput> load_images(const DumpArgs& a, const Pipeline& model) {
+std::vector<VisionInput> load_images(const DumpArgs& a, const Sequence& model) {
   std::vector<VisionInput> images;
   if (!a.images.empty() && !a.pixel_values.empty())
     fail(
@@ -87,7 +87,7 @@ std::vector<std::string> split_list(const std::string& s) {
 
 int run_dump(const DumpArgs& a) {
   const double t0 = now_seconds();
-  auto model = Pipeline::open(a.model, a.ctx);
+  auto model = Sequence::open(a.model, a.ctx);
   apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   const TextConfig& tc = model->config().text;

@@ -37,7 +37,7 @@ struct GenerateArgs : CommonArgs {
 
 int run_generate(const GenerateArgs& a) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
-  print_model_notes(as->pipeline().notes(), a.verbose);
+  print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   PreparedPrompt p;
   if (a.raw) {
@@ -53,7 +53,8 @@ int run_generate(const GenerateArgs& a) {
     msgs.push_back(std::move(user));
     p = as->prepare_chat(pool, msgs, {true, a.think});
   }
-  GenerationSession session(as->pipeline(), as->tokenizer());
+  auto sequence = as->new_sequence();
+  GenerationSession session(*sequence, as->tokenizer());
   const GenerationOptions opt = generation_options(a, *as);
   const GenerationResult r = session.generate(pool, p.ids, p.images ? &p.soft_tokens : nullptr, opt,
                                               [&](std::string_view piece) {
@@ -77,9 +78,10 @@ int run_generate(const GenerateArgs& a) {
 
 int run_chat(const CommonArgs& a) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
-  print_model_notes(as->pipeline().notes(), a.verbose);
+  print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
-  GenerationSession session(as->pipeline(), as->tokenizer());
+  auto sequence = as->new_sequence();
+  GenerationSession session(*sequence, as->tokenizer());
   const GenerationOptions opt = generation_options(a, *as);
   const bool tty = isatty(0);
   std::vector<ChatInput> history;

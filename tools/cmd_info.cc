@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "stage/bundle.h"
+#include "stage/model.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -56,7 +57,8 @@ int run_info(const InfoArgs& a) {
     src = open_bundle_tensors(a.model, *bundle);
     notes = c.warnings;
   } else {
-    auto m = Gemma4Model::open(a.model);
+    // Opening runs what every command runs: the config, the tensor checks, the stages bound.
+    auto m = Model::open(a.model);
     c = m->config();
     notes = m->notes();
     src = std::make_shared<TensorStore>(TensorStore::open_dir(a.model));

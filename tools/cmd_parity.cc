@@ -8,7 +8,7 @@
 #include "parity/gate.h"
 #include "parity/parity.h"
 #include "parity/plot.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 
@@ -39,7 +39,7 @@ int run_parity_cmd(const ParityArgs& a) {
   if (a.tie_tol < 0) fail("--tie-tol must be >= 0");
 
   const ReferenceDump ref = load_reference(a.reference);
-  auto model = Pipeline::open(a.model);
+  auto model = Sequence::open(a.model);
   apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   ParityOptions opt;

@@ -48,14 +48,4 @@ FloatTensor prefill_chunks(const ModelConfig& c, std::span<const int32_t> input_
   return last;
 }
 
-FloatTensor prefill(ThreadPool& pool, const TextModel& text, const ModelConfig& c,
-                    std::span<const int32_t> input_ids, const FloatTensor* soft_tokens,
-                    KvCache& cache, const TextRunOptions& opt, int64_t chunk, bool all_logits,
-                    TapRecorder* taps) {
-  return prefill_chunks(c, input_ids, soft_tokens, chunk,
-                        [&](std::span<const int32_t> ids, const FloatTensor* soft) {
-                          return text.forward(pool, ids, soft, cache, opt, all_logits, taps);
-                        });
-}
-
 }  // namespace gemstage

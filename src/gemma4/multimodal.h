@@ -1,4 +1,4 @@
-// Prompt prefill with tower soft tokens (spec §4.7): the k-th placeholder row of the prompt gets
+// Prompt prefill with tower soft tokens: the k-th placeholder row of the prompt gets
 // the k-th soft token, also when the prompt is prefilled in chunks — each chunk receives exactly
 // the soft tokens of its own placeholder rows.
 #pragma once
@@ -8,11 +8,7 @@
 #include <span>
 
 #include "core/tensor.h"
-#include "core/thread_pool.h"
 #include "gemma4/config.h"
-#include "gemma4/text_model.h"
-#include "parity/taps.h"
-#include "runtime/kv_cache.h"
 
 namespace gemstage {
 
@@ -31,13 +27,5 @@ using ChunkForward =
 FloatTensor prefill_chunks(const ModelConfig& c, std::span<const int32_t> input_ids,
                            const FloatTensor* soft_tokens, int64_t chunk,
                            const ChunkForward& forward);
-
-// Runs the prompt through every layer in chunks of `chunk` tokens (<= 0: one pass), appending to
-// cache. soft_tokens [N, D] (or null when N = 0) must match the prompt's placeholder count.
-// Returns the logits of the last chunk: all of its rows if all_logits, else its last row.
-FloatTensor prefill(ThreadPool& pool, const TextModel& text, const ModelConfig& c,
-                    std::span<const int32_t> input_ids, const FloatTensor* soft_tokens,
-                    KvCache& cache, const TextRunOptions& opt, int64_t chunk, bool all_logits,
-                    TapRecorder* taps);
 
 }  // namespace gemstage

@@ -1,3 +1,4 @@
+#include "kernels/weight_rows.h"
 #include "gemma4/text_model.h"
 
 #include <algorithm>
@@ -45,6 +46,23 @@ PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer
   return out;
 }
 
+std::vector<LayerCachePlan> kv_cache_plan(const TextConfig& t, int begin, int end) {
+  std::vector<LayerCachePlan> plan;
+  const int stop = end < 0 ? t.num_hidden_layers : end;
+  for (int i = begin; i < stop; ++i) {
+    const LayerSpec& s = t.layers[static_cast<size_t>(i)];
+    if (s.kv_shared) continue;
+    plan.push_back({i, s.type == LayerType::Sliding ? CacheKind::Ring : CacheKind::Growing,
+                    int64_t{s.num_kv_heads} * s.head_dim, t.sliding_window});
+  }
+  return plan;
+}
+
+KvCache make_kv_cache(const TextConfig& t, int64_t max_context, int begin, int end,
+                      KvType kv_type) {
+  return KvCache(t.num_hidden_layers, kv_cache_plan(t, begin, end), max_context, kv_type);
+}
+
 TextModel::TextModel(const ModelConfig& config, TextWeights weights)
     : model_cfg_(config), cfg_(config.text), w_(std::move(weights)) {
   int sliding_hd = cfg_.head_dim, full_hd = cfg_.global_head_dim;
@@ -75,6 +93,8 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   }
 
   EmbeddingsOutput out;
+  out.ple_token_ids = ident.ple_ids;
+  out.image_splice_mask.assign(static_cast<size_t>(S), 0);
   // Gemma4TextScaledWordEmbedding casts its f32 scale to the compute dtype before multiplying.
   float scale = std::sqrt(static_cast<float>(D));
   if (opt.embed_scale == EmbedScaleMode::BF16) scale = round_to_bf16(scale);
@@ -97,11 +117,17 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
       fail("soft tokens have width ", soft_tokens->dim(1), ", expected ", D);
     int64_t k = 0;
     for (int64_t r = 0; r < S; ++r)
-      if (ident.is_placeholder[static_cast<size_t>(r)])
+      if (ident.is_placeholder[static_cast<size_t>(r)]) {
         std::memcpy(out.hidden_states.row(r), soft_tokens->row(k++),
                     static_cast<size_t>(D) * sizeof(float));
+        out.image_splice_mask[static_cast<size_t>(r)] = 1;
+      }
   }
-  if (taps) taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
+  if (taps) {
+    taps->append_ids("image_splice_mask", std::vector<int64_t>(out.image_splice_mask.begin(),
+                                                               out.image_splice_mask.end()));
+    taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
+  }
 
   if (!cfg_.has_ple()) return out;
   if (!w_.embed_tokens_per_layer.valid())
@@ -386,14 +412,18 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (taps) taps->append_layer("hidden_states", li, L, {D}, h, S);
 }
 
-void TextModel::run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hidden,
-                           const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const {
+void TextModel::run_layers(ThreadPool& pool, int begin, int end, int64_t start,
+                           FloatTensor& hidden, const PerLayerInputs& pli, KvCache& cache,
+                           TapRecorder* taps) const {
   const int L = cfg_.num_hidden_layers;
   if (begin < 0 || end > L || begin >= end)
     fail("layer range [", begin, ", ", end, ") is not inside [0, ", L, ")");
   if (hidden.shape.size() != 2 || hidden.dim(1) != cfg_.hidden_size)
     fail("hidden_states must be [S, ", cfg_.hidden_size, "], got ", shape_str(hidden.shape));
   const int64_t S = hidden.dim(0);
+  if (start != cache.n_past())
+    fail("positions start at ", start, " but this sequence's KV cache holds positions [0, ",
+         cache.n_past(), "): a call's rows must continue the cache");
   if (cache.n_past() + S > cache.max_context())
     fail("context limit reached: ", cache.n_past() + S, " tokens exceed the context size of ",
          cache.max_context(),
@@ -429,18 +459,6 @@ FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t
     softcap(logits.data.data(), logits.numel(), static_cast<float>(cfg_.final_logit_softcapping));
   if (taps) taps->append("logits", {V}, logits.data.data(), n_rows);
   return logits;
-}
-
-FloatTensor TextModel::forward(ThreadPool& pool, std::span<const int32_t> input_ids,
-                               const FloatTensor* soft_tokens, KvCache& cache,
-                               const TextRunOptions& opt, bool all_logits,
-                               TapRecorder* taps) const {
-  EmbeddingsOutput e = embed(pool, input_ids, soft_tokens, opt, taps);
-  run_layers(pool, 0, cfg_.num_hidden_layers, e.hidden_states, e.per_layer_inputs, cache, taps);
-  cache.set_n_past(cache.n_past() + static_cast<int64_t>(input_ids.size()));
-  const int64_t S = e.hidden_states.dim(0);
-  return all_logits ? head(pool, e.hidden_states, 0, S, taps)
-                    : head(pool, e.hidden_states, S - 1, 1, taps);
 }
 
 }  // namespace gemstage

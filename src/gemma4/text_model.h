@@ -16,8 +16,8 @@
 #include "gemma4/placeholder_policy.h"
 #include "gemma4/registry.h"
 #include "kernels/ops.h"
-#include "parity/taps.h"
-#include "runtime/kv_cache.h"
+#include "trace/taps.h"
+#include "cache/kv_cache.h"
 
 namespace gemstage {
 
@@ -50,7 +50,15 @@ struct PerLayerInputs {
 struct EmbeddingsOutput {
   FloatTensor hidden_states;  // [S, D] spliced inputs_embeds
   PerLayerInputs per_layer_inputs;
+  std::vector<int32_t> ple_token_ids;     // [S] the PLE lookup's ids: pad at placeholder rows
+  std::vector<uint8_t> image_splice_mask;  // [S] 1 where a soft token was spliced in
 };
+
+// The caches layers [begin, end) keep (end -1: all layers); KV-shared layers keep none and read
+// their donor's.
+std::vector<LayerCachePlan> kv_cache_plan(const TextConfig& t, int begin = 0, int end = -1);
+KvCache make_kv_cache(const TextConfig& t, int64_t max_context, int begin = 0, int end = -1,
+                      KvType kv_type = KvType::F32);
 
 class TextModel {
  public:
@@ -64,20 +72,15 @@ class TextModel {
                          const FloatTensor* soft_tokens, const TextRunOptions& opt,
                          TapRecorder* taps) const;
 
-  // Runs layers [begin, end) on hidden [S, D] at positions cache.n_past() .. +S-1 and appends
-  // their K/V to the cache. Does not advance cache.n_past() (the caller does, once per chunk).
-  void run_layers(ThreadPool& pool, int begin, int end, FloatTensor& hidden,
+  // Runs layers [begin, end) on hidden [S, D] at positions start .. start+S-1, which must continue
+  // the cache (start == cache.n_past()), and appends their K/V to the cache. Does not advance
+  // cache.n_past() (the caller does, once per call, after its last stage).
+  void run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
                   const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const;
 
   // Final norm + tied head + soft-cap for the given rows of hidden ([S, D]) -> [rows, V].
   FloatTensor head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row, int64_t n_rows,
                    TapRecorder* taps) const;
-
-  // Convenience: one whole chunk through every layer; returns logits of the rows asked for
-  // (all rows if all_logits, else only the last).
-  FloatTensor forward(ThreadPool& pool, std::span<const int32_t> input_ids,
-                      const FloatTensor* soft_tokens, KvCache& cache, const TextRunOptions& opt,
-                      bool all_logits, TapRecorder* taps) const;
 
  private:
   struct LayerPass;  // what the layers of one run_layers call share (text_model.cc)

@@ -1,3 +1,4 @@
+#include "kernels/weight_rows.h"
 #include "gemma4/vision_model.h"
 
 #include <algorithm>

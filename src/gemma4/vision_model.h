@@ -22,7 +22,7 @@
 #include "gemma4/config.h"
 #include "io/npy.h"
 #include "io/safetensors.h"
-#include "parity/taps.h"
+#include "trace/taps.h"
 
 namespace gemstage {
 

@@ -2,7 +2,7 @@
 // softmax(q·k_j)·v_j with scaling 1.0 (Gemma 4 has no 1/sqrt(d) and no attention soft-cap).
 // Keys and values are fetched by absolute position through callables, so the same kernel reads a
 // sliding ring, a growing full cache, or the current chunk's fresh rows. Their rows are f32 or
-// bf16 (uint16_t bit patterns, as runtime/kv_cache.h stores them); queries and outputs are f32.
+// bf16 (uint16_t bit patterns, as cache/kv_cache.h stores them); queries and outputs are f32.
 //
 // The kernel is flash-style: keys are taken in blocks of kKeyBlock with a running max and sum
 // per query, so its scratch stays in L1 at any depth (a 32k-key score row per query would not),

@@ -1,3 +1,4 @@
+#include "kernels/weight_rows.h"
 #include "kernels/matmul.h"
 
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers

@@ -13,7 +13,7 @@
 #include "gemma4/multimodal.h"
 #include "image/image_decode.h"
 #include "image/image_processor.h"
-#include "parity/taps.h"
+#include "trace/taps.h"
 
 namespace gemstage {
 
@@ -303,7 +303,7 @@ VisionInput blank_from_arrays(const VisionInput& in, int64_t patch_dim) {
   return b;
 }
 
-ImageSet load_images(const Pipeline& model, const ReferenceDump& ref, const ParityOptions& opt) {
+ImageSet load_images(const Sequence& model, const ReferenceDump& ref, const ParityOptions& opt) {
   ImageSet s;
   const VisionTower* vision = model.vision();
   std::vector<std::string> files = opt.images;
@@ -343,7 +343,7 @@ struct Run {
   std::vector<float> step_logits;  // [N, V]: row 0 = last prompt row, row i after feeding ref i-1
 };
 
-Run teacher_force(Pipeline& model, ThreadPool& pool, const std::vector<int32_t>& prompt,
+Run teacher_force(Sequence& model, ThreadPool& pool, const std::vector<int32_t>& prompt,
                   const std::vector<int32_t>& fed, int64_t n_steps,
                   const std::vector<VisionInput>& images, const TextRunOptions& topt,
                   TapRecorder* taps) {
@@ -454,7 +454,7 @@ json find_first_divergence(const json& taps, double diverge_cos) {
   return json{{"found", false}, {"text", "no divergence: every tap within tolerance"}};
 }
 
-json run_parity(Pipeline& model, const ReferenceDump& ref, const ParityOptions& opt,
+json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& opt,
                 ThreadPool& pool) {
   const ModelConfig& cfg = model.config();
   const int64_t V = cfg.text.vocab_size;

@@ -13,7 +13,7 @@
 #include "core/thread_pool.h"
 #include "gemma4/placeholder_policy.h"
 #include "parity/reference.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 
 namespace gemstage {
 
@@ -35,7 +35,7 @@ const char* row_class_name(RowClass c);
 // pad, boi/eoi, boa/eoa are special rows; the rest are text rows.
 RowClass classify_token(const ModelConfig& c, int64_t id);
 
-nlohmann::json run_parity(Pipeline& model, const ReferenceDump& ref, const ParityOptions& opt,
+nlohmann::json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& opt,
                           ThreadPool& pool);
 
 // The human-readable table of a report.

@@ -8,20 +8,24 @@ namespace gemstage {
 
 namespace fs = std::filesystem;
 
-Assistant::Assistant(std::unique_ptr<Pipeline> p, Tokenizer t)
-    : pipe_(std::move(p)), tok_(std::move(t)) {}
+Assistant::Assistant(std::shared_ptr<const Model> m, Tokenizer t)
+    : model_(std::move(m)), tok_(std::move(t)) {}
 
 std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_context,
                                            std::optional<KvType> kv_type) {
-  auto pipe = Pipeline::open(path, max_context);
-  if (kv_type) pipe->set_kv_type(*kv_type);
-  const std::string dir = pipe->assets_dir();
+  auto model = Model::open(path);
+  // A sequence checks the context against the model's limits; make one now so a bad -c fails
+  // at start rather than at the first request.
+  const int64_t ctx = Sequence(model, max_context, kv_type).max_context();
+  const std::string dir = model->assets_dir();
   if (!fs::exists(fs::path(dir) / "tokenizer.json"))
     fail(dir,
          " has no tokenizer.json; generate/chat/serve need the checkpoint's tokenizer (random "
          "checkpoints "
          "have none: use dump --ids instead)");
-  std::unique_ptr<Assistant> a(new Assistant(std::move(pipe), Tokenizer::from_model_dir(dir)));
+  std::unique_ptr<Assistant> a(new Assistant(std::move(model), Tokenizer::from_model_dir(dir)));
+  a->max_context_ = ctx;
+  a->kv_type_ = kv_type;
   const fs::path cfg = fs::path(dir) / "config.json";
   a->chat_ids_ = resolve_chat_token_ids(a->tok_, fs::exists(cfg) ? cfg.string() : std::string());
   a->stop_ids_ = load_stop_token_ids(a->tok_, dir);
@@ -29,9 +33,9 @@ std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_
   a->name_ = fs::path(path).lexically_normal().filename().string();
   if (a->name_.empty())
     a->name_ = fs::path(path).lexically_normal().parent_path().filename().string();
-  if (static_cast<int64_t>(a->tok_.vocab_size()) > a->pipe_->config().text.vocab_size)
+  if (static_cast<int64_t>(a->tok_.vocab_size()) > a->model_->config().text.vocab_size)
     fail(dir, ": tokenizer.json has ", a->tok_.vocab_size(),
-         " tokens but the model's vocabulary is ", a->pipe_->config().text.vocab_size,
+         " tokens but the model's vocabulary is ", a->model_->config().text.vocab_size,
          "; the tokenizer does not belong to this model");
   return a;
 }
@@ -47,8 +51,8 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
         cm.parts.push_back(ChatPart::Text(p.text));
         continue;
       }
-      if (!pipe_->vision())
-        fail(pipe_->path(), ": this model has no vision tower, so it cannot take images");
+      if (!model_->vision())
+        fail(model_->path(), ": this model has no vision tower, so it cannot take images");
       const ProcessedImage pi = preprocess_image(*p.image, image_cfg_);
       images.push_back({pi.max_patches, pi.pixel_values, pi.position_ids});
       cm.parts.push_back(ChatPart::Image(pi.num_soft_tokens));
@@ -58,8 +62,12 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
   PreparedPrompt out;
   out.ids = render_chat(tok_, chat_ids_, rendered, options).ids;
   out.images = static_cast<int>(images.size());
-  if (!images.empty()) out.soft_tokens = pipe_->vision()->encode_all(pool, images, nullptr);
+  if (!images.empty()) out.soft_tokens = model_->embeddings().encode_images(pool, images, nullptr);
   return out;
+}
+
+std::unique_ptr<Sequence> Assistant::new_sequence() const {
+  return std::make_unique<Sequence>(model_, max_context_, kv_type_);
 }
 
 PreparedPrompt Assistant::prepare_raw(const std::string& text, bool add_bos) const {

@@ -1,7 +1,8 @@
-// Everything a chat front end needs around a model: the pipeline (HF dir or bundle), its
+// Everything a chat front end needs around a model: the model (HF dir or bundle), its
 // tokenizer, the chat-format marker ids, the stop ids and the image processor settings, plus
 // turning a conversation with images into prompt ids and soft tokens. generate, chat and serve
-// all go through here, so they build byte-identical prompts.
+// all go through here, so they build byte-identical prompts. An Assistant is read-only once
+// open: serve loads one and gives each conversation its own Sequence.
 #pragma once
 
 #include <memory>
@@ -11,7 +12,7 @@
 
 #include "image/image_decode.h"
 #include "image/image_processor.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "tokenizer/chat_format.h"
 #include "tokenizer/tokenizer.h"
 
@@ -36,11 +37,14 @@ struct PreparedPrompt {
 class Assistant {
  public:
   // path: HF checkpoint dir or bundle; max_context 0: the model's maximum.
-  // kv_type: the KV cache's row type; nullopt keeps the pipeline's choice (Pipeline::kv_type).
+  // kv_type: the KV cache's row type of every sequence; nullopt keeps the model's default.
   static std::unique_ptr<Assistant> open(const std::string& path, int64_t max_context = 0,
                                          std::optional<KvType> kv_type = std::nullopt);
 
-  Pipeline& pipeline() { return *pipe_; }
+  const Model& model() const { return *model_; }
+  // A new, empty conversation on this model (its own KV caches), sized for max_context().
+  std::unique_ptr<Sequence> new_sequence() const;
+  int64_t max_context() const { return max_context_; }
   const Tokenizer& tokenizer() const { return tok_; }
   const std::vector<int32_t>& stop_ids() const { return stop_ids_; }
   const std::string& model_name() const { return name_; }
@@ -52,8 +56,10 @@ class Assistant {
   PreparedPrompt prepare_raw(const std::string& text, bool add_bos = true) const;
 
  private:
-  Assistant(std::unique_ptr<Pipeline> p, Tokenizer t);
-  std::unique_ptr<Pipeline> pipe_;
+  Assistant(std::shared_ptr<const Model> m, Tokenizer t);
+  std::shared_ptr<const Model> model_;
+  int64_t max_context_ = 0;
+  std::optional<KvType> kv_type_;
   Tokenizer tok_;
   ChatTokenIds chat_ids_;
   std::vector<int32_t> stop_ids_;

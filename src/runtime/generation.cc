@@ -26,12 +26,11 @@ size_t held_back(const std::string& text, const std::vector<std::string>& stops)
 }
 }  // namespace
 
-GenerationSession::GenerationSession(Pipeline& pipeline, const Tokenizer& tokenizer)
-    : pipe_(pipeline), tok_(tokenizer) {}
+GenerationSession::GenerationSession(Sequence& sequence, const Tokenizer& tokenizer)
+    : seq_(sequence), tok_(tokenizer) {}
 
 void GenerationSession::reset() {
-  pipe_.reset();
-  fed_.clear();
+  seq_.reset();
 }
 
 GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector<int32_t>& prompt,
@@ -41,23 +40,22 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   GenerationResult res;
   res.prompt_tokens = static_cast<int64_t>(prompt.size());
   if (prompt.empty()) fail("the prompt is empty");
-  if (static_cast<int64_t>(prompt.size()) >= pipe_.max_context())
-    fail("the prompt has ", prompt.size(), " tokens but the context holds ", pipe_.max_context(),
+  if (static_cast<int64_t>(prompt.size()) >= seq_.max_context())
+    fail("the prompt has ", prompt.size(), " tokens but the context holds ", seq_.max_context(),
          "; shorten the prompt or raise --ctx-size / -c");
   for (const std::string& s : opt.stop_strings)
     if (s.empty()) fail("stop strings must not be empty");
 
   // Reuse the cached prefix only if the caches hold exactly a prefix of this prompt (and leave at
   // least one new token to produce logits from).
+  const std::vector<int32_t>& held = seq_.tokens();
   size_t common = 0;
-  while (common < fed_.size() && common + 1 < prompt.size() && fed_[common] == prompt[common])
+  while (common < held.size() && common + 1 < prompt.size() && held[common] == prompt[common])
     ++common;
-  if (common < fed_.size()) {
+  if (common < held.size()) {
     // The new prompt diverges inside what is cached (e.g. a reply re-tokenized differently):
     // roll the caches back to the common prefix, or start over if they cannot go that far.
-    if (common > 0 && pipe_.truncate(static_cast<int64_t>(common))) {
-      fed_.resize(common);
-    } else {
+    if (common == 0 || !seq_.truncate(static_cast<int64_t>(common))) {
       reset();
       common = 0;
     }
@@ -68,7 +66,7 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   const FloatTensor* soft = nullptr;
   if (soft_tokens && soft_tokens->numel() > 0) {
     const int64_t skip =
-        count_placeholders(pipe_.config(), std::span<const int32_t>(prompt.data(), common));
+        count_placeholders(seq_.config(), std::span<const int32_t>(prompt.data(), common));
     const int64_t n = soft_tokens->dim(0) - skip;
     if (n > 0) {
       soft_rest = slice_rows(*soft_tokens, skip, n);
@@ -76,15 +74,14 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
     }
   }
   const double t0 = now();
-  FloatTensor logits = pipe_.prefill(pool, rest, soft, opt.chunk, false, nullptr);
-  fed_.insert(fed_.end(), rest.begin(), rest.end());
+  FloatTensor logits = seq_.prefill(pool, rest, soft, opt.chunk, false, nullptr);
   res.prefill_seconds = now() - t0;
 
   Sampler sampler(opt.sampling);
   StreamDecoder decoder(tok_, /*skip_special=*/true);
   std::string text;
   size_t emitted = 0;
-  const int64_t V = pipe_.config().text.vocab_size;
+  const int64_t V = seq_.config().text.vocab_size;
   std::vector<int32_t> history = prompt;
   const double t1 = now();
   auto emit_until = [&](size_t end) {
@@ -126,12 +123,11 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
       break;
     }
     if (step + 1 == opt.max_tokens) break;
-    if (pipe_.n_past() + 1 > pipe_.max_context()) {
+    if (seq_.n_past() + 1 > seq_.max_context()) {
       res.finish_reason = "context";
       break;
     }
-    logits = pipe_.forward(pool, std::span<const int32_t>(&id, 1), nullptr, false, nullptr);
-    fed_.push_back(id);
+    logits = seq_.forward(pool, std::span<const int32_t>(&id, 1), nullptr, false, nullptr);
   }
   // Text held back as a possible stop-string prefix is released once generation is over.
   if (!hit_stop_string && res.finish_reason != "cancelled") {

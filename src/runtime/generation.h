@@ -1,4 +1,4 @@
-// Tokens in, tokens out: a generation session over a Pipeline. It remembers what the caches
+// Tokens in, tokens out: a generation session over a Sequence. It remembers what the caches
 // already hold, so a multi-turn chat only prefills the new suffix of each prompt; it stops on
 // stop ids, stop strings, max_tokens and the context limit, and streams UTF-8-complete text.
 #pragma once
@@ -11,7 +11,7 @@
 
 #include "core/thread_pool.h"
 #include "runtime/sampler.h"
-#include "stage/pipeline.h"
+#include "stage/sequence.h"
 #include "tokenizer/tokenizer.h"
 
 namespace gemstage {
@@ -41,7 +41,7 @@ using TextCallback = std::function<bool(std::string_view piece)>;
 
 class GenerationSession {
  public:
-  GenerationSession(Pipeline& pipeline, const Tokenizer& tokenizer);
+  GenerationSession(Sequence& sequence, const Tokenizer& tokenizer);
 
   // prompt: the whole conversation so far as ids; soft_tokens fill all of its placeholder rows.
   // When the prompt starts with what the caches hold, only the rest is prefilled.
@@ -49,12 +49,10 @@ class GenerationSession {
                             const FloatTensor* soft_tokens, const GenerationOptions& opt,
                             const TextCallback& on_text = {});
   void reset();
-  const std::vector<int32_t>& fed() const { return fed_; }
 
  private:
-  Pipeline& pipe_;
+  Sequence& seq_;  // holds exactly the ids its caches hold
   const Tokenizer& tok_;
-  std::vector<int32_t> fed_;  // exactly the ids the caches hold, in order
 };
 
 }  // namespace gemstage

@@ -131,8 +131,10 @@ struct Job {
   std::string finish_reason;
 };
 
+// A slot is one conversation at a time on the shared model: its own sequence (KV caches) and
+// threads; the weights and the tokenizer are loaded once, in Impl::assistant.
 struct Slot {
-  std::unique_ptr<Assistant> assistant;
+  std::unique_ptr<Sequence> sequence;
   std::unique_ptr<ThreadPool> pool;
   std::unique_ptr<GenerationSession> session;
   std::shared_ptr<Job> current;  // guarded by Impl::q_mu
@@ -179,6 +181,7 @@ struct Server::Impl {
   int64_t created = 0;  // when the model was loaded, for /v1/models
   GenerationOptions defaults;
 
+  std::unique_ptr<Assistant> assistant;  // the model and tokenizer every slot shares
   std::vector<std::unique_ptr<Slot>> slots;
   mutable std::mutex q_mu;
   std::condition_variable q_cv, idle_cv;
@@ -225,17 +228,17 @@ void Server::Impl::load() {
     const int total = opt.threads > 0 ? opt.threads : default_thread_count();
     // The slots compute at the same time, so they split the cores rather than each taking all.
     const int per_slot = std::max(1, total / opt.parallel);
+    assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type);
     for (int i = 0; i < opt.parallel; ++i) {
       auto s = std::make_unique<Slot>();
-      s->assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type);
+      s->sequence = assistant->new_sequence();
       s->pool = std::make_unique<ThreadPool>(per_slot);
-      s->session =
-          std::make_unique<GenerationSession>(s->assistant->pipeline(), s->assistant->tokenizer());
+      s->session = std::make_unique<GenerationSession>(*s->sequence, assistant->tokenizer());
       slots.push_back(std::move(s));
     }
-    const Assistant& a = *slots.front()->assistant;
+    const Assistant& a = *assistant;
     model_name = a.model_name();
-    max_context = slots.front()->assistant->pipeline().max_context();
+    max_context = a.max_context();
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
     defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
@@ -304,8 +307,8 @@ void Server::Impl::run(Slot& s, Job& job) {
   bool generating = false;
   try {
     const PreparedPrompt p =
-        job.chat ? s.assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
-                 : s.assistant->prepare_raw(job.prompt);
+        job.chat ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
+                 : assistant->prepare_raw(job.prompt);
     const auto n = static_cast<int64_t>(p.ids.size());
     if (n >= max_context)
       throw ApiError(400,

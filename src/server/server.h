@@ -1,8 +1,8 @@
 // `gemstage serve`: an OpenAI-compatible HTTP server over cpp-httplib.
 //
 // Design, in short:
-//  - N slots (--parallel), each its own Assistant (pipeline, KV caches, tokenizer) and its own
-//    compute thread pool, each driven by one worker thread. Requests wait in one FIFO queue and
+//  - One Assistant (weights, tokenizer) shared by N slots (--parallel), each with its own
+//    Sequence (KV caches) and compute thread pool, each driven by one worker thread. Requests wait in one FIFO queue and
 //    the first free slot takes the oldest, so nobody is overtaken.
 //  - HTTP threads never run the model: they parse and validate a request (decoding its images),
 //    queue it, and then only move text from the job to the socket. A worker appends generated

@@ -1,5 +1,6 @@
 #include "stage/contract.h"
 
+#include <algorithm>
 #include <map>
 
 #include "core/error.h"
@@ -34,7 +35,6 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
     case StageRole::Embeddings: {
       k.inputs.push_back(
           {"input_ids", {"S"}, "i32", "prompt token ids as given, placeholders included"});
-      k.inputs.push_back({"positions", {"S"}, "i32", "absolute position of each row"});
       if (c.vision) {
         const int pin = 3 * c.vision->patch_size * c.vision->patch_size;
         k.inputs.push_back({"pixel_values",
@@ -46,6 +46,12 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
                             {"N_img", "max_patches", "2"},
                             "i64",
                             "(x, y) patch grid position, -1 for padding",
+                            true});
+        k.inputs.push_back({"image_soft_tokens",
+                            {"N_soft", D},
+                            "f32",
+                            "vision tower output for this call's placeholder rows, in order: given "
+                            "instead of pixel_values when one prompt's images span several calls",
                             true});
       }
       k.outputs.push_back({"hidden_states",
@@ -155,11 +161,76 @@ StageContract contract_from_json(const nlohmann::json& j, const std::string& whe
   return c;
 }
 
+std::vector<TensorDecl> pipeline_inputs(const ModelConfig& c) {
+  std::vector<TensorDecl> in = contract_for(StageRole::Embeddings, {}, c).inputs;
+  in.push_back({"positions", {"S"}, "i32", "absolute position of each row"});
+  return in;
+}
+
+namespace {
+std::string names_of(const std::vector<TensorDecl>& decls) {
+  std::string s;
+  for (const TensorDecl& d : decls) s += (s.empty() ? "" : ", ") + d.name;
+  return s.empty() ? "nothing" : s;
+}
+std::string shape_of(const std::vector<std::string>& dims) {
+  std::string s = "[";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i];
+  return s + "]";
+}
+bool is_number(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("0123456789") == std::string::npos;
+}
+}  // namespace
+
+void check_call_tensors(const StageDecl& stage, const char* side,
+                        const std::vector<TensorDecl>& decls, const TensorMap& tensors,
+                        DimBindings& dims) {
+  const std::string where =
+      "stage '" + stage.id + "' (" + stage_role_name(stage.role) + ") " + side;
+  for (const auto& [name, t] : tensors) {
+    const bool known = std::any_of(decls.begin(), decls.end(),
+                                   [&](const TensorDecl& d) { return d.name == name; });
+    if (!known)
+      fail(where, " '", name, "' is not in the stage's contract; its ", side, "s are ",
+           names_of(decls));
+  }
+  for (const TensorDecl& d : decls) {
+    auto it = tensors.find(d.name);
+    if (it == tensors.end()) {
+      if (d.optional) continue;
+      fail(where, " '", d.name, "' is missing: expected ", d.dtype, " ", shape_of(d.shape), " (",
+           d.meaning, ")");
+    }
+    const HostTensor& t = it->second;
+    if (d.dtype != elem_type_name(t.type()))
+      fail(where, " '", d.name, "' must be ", d.dtype, " ", shape_of(d.shape), ", got ",
+           elem_type_name(t.type()), " (numpy ", elem_type_numpy_name(t.type()), ")");
+    if (t.shape().size() != d.shape.size())
+      fail(where, " '", d.name, "' must have shape ", shape_of(d.shape), ", got ",
+           shape_str(t.shape()));
+    for (size_t i = 0; i < d.shape.size(); ++i) {
+      const int64_t got = t.shape()[i];
+      const std::string& want = d.shape[i];
+      if (is_number(want)) {
+        if (std::to_string(got) != want)
+          fail(where, " '", d.name, "' must have shape ", shape_of(d.shape), ", got ",
+               shape_str(t.shape()), " (dim ", i, " is ", got, ", expected ", want, ")");
+        continue;
+      }
+      auto [b, fresh] = dims.dims.try_emplace(want, got, d.name);
+      if (!fresh && b->second.first != got)
+        fail(where, " '", d.name, "' has shape ", shape_str(t.shape()), ": its dim ", i, " ('",
+             want, "') is ", got, ", but '", b->second.second, "' has ", want, " = ",
+             b->second.first, " in the same call");
+    }
+  }
+}
+
 void check_contract_chain(const std::vector<StageDecl>& stages, const ModelConfig& c) {
-  // What the pipeline itself provides to the first stage.
+  // What the pipeline itself provides: the prompt's tensors and each row's position.
   std::map<std::string, TensorDecl> available;
-  for (const TensorDecl& d : contract_for(StageRole::Embeddings, {}, c).inputs)
-    available[d.name] = d;
+  for (const TensorDecl& d : pipeline_inputs(c)) available[d.name] = d;
   static const char* kIdTensors[] = {"input_ids", "ple_token_ids", "llm_input_ids", "token_ids",
                                      "ple_ids"};
   for (const StageDecl& s : stages) {

@@ -4,10 +4,12 @@
 // embeddings stage ever sees token ids; check_contract_chain() proves that for a bundle.
 #pragma once
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "core/host_tensor.h"
 #include "gemma4/config.h"
 #include "stage/partition.h"
 
@@ -42,6 +44,24 @@ struct StageDecl {
   LayerRange layers{0, 0};
   StageContract contract;
 };
+
+// The inputs a pipeline feeds its stages itself (the embeddings stage's inputs plus the positions
+// of each call's rows): the names check_contract_chain starts from.
+std::vector<TensorDecl> pipeline_inputs(const ModelConfig& c);
+
+// Symbolic dims ("S", "N_img", ...) bound during one stage call: the value and the tensor that
+// bound it first, so a mismatch names both tensors.
+struct DimBindings {
+  std::map<std::string, std::pair<int64_t, std::string>> dims;
+};
+
+// Checks one side of a call against the contract: every given tensor is declared (name), every
+// non-optional declared tensor is given, element types match, ranks match, numeric dims match and
+// each symbolic dim has one value across all of the call's tensors (inputs and outputs). Throws
+// naming the stage, the tensor, what was expected and what was given.
+void check_call_tensors(const StageDecl& stage, const char* side,
+                        const std::vector<TensorDecl>& decls, const TensorMap& tensors,
+                        DimBindings& dims);
 
 // Verifies that contracts chain: every input is provided (by the pipeline or an earlier stage)
 // with the same dtype and shape, slices of per_layer_inputs match the stage's layer range, and

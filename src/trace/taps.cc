@@ -1,4 +1,4 @@
-#include "parity/taps.h"
+#include "trace/taps.h"
 
 #include <filesystem>
 
@@ -9,7 +9,7 @@ namespace gemstage {
 
 const std::vector<std::string>& known_tap_names() {
   static const std::vector<std::string> k = {
-      "input_ids",           "llm_input_ids",      "ple_ids",
+      "input_ids",           "llm_input_ids",      "ple_ids", "image_splice_mask",
       "embeds_scaled",       "inputs_embeds",      "ple_token_embeds",
       "per_layer_inputs",    "hidden_after_attn",  "hidden_after_mlp",
       "hidden_states",       "final_hidden",       "logits",

@@ -1,4 +1,4 @@
-#include "runtime/kv_cache.h"
+#include "cache/kv_cache.h"
 
 #include <algorithm>
 #include <cstring>
@@ -22,15 +22,15 @@ bool kv_type_from_name(const std::string& s, KvType* out) {
   return true;
 }
 
-LayerKvCache::LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context,
+LayerKvCache::LayerKvCache(CacheKind kind, int64_t width, int64_t window, int64_t max_context,
                            KvType kv_type)
-    : type_(type),
+    : kind_(kind),
       width_(width),
       window_(window),
       ring_(window + kRollbackSlack),
       max_context_(max_context),
       kv_type_(kv_type) {
-  if (type_ == LayerType::Sliding) resize_rows(static_cast<size_t>(ring_ * width_));
+  if (kind_ == CacheKind::Ring) resize_rows(static_cast<size_t>(ring_ * width_));
 }
 
 void LayerKvCache::resize_rows(size_t n) {
@@ -46,20 +46,16 @@ void LayerKvCache::resize_rows(size_t n) {
 bool LayerKvCache::truncate(int64_t n) {
   if (n < 0 || n > n_) return false;
   // After the rollback a query at n needs positions n-window+1..n-1 still in the ring.
-  if (type_ == LayerType::Sliding && n_ - n > ring_ - window_) return false;
+  if (kind_ == CacheKind::Ring && n_ - n > ring_ - window_) return false;
   n_ = n;
   return true;
-}
-
-int64_t LayerKvCache::first_held() const {
-  return type_ == LayerType::Sliding ? std::max<int64_t>(0, n_ - ring_) : 0;
 }
 
 void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
   if (n_ + rows > max_context_)
     fail("context limit reached: ", n_ + rows, " tokens exceed the cache size of ", max_context_,
          " (raise --ctx-size / -c, up to the model's max_position_embeddings)");
-  if (type_ == LayerType::Full) {
+  if (kind_ == CacheKind::Growing) {
     // Grow geometrically so long prefills stay linear; never beyond max_context.
     const size_t need = static_cast<size_t>((n_ + rows) * width_);
     const size_t held = std::max(k_.size(), k16_.size());
@@ -67,7 +63,7 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
       resize_rows(std::min(static_cast<size_t>(max_context_ * width_), std::max(need, held * 2)));
   }
   // Only the last `window` rows of a long chunk survive in a ring.
-  const int64_t skip = type_ == LayerType::Sliding ? std::max<int64_t>(0, rows - ring_) : 0;
+  const int64_t skip = kind_ == CacheKind::Ring ? std::max<int64_t>(0, rows - ring_) : 0;
   for (int64_t r = skip; r < rows; ++r) {
     const int64_t s = slot(n_ + r);
     if (kv_type_ == KvType::F32) {
@@ -85,17 +81,16 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
   n_ += rows;
 }
 
-KvCache::KvCache(const TextConfig& t, int64_t max_context, int layer_begin, int layer_end,
+KvCache::KvCache(int num_layers, std::span<const LayerCachePlan> plan, int64_t max_context,
                  KvType kv_type)
     : max_context_(max_context), kv_type_(kv_type) {
   if (max_context <= 0) fail("context size must be positive");
-  layers_.resize(t.layers.size());
-  const size_t end = layer_end < 0 ? t.layers.size() : static_cast<size_t>(layer_end);
-  for (size_t i = static_cast<size_t>(layer_begin); i < end; ++i) {
-    const LayerSpec& s = t.layers[i];
-    if (s.kv_shared) continue;
-    layers_[i] = std::make_unique<LayerKvCache>(s.type, int64_t{s.num_kv_heads} * s.head_dim,
-                                                t.sliding_window, max_context, kv_type);
+  layers_.resize(static_cast<size_t>(num_layers));
+  for (const LayerCachePlan& p : plan) {
+    if (p.layer < 0 || p.layer >= num_layers)
+      fail("KV cache plan: layer ", p.layer, " is outside [0, ", num_layers, ")");
+    layers_[static_cast<size_t>(p.layer)] =
+        std::make_unique<LayerKvCache>(p.kind, p.width, p.window, max_context, kv_type);
   }
 }
 
@@ -113,7 +108,7 @@ namespace gemstage {
 bool KvCache::can_truncate(int64_t n) const {
   if (n < 0 || n > n_past_) return false;
   for (const auto& l : layers_)
-    if (l && l->type() == LayerType::Sliding && l->size() - n > kRollbackSlack) return false;
+    if (l && l->kind() == CacheKind::Ring && l->size() - n > kRollbackSlack) return false;
   return true;
 }
 
@@ -123,6 +118,11 @@ bool KvCache::truncate(int64_t n) {
     if (l) l->truncate(n);
   n_past_ = n;
   return true;
+}
+
+void KvCache::drop_uncommitted() {
+  for (const auto& l : layers_)
+    if (l && l->size() > n_past_) l->truncate(n_past_);
 }
 
 }  // namespace gemstage

@@ -13,11 +13,22 @@
 #include <type_traits>
 #include <vector>
 
-#include "gemma4/config.h"
+#include <span>
 
 namespace gemstage {
 
 enum class KvType : uint8_t { F32, BF16 };
+// Ring: a sliding-window layer's ring of the last rows; Growing: a full-attention layer's rows
+// from position 0, grown up to the context size.
+enum class CacheKind : uint8_t { Ring, Growing };
+
+// One layer that keeps its own K/V (KV-shared layers have no entry: they read their donor's).
+struct LayerCachePlan {
+  int layer = 0;
+  CacheKind kind = CacheKind::Growing;
+  int64_t width = 0;   // K (and V) floats per position: kv heads * head_dim
+  int64_t window = 0;  // Ring: the sliding window
+};
 const char* kv_type_name(KvType t);
 // "f32" / "bf16"; false for anything else.
 bool kv_type_from_name(const std::string& s, KvType* out);
@@ -27,15 +38,13 @@ constexpr int64_t kRollbackSlack = 512;
 
 class LayerKvCache {
  public:
-  LayerKvCache(LayerType type, int64_t width, int64_t window, int64_t max_context,
+  LayerKvCache(CacheKind kind, int64_t width, int64_t window, int64_t max_context,
                KvType kv_type = KvType::F32);
 
-  LayerType type() const { return type_; }
+  CacheKind kind() const { return kind_; }
   KvType kv_type() const { return kv_type_; }
   int64_t width() const { return width_; }
   int64_t size() const { return n_; }  // positions 0..n-1 have been appended
-  // Oldest position still held (sliding: n - window).
-  int64_t first_held() const;
   // Row of position pos in the cache's type: T = float for F32, uint16_t (bf16 bits) for BF16.
   template <typename T>
   const T* k_at(int64_t pos) const {
@@ -64,9 +73,9 @@ class LayerKvCache {
       return kv_type_ == KvType::BF16 ? bf16.data() : nullptr;
   }
   void resize_rows(size_t n);
-  int64_t slot(int64_t pos) const { return type_ == LayerType::Sliding ? pos % ring_ : pos; }
+  int64_t slot(int64_t pos) const { return kind_ == CacheKind::Ring ? pos % ring_ : pos; }
 
-  LayerType type_;
+  CacheKind kind_;
   int64_t width_, window_, ring_, max_context_;
   KvType kv_type_;
   int64_t n_ = 0;
@@ -76,21 +85,25 @@ class LayerKvCache {
 
 class KvCache {
  public:
-  // Holds the own-KV layers in [layer_begin, layer_end) (-1: all): a stage's cache group.
-  KvCache(const TextConfig& t, int64_t max_context, int layer_begin = 0, int layer_end = -1,
+  // A stage's cache group: the planned layers of a model with num_layers layers.
+  KvCache(int num_layers, std::span<const LayerCachePlan> plan, int64_t max_context,
           KvType kv_type = KvType::F32);
 
   int64_t max_context() const { return max_context_; }
   KvType kv_type() const { return kv_type_; }
+  // Positions 0..n_past()-1 are held; the next call's rows start at n_past().
   int64_t n_past() const { return n_past_; }
-  void set_n_past(int64_t n) { n_past_ = n; }
-  // The cache a layer reads (its donor's for shared layers); null for a layer outside this cache.
+  // Records that a call's rows were appended to every layer (after the call's last layer ran).
+  void advance(int64_t rows) { n_past_ += rows; }
+  // The cache a layer keeps; null for a KV-shared layer or a layer outside this group.
   LayerKvCache* own(int layer) { return layers_[static_cast<size_t>(layer)].get(); }
   const LayerKvCache* own(int layer) const { return layers_[static_cast<size_t>(layer)].get(); }
   size_t bytes() const;
   // Rolls every layer back to n positions; false (and unchanged) if a sliding ring cannot.
   bool truncate(int64_t n);
   bool can_truncate(int64_t n) const;
+  // Drops rows appended past n_past() by a call that did not complete (a later stage failed).
+  void drop_uncommitted();
 
  private:
   std::vector<std::unique_ptr<LayerKvCache>> layers_;

@@ -1,0 +1,68 @@
+// A loaded model: config, stages with their weights bound, and the bundle's or checkpoint's
+// notes. Read-only once open, so any number of sequences (stage/sequence.h) run on one Model at
+// the same time; share it as std::shared_ptr<const Model>.
+//
+// An HF checkpoint directory runs as the three-stage chain embeddings, layers [0, L),
+// final_norm_head over the memory-mapped checkpoint; a bundle runs its exported stages.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "gemma4/config.h"
+#include "io/safetensors.h"
+#include "stage/contract.h"
+#include "stage/stage.h"
+
+namespace gemstage {
+
+class Model {
+ public:
+  // path: an HF checkpoint directory or a gemstage bundle.
+  static std::shared_ptr<const Model> open(const std::string& path);
+  ~Model();
+
+  const ModelConfig& config() const { return *config_; }
+  const std::string& path() const { return path_; }
+  bool is_bundle() const { return is_bundle_; }
+  // The directory holding tokenizer.json and friends (the checkpoint, or the bundle's copies).
+  const std::string& assets_dir() const { return path_; }
+  const std::vector<std::string>& notes() const { return notes_; }
+
+  const std::vector<StageDecl>& stage_decls() const { return decls_; }
+  const std::vector<std::unique_ptr<Stage>>& stages() const { return stages_; }
+  // The stage with this id; null if there is none.
+  const Stage* find_stage(const std::string& id) const;
+  const Stage& embeddings() const;
+
+  // The longest context a sequence may have: a bundle's declared max_context (its caches were
+  // planned for it), else the model's max_position_embeddings.
+  int64_t max_context() const { return max_context_; }
+  // The KV row type a new sequence gets: BF16 for quantized (Q8_0/Q4_0) transformer weights,
+  // whose own rounding is far larger and which gain half the cache traffic at depth; F32 for f32
+  // and bf16 weights, which compute in f32 as the reference does.
+  KvType default_kv_type() const { return default_kv_type_; }
+
+  // Bytes of every matrix the transformer and head stages read for one decoded token.
+  double decode_weight_bytes() const;
+  // The embeddings stage's vision tower; null for checkpoints without vision_config.
+  const VisionTower* vision() const { return embeddings().vision(); }
+  const TextModel& embeddings_model() const { return embeddings().text(); }
+
+ private:
+  Model() = default;
+
+  std::string path_;
+  bool is_bundle_ = false;
+  // Stages keep references into the config, so it stays at one address.
+  std::unique_ptr<ModelConfig> config_;
+  std::vector<std::unique_ptr<Stage>> stages_;
+  std::vector<StageDecl> decls_;
+  std::vector<std::string> notes_;
+  int64_t max_context_ = 0;
+  KvType default_kv_type_ = KvType::F32;
+};
+
+}  // namespace gemstage

@@ -1,0 +1,77 @@
+// One sequence (a conversation) running on a shared Model: its KV caches (one group per
+// transformer stage), the ids those caches hold and so its next position. Each call runs its rows
+// through every stage as named tensors, each checked against the stage's contract: the
+// embeddings stage gets the ids (and the soft tokens of their placeholder rows), each
+// transformer stage the hidden states, only its own slice of the per-layer inputs and the rows'
+// positions, the head the hidden states of the rows whose logits are wanted.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cache/kv_cache.h"
+#include "core/thread_pool.h"
+#include "stage/model.h"
+
+namespace gemstage {
+
+class Sequence {
+ public:
+  // max_context 0: the model's max_context(); kv_type: the model's default_kv_type() if unset.
+  explicit Sequence(std::shared_ptr<const Model> model, int64_t max_context = 0,
+                    std::optional<KvType> kv_type = std::nullopt);
+  // Opens a model for this one sequence (tools that run one conversation).
+  static std::unique_ptr<Sequence> open(const std::string& path, int64_t max_context = 0);
+  ~Sequence();
+
+  const Model& model() const { return *model_; }
+  const std::shared_ptr<const Model>& shared_model() const { return model_; }
+  // Shorthands for the model's own accessors.
+  const ModelConfig& config() const { return model_->config(); }
+  const std::string& path() const { return model_->path(); }
+  bool is_bundle() const { return model_->is_bundle(); }
+  const std::vector<StageDecl>& stages() const { return model_->stage_decls(); }
+  const std::vector<std::string>& notes() const { return model_->notes(); }
+  const std::string& assets_dir() const { return model_->assets_dir(); }
+  const VisionTower* vision() const { return model_->vision(); }
+  const TextModel& embeddings_model() const { return model_->embeddings_model(); }
+  double decode_weight_bytes() const { return model_->decode_weight_bytes(); }
+
+  // The ids the caches hold, in order; n_past() of them, so the next row's position is n_past().
+  const std::vector<int32_t>& tokens() const { return tokens_; }
+  int64_t n_past() const { return static_cast<int64_t>(tokens_.size()); }
+  int64_t max_context() const { return max_context_; }
+  // Drops every KV cache and sizes new ones for max_context (0: keep the current size).
+  void reset(int64_t max_context = 0);
+  KvType kv_type() const { return kv_type_; }
+  // Changes the KV caches' row type; drops the caches, as reset() does.
+  void set_kv_type(KvType t);
+  // Forgets positions n.. in every stage's caches; false (nothing changed) if they cannot.
+  bool truncate(int64_t n);
+
+  // Runs one call's ids at positions n_past().. through every stage; soft_tokens fill the
+  // placeholder rows of these ids in order. Returns logits for every row or only the last.
+  FloatTensor forward(ThreadPool& pool, std::span<const int32_t> ids,
+                      const FloatTensor* soft_tokens, bool all_logits, TapRecorder* taps,
+                      const TextRunOptions& opt = {});
+
+  // Whole prompt in chunks of `chunk` rows (<= 0: one pass), each chunk with the soft tokens of
+  // its own placeholder rows; returns the last chunk's logits.
+  FloatTensor prefill(ThreadPool& pool, std::span<const int32_t> ids,
+                      const FloatTensor* soft_tokens, int64_t chunk, bool all_logits,
+                      TapRecorder* taps, const TextRunOptions& opt = {});
+
+ private:
+  void build_caches();
+
+  std::shared_ptr<const Model> model_;
+  std::vector<std::unique_ptr<KvCache>> caches_;  // per stage; null for stateless stages
+  std::vector<int32_t> tokens_;
+  int64_t max_context_ = 0;
+  KvType kv_type_ = KvType::F32;
+};
+
+}  // namespace gemstage

@@ -1,0 +1,186 @@
+#include "stage/stage.h"
+
+#include <cstring>
+
+#include "core/error.h"
+#include "gemma4/registry.h"
+
+namespace gemstage {
+
+namespace {
+
+TextParts parts_for(const StageDecl& d) {
+  TextParts p = TextParts::none();
+  if (d.role == StageRole::Embeddings) p.embeddings = true;
+  if (d.role == StageRole::FinalNormHead) p.head = true;
+  if (d.role == StageRole::TransformerLayers) {
+    p.layer_begin = d.layers.begin;
+    p.layer_end = d.layers.end;
+  }
+  return p;
+}
+
+// Removes and returns an input the contract check has already validated.
+HostTensor take(TensorMap& in, const std::string& name) {
+  auto it = in.find(name);
+  HostTensor t = std::move(it->second);
+  in.erase(it);
+  return t;
+}
+
+}  // namespace
+
+Stage::Stage(const ModelConfig& config, StageDecl decl, std::shared_ptr<TensorSource> weights)
+    : config_(config), decl_(std::move(decl)), weights_(std::move(weights)) {
+  text_ = std::make_unique<TextModel>(config_,
+                                      bind_text_weights(config_, *weights_, parts_for(decl_)));
+  if (decl_.role == StageRole::Embeddings && config_.vision)
+    vision_ = std::make_unique<VisionTower>(config_, bind_vision_weights(config_, *weights_));
+}
+
+Stage::~Stage() = default;
+
+std::unique_ptr<KvCache> Stage::new_cache(int64_t max_context, KvType kv_type) const {
+  if (decl_.role != StageRole::TransformerLayers) return nullptr;
+  return std::make_unique<KvCache>(
+      make_kv_cache(config_.text, max_context, decl_.layers.begin, decl_.layers.end, kv_type));
+}
+
+TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, KvCache* cache, const TextRunOptions& opt,
+                     TapRecorder* taps) const {
+  DimBindings dims;
+  check_call_tensors(decl_, "input", decl_.contract.inputs, inputs, dims);
+  TensorMap out;
+  switch (decl_.role) {
+    case StageRole::Embeddings:
+      out = run_embeddings(pool, inputs, opt, taps);
+      break;
+    case StageRole::TransformerLayers:
+      out = run_layers(pool, inputs, cache, taps);
+      break;
+    case StageRole::FinalNormHead:
+      out = run_head(pool, inputs, taps);
+      break;
+  }
+  check_call_tensors(decl_, "output", decl_.contract.outputs, out, dims);
+  return out;
+}
+
+FloatTensor Stage::encode_images(ThreadPool& pool, const std::vector<VisionInput>& images,
+                                 TapRecorder* taps) const {
+  if (!vision_)
+    fail("stage '", decl_.id, "' has no vision tower (the model has no vision_config)");
+  return vision_->encode_all(pool, images, taps);
+}
+
+TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOptions& opt,
+                                TapRecorder* taps) const {
+  const std::string where = "stage '" + decl_.id + "' (embeddings)";
+  const HostTensor ids = take(in, "input_ids");
+  FloatTensor soft;
+  const bool pixels = in.count("pixel_values") != 0, positions = in.count("image_position_ids");
+  if (pixels != positions)
+    fail(where, ": pixel_values and image_position_ids come together; got only ",
+         pixels ? "pixel_values" : "image_position_ids");
+  if (pixels && in.count("image_soft_tokens"))
+    fail(where,
+         ": give either pixel_values (the tower runs here) or image_soft_tokens (already "
+         "encoded), not both");
+  if (pixels) {
+    const HostTensor pix = take(in, "pixel_values");
+    const HostTensor pos = take(in, "image_position_ids");
+    const int64_t n_img = pix.shape()[0], np = pix.shape()[1], pd = pix.shape()[2];
+    std::vector<VisionInput> images(static_cast<size_t>(n_img));
+    const auto pv = pix.values<float>();
+    const auto pp = pos.values<int64_t>();
+    for (int64_t b = 0; b < n_img; ++b) {
+      VisionInput& im = images[static_cast<size_t>(b)];
+      im.max_patches = np;
+      im.pixel_values.assign(pv.begin() + b * np * pd, pv.begin() + (b + 1) * np * pd);
+      im.position_ids.assign(pp.begin() + b * np * 2, pp.begin() + (b + 1) * np * 2);
+      try {
+        vision_->num_soft_tokens(im.position_ids.data(), np);  // validates the grid
+      } catch (const Error& e) {
+        fail(where, ": image_position_ids of image ", b, ": ", e.what());
+      }
+    }
+    soft = encode_images(pool, images, taps);
+  } else if (in.count("image_soft_tokens")) {
+    soft = take(in, "image_soft_tokens").take_float();
+  }
+  const auto id_values = ids.values<int32_t>();
+  EmbeddingsOutput e;
+  try {
+    e = text_->embed(pool, id_values, soft.data.empty() ? nullptr : &soft, opt, taps);
+  } catch (const Error& err) {
+    fail(where, ": ", err.what());
+  }
+  const int64_t S = ids.numel();
+  const auto& t = config_.text;
+  TensorMap out;
+  out["hidden_states"] = HostTensor::from(std::move(e.hidden_states));
+  Shape pli_shape{S, t.num_hidden_layers, t.ple_dim()};
+  if (e.per_layer_inputs.data.empty()) e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
+  out["per_layer_inputs"] = HostTensor(pli_shape, std::move(e.per_layer_inputs.data));
+  out["ple_token_ids"] = HostTensor({S}, std::move(e.ple_token_ids));
+  out["image_splice_mask"] = HostTensor({S}, std::move(e.image_splice_mask));
+  return out;
+}
+
+TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache,
+                            TapRecorder* taps) const {
+  const std::string where = "stage '" + decl_.id + "' (transformer_layers " +
+                            decl_.layers.str() + ")";
+  if (!cache) fail(where, ": runs with a sequence's KV cache; none was given");
+  FloatTensor hidden = take(in, "hidden_states").take_float();
+  HostTensor pli_t = take(in, "per_layer_inputs");
+  const HostTensor pos = take(in, "positions");
+  const int64_t S = hidden.dim(0);
+  const auto p = pos.values<int32_t>();
+  for (int64_t r = 0; r < S; ++r)
+    if (p[static_cast<size_t>(r)] != cache->n_past() + r)
+      fail(where, ": positions must be consecutive and continue this sequence's cache, which holds ",
+           cache->n_past(), " positions: expected position ", cache->n_past() + r, " at row ", r,
+           ", got ", p[static_cast<size_t>(r)]);
+  PerLayerInputs pli;
+  if (config_.text.has_ple()) {
+    pli.rows = S;
+    pli.first_layer = decl_.layers.begin;
+    pli.num_layers = decl_.layers.end - decl_.layers.begin;
+    pli.dim = config_.text.ple_dim();
+    const auto v = pli_t.values<float>();
+    pli.data.assign(v.begin(), v.end());
+  }
+  try {
+    text_->run_layers(pool, decl_.layers.begin, decl_.layers.end, cache->n_past(), hidden, pli,
+                      *cache, taps);
+  } catch (const Error& err) {
+    fail(where, ": ", err.what());
+  }
+  TensorMap out;
+  out["hidden_states"] = HostTensor::from(std::move(hidden));
+  return out;
+}
+
+TensorMap Stage::run_head(ThreadPool& pool, TensorMap& in, TapRecorder* taps) const {
+  const FloatTensor hidden = take(in, "hidden_states").take_float();
+  TensorMap out;
+  out["logits"] = HostTensor::from(text_->head(pool, hidden, 0, hidden.dim(0), taps));
+  return out;
+}
+
+double Stage::decode_weight_bytes() const {
+  const TextWeights& w = text_->weights();
+  double b = 0;
+  if (decl_.role == StageRole::FinalNormHead) b += static_cast<double>(w.embed_tokens.nbytes);
+  if (decl_.role != StageRole::TransformerLayers) return b;
+  for (const TextLayerWeights& l : w.layers)
+    if (l.bound)
+      for (const WeightView* v :
+           {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj,
+            &l.per_layer_input_gate, &l.per_layer_projection})
+        b += static_cast<double>(v->nbytes);
+  return b;
+}
+
+}  // namespace gemstage
