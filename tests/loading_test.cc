@@ -6,11 +6,11 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
-#include "kernels/weight_rows.h"
 #include "core/error.h"
 #include "gemma4/config.h"
-#include "gemma4/model.h"
 #include "io/safetensors.h"
+#include "kernels/weight_rows.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -235,22 +235,20 @@ std::string make_sharded_copy(const std::string& name) {
 
 TEST(Checkpoint, ShardedCheckpointLoadsAndMatches) {
   const std::string dir = make_sharded_copy("sharded");
-  auto a = Gemma4Model::open(dir);
-  auto b = Gemma4Model::open(fixture("model"));
-  EXPECT_EQ(a->store().keys(), b->store().keys());
+  EXPECT_EQ(TensorStore::open_dir(dir).keys(), TensorStore::open_dir(fixture("model")).keys());
+  auto a = Sequence::open(dir, 64);
+  auto b = Sequence::open(fixture("model"), 64);
   const std::vector<int32_t> ids = load_ids(fixture("text/input_ids.npy"));
   ThreadPool pool(2);
-  KvCache c1 = make_kv_cache(a->text().config(), 64);
-  KvCache c2 = make_kv_cache(b->text().config(), 64);
-  const FloatTensor la = a->text().forward(pool, ids, nullptr, c1, {}, false, nullptr);
-  const FloatTensor lb = b->text().forward(pool, ids, nullptr, c2, {}, false, nullptr);
+  const FloatTensor la = a->forward(pool, ids, nullptr, false, nullptr);
+  const FloatTensor lb = b->forward(pool, ids, nullptr, false, nullptr);
   EXPECT_EQ(la.data, lb.data);
 }
 
 TEST(Checkpoint, MissingShardIsNamed) {
   const std::string dir = make_sharded_copy("missing_shard");
   fs::remove(dir + "/model-00002-of-00002.safetensors");
-  const std::string msg = error_of([&] { Gemma4Model::open(dir); });
+  const std::string msg = error_of([&] { Model::open(dir); });
   EXPECT_NE(msg.find("model-00002-of-00002.safetensors"), std::string::npos) << msg;
   EXPECT_NE(msg.find("does not exist"), std::string::npos) << msg;
 }
@@ -258,7 +256,7 @@ TEST(Checkpoint, MissingShardIsNamed) {
 TEST(Checkpoint, ShardNameCannotEscapeTheDirectory) {
   const std::string dir = make_sharded_copy("escape");
   write_file(dir + "/model.safetensors.index.json", R"({"weight_map":{"a":"../../etc/passwd"}})");
-  const std::string msg = error_of([&] { Gemma4Model::open(dir); });
+  const std::string msg = error_of([&] { Model::open(dir); });
   EXPECT_NE(msg.find("plain file name"), std::string::npos) << msg;
 }
 
@@ -280,7 +278,7 @@ void expect_checkpoint_error(const std::function<void(nlohmann::json&, std::stri
   }
   edit(h, d);
   write_file(dir + "/model.safetensors", safetensors_bytes(h.dump(), d));
-  const std::string msg = error_of([&] { Gemma4Model::open(dir); });
+  const std::string msg = error_of([&] { Model::open(dir); });
   EXPECT_NE(msg.find(needle), std::string::npos) << msg;
 }
 
@@ -321,7 +319,7 @@ TEST(Checkpoint, KvSharedLayersMayOmitTheirUnusedKv) {
     d.append(static_cast<const char*>(v.data), v.nbytes);
   }
   write_file(dir + "/model.safetensors", safetensors_bytes(h.dump(), d));
-  EXPECT_NO_THROW(Gemma4Model::open(dir));
+  EXPECT_NO_THROW(Model::open(dir));
 }
 
 std::string fixture_config_with(const std::function<void(nlohmann::json&)>& edit) {

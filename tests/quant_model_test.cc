@@ -1,40 +1,21 @@
-// The tiny Gemma 4 decoder with every matrix (embeddings, PLE table, projections, tied LM head)
-// stored as Q8_0 / Q4_0: the readers and matmul dispatch work end to end.
+// The tiny Gemma 4 decoder exported with every matrix (embeddings, PLE table, projections, tied LM
+// head) stored as Q8_0 / Q4_0: the readers and matmul dispatch work end to end.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdio>
-#include <deque>
 #include <memory>
 
-#include "kernels/weight_rows.h"
-#include "gemma4/model.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
+#include "stage/bundle.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 using namespace gemstage;
 using namespace gemstage::testing;
 
 namespace {
-
-// Quantized copies of views; the storage lives as long as the holder.
-struct QuantizedCopies {
-  DType t;
-  std::deque<std::vector<uint8_t>> storage;
-  int converted = 0;
-
-  void convert(WeightView& w) {
-    if (!w.valid() || w.shape.size() != 2 || w.cols() % kQuantBlock != 0) return;
-    std::vector<float> f(static_cast<size_t>(w.rows() * w.cols()));
-    for (int64_t r = 0; r < w.rows(); ++r) weight_row_to_f32(w, r, f.data() + r * w.cols());
-    storage.push_back(quantize_matrix(t, f.data(), w.rows(), w.cols()));
-    w.dtype = t;
-    w.data = storage.back().data();
-    w.nbytes = storage.back().size();
-    ++converted;
-  }
-};
 
 double cosine(const std::vector<float>& a, const std::vector<float>& b) {
   double ab = 0, aa = 0, bb = 0;
@@ -46,18 +27,17 @@ double cosine(const std::vector<float>& a, const std::vector<float>& b) {
   return ab / std::sqrt(aa * bb);
 }
 
-// Every matrix of the tiny model (embeddings, PLE table, projections, tied LM head) as t.
-std::unique_ptr<TextModel> quantized_text(const Gemma4Model& model, DType t, QuantizedCopies* q) {
-  TextWeights w = model.text().weights();
-  q->t = t;
-  q->convert(w.embed_tokens);
-  q->convert(w.embed_tokens_per_layer);
-  q->convert(w.per_layer_model_projection);
-  for (TextLayerWeights& l : w.layers)
-    for (WeightView* v : {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj,
-                          &l.down_proj, &l.per_layer_input_gate, &l.per_layer_projection})
-      q->convert(*v);
-  return std::make_unique<TextModel>(model.config(), std::move(w));
+// The tiny model exported as a bundle with every matrix (embeddings, PLE table, projections,
+// tied LM head) stored as t: the path users run.
+std::string quantized_bundle(DType t) {
+  const std::string dir = temp_dir("quant_model_" + std::string(dtype_name(t)));
+  ExportOptions o;
+  o.stages = "2";
+  o.weights = t == DType::Q8_0 ? "q8_0" : "q4_0";
+  o.ple_weights = "int8";
+  o.progress = false;
+  export_bundle(fixture("model"), dir, o);
+  return dir;
 }
 
 double min_row_cosine(const FloatTensor& a, const FloatTensor& b) {
@@ -79,26 +59,25 @@ double min_row_cosine(const FloatTensor& a, const FloatTensor& b) {
 // end to end they drift further because a last-bit difference can flip an activation's int8
 // code in the next layer.
 TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
-  auto model = Gemma4Model::open(fixture("model"));
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(2);
-  auto run = [&](const TextModel& text) {
-    KvCache cache = make_kv_cache(text.config(), 256);
-    return text.forward(pool, ids, nullptr, cache, {}, true, nullptr);
+  // f32 KV rows throughout, so only the weights' format differs between the runs.
+  auto run = [&](const std::shared_ptr<const Model>& model) {
+    Sequence seq(model, 256, KvType::F32);
+    return seq.forward(pool, ids, nullptr, true, nullptr);
   };
-  const FloatTensor want = run(model->text());
+  const FloatTensor want = run(Model::open(fixture("model")));
   double cos[2];
   for (DType t : {DType::Q8_0, DType::Q4_0}) {
-    QuantizedCopies q{t, {}, 0};
-    auto text = quantized_text(*model, t, &q);
-    EXPECT_GE(q.converted, 3 + 7 * static_cast<int>(model->text().weights().layers.size()));
+    const auto text = Model::open(quantized_bundle(t));
+    EXPECT_EQ(text->stages()[1]->text().weights().layers[0].q_proj.dtype, t);
     quant_enable_amx(false);
-    const FloatTensor got = run(*text);
+    const FloatTensor got = run(text);
     quant_enable_amx(true);
     ASSERT_EQ(got.shape, want.shape);
     for (float v : got.data) ASSERT_TRUE(std::isfinite(v));
     matmul_force_scalar(true);
-    const FloatTensor scalar = run(*text);
+    const FloatTensor scalar = run(text);
     matmul_force_scalar(false);
     const double self = min_row_cosine(scalar, got);
     EXPECT_GE(self, 0.995) << dtype_name(t);
@@ -108,7 +87,7 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     // The prefill on AMX tiles (bf16 operands instead of int8 activations) must track f32 at
     // least about as well as the int8 kernels do.
     if (quant_best_isa() == QuantIsa::AmxBf16) {
-      const FloatTensor tiles = run(*text);
+      const FloatTensor tiles = run(text);
       for (float v : tiles.data) ASSERT_TRUE(std::isfinite(v));
       const double amx_cos = min_row_cosine(want, tiles);
       std::printf("%s: AMX prefill min row cosine vs f32 %.4f (int8 kernels %.4f)\n",

@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "core/error.h"
-#include "gemma4/model.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -33,19 +33,18 @@ class TextParity : public ::testing::TestWithParam<Case> {};
 
 TEST_P(TextParity, EveryTapWithinToleranceAndGreedyDecodeExact) {
   const Case c = GetParam();
-  auto model = Gemma4Model::open(fixture(c.model));
-  const TextModel& text = model->text();
+  auto seq = Sequence::open(fixture(c.model), 256);
+  const TextConfig& tc = seq->config().text;
   const std::string dir = fixture(c.fixture) + "/";
   const std::vector<int32_t> ids = load_ids(dir + "input_ids.npy");
   ThreadPool pool(2);
   TapRecorder taps({"all"});
-  KvCache cache = make_kv_cache(text.config(), 256);
   const size_t chunk = c.chunk > 0 ? static_cast<size_t>(c.chunk) : ids.size();
   FloatTensor last;
   for (size_t b = 0; b < ids.size(); b += chunk)
-    last = text.forward(pool,
+    last = seq->forward(pool,
                         std::span<const int32_t>(ids).subspan(b, std::min(chunk, ids.size() - b)),
-                        nullptr, cache, {}, true, &taps);
+                        nullptr, true, &taps);
 
   for (const auto& [tap, atol] : kTapTolerances) {
     if (!std::filesystem::exists(dir + tap + ".npy")) continue;
@@ -57,7 +56,7 @@ TEST_P(TextParity, EveryTapWithinToleranceAndGreedyDecodeExact) {
   // Greedy decode with the KV cache: ids exact, logits within tolerance.
   const std::vector<int64_t> want_ids = load_npy(dir + "decode_ids.npy").to_i64();
   const std::vector<float> want_logits = load_npy(dir + "decode_logits.npy").to_f32();
-  const int64_t V = text.config().vocab_size;
+  const int64_t V = tc.vocab_size;
   std::vector<float> row(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
   for (size_t step = 0; step < want_ids.size(); ++step) {
     int64_t best = 0;
@@ -68,8 +67,7 @@ TEST_P(TextParity, EveryTapWithinToleranceAndGreedyDecodeExact) {
                                       want_logits.begin() + static_cast<int64_t>(step + 1) * V);
     EXPECT_LE(max_abs_diff(row, want_row), 5e-4) << "decode_logits step " << step;
     const int32_t next = static_cast<int32_t>(want_ids[step]);
-    FloatTensor l =
-        text.forward(pool, std::span<const int32_t>(&next, 1), nullptr, cache, {}, false, nullptr);
+    FloatTensor l = seq->forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
     row.assign(l.row(0), l.row(0) + V);
   }
 }
@@ -85,21 +83,19 @@ INSTANTIATE_TEST_SUITE_P(
 
 // Incremental decode equals recomputing the whole sequence from scratch at every step.
 TEST(TextDecode, IncrementalMatchesFullRecompute) {
-  auto model = Gemma4Model::open(fixture("model"));
-  const TextModel& text = model->text();
+  auto model = Model::open(fixture("model"));
   const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
   ThreadPool pool(2);
   const size_t prompt = 20;
-  KvCache cache = make_kv_cache(text.config(), 64);
-  FloatTensor inc = text.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, cache,
-                                 {}, false, nullptr);
+  Sequence cache(model, 64, KvType::F32);
+  FloatTensor inc =
+      cache.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, false, nullptr);
   for (size_t n = prompt; n < seq.size(); ++n) {
-    KvCache fresh = make_kv_cache(text.config(), 64);
-    FloatTensor full = text.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, fresh,
-                                    {}, false, nullptr);
+    Sequence fresh(model, 64, KvType::F32);
+    FloatTensor full =
+        fresh.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, false, nullptr);
     EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
-    inc = text.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, cache, {}, false,
-                       nullptr);
+    inc = cache.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, false, nullptr);
   }
 }
 
@@ -107,43 +103,40 @@ TEST(TextDecode, IncrementalMatchesFullRecompute) {
 // token by token still equals recomputing the sequence, and the logits stay near the f32-cache
 // golden ones (the rounding is 2^-9 relative, the tiny model's logits are O(1)).
 TEST(TextDecode, Bf16CacheIncrementalMatchesFullRecomputeAndStaysNearReference) {
-  auto model = Gemma4Model::open(fixture("model"));
-  const TextModel& text = model->text();
+  auto model = Model::open(fixture("model"));
   const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
   const std::vector<int32_t> prompt_ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(2);
   const size_t prompt = 20;
-  KvCache cache = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
+  Sequence cache(model, 64, KvType::BF16);
   ASSERT_EQ(cache.kv_type(), KvType::BF16);
-  FloatTensor inc = text.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, cache,
-                                 {}, false, nullptr);
+  FloatTensor inc =
+      cache.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, false, nullptr);
   for (size_t n = prompt; n < seq.size(); ++n) {
-    KvCache fresh = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
-    FloatTensor full = text.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, fresh,
-                                    {}, false, nullptr);
+    Sequence fresh(model, 64, KvType::BF16);
+    FloatTensor full =
+        fresh.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, false, nullptr);
     EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
-    inc = text.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, cache, {}, false,
-                       nullptr);
+    inc = cache.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, false, nullptr);
   }
-  KvCache f32 = make_kv_cache(text.config(), 64);
-  KvCache bf16 = make_kv_cache(text.config(), 64, 0, -1, KvType::BF16);
-  const FloatTensor a = text.forward(pool, prompt_ids, nullptr, f32, {}, true, nullptr);
-  const FloatTensor b = text.forward(pool, prompt_ids, nullptr, bf16, {}, true, nullptr);
+  Sequence f32(model, 64, KvType::F32);
+  Sequence bf16(model, 64, KvType::BF16);
+  const FloatTensor a = f32.forward(pool, prompt_ids, nullptr, true, nullptr);
+  const FloatTensor b = bf16.forward(pool, prompt_ids, nullptr, true, nullptr);
   const double d = max_abs_diff(a.data, b.data);
   EXPECT_GT(d, 0.0) << "the bf16 cache changed nothing: is it really bf16?";
   EXPECT_LE(d, 0.05);
-  EXPECT_LT(bf16.bytes(), f32.bytes());
+  EXPECT_LT(bf16.cache_bytes(), f32.cache_bytes());
 }
 
 // bf16 compute mode rounds sqrt(D) to bf16 before the multiply, as HF running in bf16 does.
 TEST(TextDecode, Bf16EmbedScaleMatchesReferenceVariant) {
-  auto model = Gemma4Model::open(fixture("model_bf16"));
+  auto seq = Sequence::open(fixture("model_bf16"), 64);
   const std::vector<int32_t> ids = load_ids(fixture("text_bf16/input_ids.npy"));
   ThreadPool pool(2);
-  KvCache cache = make_kv_cache(model->text().config(), 64);
   TextRunOptions opt;
   opt.embed_scale = EmbedScaleMode::BF16;
-  FloatTensor logits = model->text().forward(pool, ids, nullptr, cache, opt, true, nullptr);
+  FloatTensor logits = seq->forward(pool, ids, nullptr, true, nullptr, opt);
   expect_close(logits, fixture("text_bf16/logits_bf16_embed_scale.npy"), 5e-4,
                "logits (bf16 embed scale)");
   // And the variant really differs from the f32-scale logits, so the switch is observable.
@@ -152,12 +145,11 @@ TEST(TextDecode, Bf16EmbedScaleMatchesReferenceVariant) {
 }
 
 TEST(TextDecode, ContextLimitIsAClearError) {
-  auto model = Gemma4Model::open(fixture("model"));
+  auto seq = Sequence::open(fixture("model"), 16);
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
   ThreadPool pool(1);
-  KvCache cache = make_kv_cache(model->text().config(), 16);
   try {
-    model->text().forward(pool, ids, nullptr, cache, {}, false, nullptr);
+    seq->forward(pool, ids, nullptr, false, nullptr);
     FAIL() << "expected a context-limit error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("context"), std::string::npos) << e.what();

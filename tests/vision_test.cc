@@ -11,13 +11,13 @@
 #include <memory>
 #include <string>
 
-#include "kernels/weight_rows.h"
 #include "core/error.h"
-#include "gemma4/model.h"
 #include "gemma4/multimodal.h"
 #include "gemma4/registry.h"
 #include "gemma4/vision_model.h"
 #include "io/npy.h"
+#include "kernels/weight_rows.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -61,17 +61,25 @@ double max_abs(const FloatTensor& a, const FloatTensor& b, int64_t n_rows = -1) 
   return m;
 }
 
-const Gemma4Model& model(bool bf16) {
-  static std::unique_ptr<Gemma4Model> f32 = Gemma4Model::open(fx("model"));
-  static std::unique_ptr<Gemma4Model> b16 = Gemma4Model::open(fx("model_bf16"));
-  return bf16 ? *b16 : *f32;
+const std::shared_ptr<const Model>& shared_model(bool bf16) {
+  static const std::shared_ptr<const Model> f32 = Model::open(fx("model"));
+  static const std::shared_ptr<const Model> b16 = Model::open(fx("model_bf16"));
+  return bf16 ? b16 : f32;
+}
+const Model& model(bool bf16) {
+  return *shared_model(bf16);
+}
+
+const TensorStore& fixture_store() {
+  static const TensorStore store = TensorStore::open_dir(fx("model"));
+  return store;
 }
 
 std::string mm_dir(bool bf16) {
   return fx(bf16 ? "multimodal_bf16/" : "multimodal/");
 }
 
-std::vector<VisionInput> fixture_images(const Gemma4Model& m) {
+std::vector<VisionInput> fixture_images(const Model& m) {
   return vision_inputs_from_arrays(load_npy(fx("multimodal/pixel_values.npy")),
                                    load_npy(fx("multimodal/image_position_ids.npy")),
                                    m.vision()->patch_dim(), "pixel_values.npy",
@@ -85,7 +93,8 @@ struct MmRun {
 };
 
 // The dump pipeline in-process: vision -> chunked prefill -> greedy decode.
-MmRun run_multimodal(const Gemma4Model& m, PleIdentity mode, int64_t chunk, int steps) {
+MmRun run_multimodal(bool bf16, PleIdentity mode, int64_t chunk, int steps) {
+  const Model& m = model(bf16);
   MmRun r;
   r.taps = std::make_unique<TapRecorder>(std::vector<std::string>{"all"});
   ThreadPool pool(2);
@@ -93,10 +102,9 @@ MmRun run_multimodal(const Gemma4Model& m, PleIdentity mode, int64_t chunk, int 
   const FloatTensor soft = m.vision()->encode_all(pool, fixture_images(m), r.taps.get());
   TextRunOptions opt;
   opt.ple_identity = mode;
-  const TextConfig& tc = m.text().config();
-  KvCache cache = make_kv_cache(tc, static_cast<int64_t>(ids.size()) + steps + 1);
-  FloatTensor last =
-      prefill(pool, m.text(), m.config(), ids, &soft, cache, opt, chunk, true, r.taps.get());
+  const TextConfig& tc = m.config().text;
+  Sequence seq(shared_model(bf16), static_cast<int64_t>(ids.size()) + steps + 1);
+  FloatTensor last = seq.prefill(pool, ids, &soft, chunk, true, r.taps.get(), opt);
   const int64_t V = tc.vocab_size;
   std::vector<float> row(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
   r.decode_logits = FloatTensor({steps, V});
@@ -108,8 +116,8 @@ MmRun run_multimodal(const Gemma4Model& m, PleIdentity mode, int64_t chunk, int 
     std::copy(row.begin(), row.end(), r.decode_logits.row(s));
     if (s + 1 == steps) break;
     const int32_t next = static_cast<int32_t>(best);
-    FloatTensor l = m.text().forward(pool, std::span<const int32_t>(&next, 1), nullptr, cache, opt,
-                                     false, nullptr);
+    FloatTensor l =
+        seq.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr, opt);
     row.assign(l.row(0), l.row(0) + V);
   }
   return r;
@@ -264,11 +272,11 @@ TEST(ClippableLinear, ClampsInputThenOutput) {
 }
 
 TEST(VisionWeights, ClipScalarsAreBoundFromTheCheckpoint) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   ASSERT_NE(m.vision(), nullptr);
   const VisionLayerWeights& l0 = m.vision()->weights().layers.at(0);
   const float expect = weight_at(
-      m.store().view("model.vision_tower.encoder.layers.0.self_attn.q_proj.input_max"), 0);
+      fixture_store().view("model.vision_tower.encoder.layers.0.self_attn.q_proj.input_max"), 0);
   EXPECT_EQ(l0.q_proj.input_max, expect);
   EXPECT_TRUE(std::isfinite(l0.q_proj.input_min));
   EXPECT_LT(l0.q_proj.input_min, l0.q_proj.input_max);
@@ -277,12 +285,12 @@ TEST(VisionWeights, ClipScalarsAreBoundFromTheCheckpoint) {
 }
 
 TEST(VisionWeights, WithoutClippedLinearsTheBoundsAreInfinite) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   ModelConfig c = m.config();
   c.vision->use_clipped_linears = false;
   for (const TensorSpec& sp : vision_tensor_specs(c))
     EXPECT_EQ(sp.key.find("input_min"), std::string::npos) << sp.key;
-  const VisionWeights w = bind_vision_weights(c, m.store());
+  const VisionWeights w = bind_vision_weights(c, fixture_store());
   for (const VisionLayerWeights& l : w.layers)
     for (const ClippableLinear* cl :
          {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj}) {
@@ -323,7 +331,7 @@ TEST(VisionWeights, TextOnlyCheckpointHasNoTower) {
     std::fclose(f);
   }
   std::filesystem::create_symlink(fx("model/model.safetensors"), dir / "model.safetensors");
-  const auto m = Gemma4Model::open(dir.string());
+  const auto m = Model::open(dir.string());
   EXPECT_EQ(m->vision(), nullptr);
   std::filesystem::remove_all(dir);
 }
@@ -332,7 +340,7 @@ TEST(VisionWeights, TextOnlyCheckpointHasNoTower) {
 // input validation
 
 TEST(VisionInputs, FixtureGridIs21x24WithPadding) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   const std::vector<VisionInput> imgs = fixture_images(m);
   ASSERT_EQ(imgs.size(), 1u);
   EXPECT_EQ(imgs[0].max_patches, 630);
@@ -376,7 +384,7 @@ TEST(VisionInputs, RejectsBadPositionIds) {
 }
 
 TEST(VisionInputs, RejectsWrongPixelWidthAndMismatchedArrays) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   NpyArray pix = load_npy(fx("multimodal/pixel_values.npy"));
   const NpyArray pos = load_npy(fx("multimodal/image_position_ids.npy"));
   NpyArray narrow = pix;
@@ -400,7 +408,7 @@ TEST(VisionInputs, RejectsWrongPixelWidthAndMismatchedArrays) {
 }
 
 TEST(VisionTower, EncodeRejectsBadPositionIds) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   std::vector<VisionInput> imgs = fixture_images(m);
   imgs[0].position_ids[2 * 10] = 40;
   ThreadPool pool(2);
@@ -415,7 +423,7 @@ class VisionFixture : public ::testing::TestWithParam<bool> {};
 
 TEST_P(VisionFixture, EveryVisionTapMatches) {
   const bool bf16 = GetParam();
-  const Gemma4Model& m = model(bf16);
+  const Model& m = model(bf16);
   const std::string dir = mm_dir(bf16);
   TapRecorder taps({"all"});
   ThreadPool pool(2);
@@ -454,7 +462,7 @@ INSTANTIATE_TEST_SUITE_P(F32AndBf16, VisionFixture, ::testing::Values(false, tru
                          [](const auto& p) { return p.param ? "bf16" : "f32"; });
 
 TEST(VisionTower, SeveralImagesConcatenateInOrder) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   ThreadPool pool(2);
   const VisionInput a = fixture_images(m)[0];
   // Image b: the top-left 9x12 patches of a, padded to 117 rows (13 * 9), order shuffled.
@@ -493,7 +501,7 @@ class MultimodalFixture : public ::testing::TestWithParam<bool> {};
 TEST_P(MultimodalFixture, PrefillAndDecodeMatch) {
   const bool bf16 = GetParam();
   const std::string dir = mm_dir(bf16);
-  const MmRun r = run_multimodal(model(bf16), PleIdentity::Pad, 0, 8);
+  const MmRun r = run_multimodal(bf16, PleIdentity::Pad, 0, 8);
   const TapRecorder& t = *r.taps;
   const double e_ie = max_abs(t.get("inputs_embeds"), load_f32(dir + "inputs_embeds.npy"));
   const double e_pli = max_abs(t.get("per_layer_inputs"), load_f32(dir + "per_layer_inputs.npy"));
@@ -517,10 +525,10 @@ TEST_P(MultimodalFixture, ChunkedPrefillGivesTheSameLogits) {
   const bool bf16 = GetParam();
   const FloatTensor want = load_f32(mm_dir(bf16) + "logits.npy");
   const std::vector<int64_t> want_ids = load_npy(mm_dir(bf16) + "decode_ids.npy").to_i64();
-  const MmRun whole = run_multimodal(model(bf16), PleIdentity::Pad, 0, 8);
+  const MmRun whole = run_multimodal(bf16, PleIdentity::Pad, 0, 8);
   const FloatTensor lw = whole.taps->get("logits");
   for (int64_t chunk : {1, 7}) {
-    const MmRun r = run_multimodal(model(bf16), PleIdentity::Pad, chunk, 8);
+    const MmRun r = run_multimodal(bf16, PleIdentity::Pad, chunk, 8);
     const FloatTensor l = r.taps->get("logits");
     const double e = max_abs(l, want), d = max_abs(l, lw);
     std::cout << (bf16 ? "[bf16]" : "[f32]") << " chunk " << chunk << ": max_abs logits vs fixture "
@@ -535,14 +543,15 @@ TEST_P(MultimodalFixture, ChunkedPrefillGivesTheSameLogits) {
 
 TEST_P(MultimodalFixture, PlaceholderRowsGetThePadPleIdentity) {
   const bool bf16 = GetParam();
-  const Gemma4Model& m = model(bf16);
-  const MmRun r = run_multimodal(m, PleIdentity::Pad, 0, 1);
+  const Model& m = model(bf16);
+  const MmRun r = run_multimodal(bf16, PleIdentity::Pad, 0, 1);
   const FloatTensor ple = r.taps->get("ple_token_embeds");  // [70, L, P]
   EXPECT_LE(max_abs(ple, load_f32(mm_dir(bf16) + "ple_token_embeds.npy")), 1e-6);
-  const TextConfig& tc = m.text().config();
+  const TextConfig& tc = m.config().text;
   const int64_t LP = int64_t{tc.num_hidden_layers} * tc.ple_dim();
   std::vector<float> pad_row(static_cast<size_t>(LP));
-  weight_row_to_f32(m.text().weights().embed_tokens_per_layer, tc.pad_token_id, pad_row.data());
+  weight_row_to_f32(m.embeddings_model().weights().embed_tokens_per_layer, tc.pad_token_id,
+                    pad_row.data());
   const float scale = std::sqrt(static_cast<float>(tc.ple_dim()));
   const std::vector<int64_t> rows = image_rows();
   ASSERT_EQ(rows.size(), 56u);
@@ -556,8 +565,8 @@ TEST_P(MultimodalFixture, PlaceholderRowsGetThePadPleIdentity) {
 TEST_P(MultimodalFixture, RawIdDiagnosticReproducesTheKnownWrongOutputs) {
   const bool bf16 = GetParam();
   const std::string dir = mm_dir(bf16);
-  const MmRun pad = run_multimodal(model(bf16), PleIdentity::Pad, 0, 8);
-  const MmRun raw = run_multimodal(model(bf16), PleIdentity::Raw, 0, 8);
+  const MmRun pad = run_multimodal(bf16, PleIdentity::Pad, 0, 8);
+  const MmRun raw = run_multimodal(bf16, PleIdentity::Raw, 0, 8);
   EXPECT_EQ(raw.decode_ids, load_npy(dir + "decode_ids_rawid.npy").to_i64());
   EXPECT_NE(raw.decode_ids, pad.decode_ids);
   if (!bf16) {  // the bf16 fixture carries only decode_ids_rawid
@@ -598,23 +607,21 @@ INSTANTIATE_TEST_SUITE_P(F32AndBf16, MultimodalFixture, ::testing::Values(false,
 // splice errors
 
 TEST(Multimodal, PlaceholderCountMustEqualSoftTokens) {
-  const Gemma4Model& m = model(false);
+  const Model& m = model(false);
   ThreadPool pool(2);
   const FloatTensor soft = m.vision()->encode_all(pool, fixture_images(m), nullptr);
   std::vector<int32_t> ids = load_ids32(fx("multimodal/input_ids.npy"));
   ids.erase(ids.begin() + 10);  // 55 placeholders for 56 soft tokens
-  KvCache cache = make_kv_cache(m.text().config(), 128);
+  Sequence seq(shared_model(false), 128);
   TextRunOptions opt;
-  std::string e = error_of(
-      [&] { prefill(pool, m.text(), m.config(), ids, &soft, cache, opt, 7, false, nullptr); });
+  std::string e = error_of([&] { seq.prefill(pool, ids, &soft, 7, false, nullptr, opt); });
   EXPECT_NE(e.find("55 image/audio/video placeholder tokens but the images yield 56"),
             std::string::npos)
       << e;
-  e = error_of([&] { m.text().embed(pool, ids, &soft, opt, nullptr); });
+  e = error_of([&] { m.embeddings_model().embed(pool, ids, &soft, opt, nullptr); });
   EXPECT_NE(e.find("55"), std::string::npos) << e;
   ids = load_ids32(fx("multimodal/input_ids.npy"));
-  e = error_of(
-      [&] { prefill(pool, m.text(), m.config(), ids, nullptr, cache, opt, 0, false, nullptr); });
+  e = error_of([&] { seq.prefill(pool, ids, nullptr, 0, false, nullptr, opt); });
   EXPECT_NE(e.find("56 image/audio/video placeholder tokens but the images yield 0"),
             std::string::npos)
       << e;

@@ -9,11 +9,10 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <vector>
-
-#include <span>
 
 namespace gemstage {
 

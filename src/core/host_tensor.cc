@@ -53,8 +53,7 @@ void HostTensor::check_size(size_t n) const {
   for (int64_t d : shape_)
     if (d < 0) fail("tensor shape ", shape_str(shape_), " has a negative dimension");
   if (static_cast<int64_t>(n) != shape_numel(shape_))
-    fail("tensor of shape ", shape_str(shape_), " needs ", shape_numel(shape_), " values, got ",
-         n);
+    fail("tensor of shape ", shape_str(shape_), " needs ", shape_numel(shape_), " values, got ", n);
 }
 
 void HostTensor::wrong_type(ElemType want) const {

@@ -28,7 +28,9 @@ class HostTensor {
   HostTensor(Shape shape, std::vector<int64_t> v);
   HostTensor(Shape shape, std::vector<uint8_t> v);
   // Takes over an activation tensor's values without copying them.
-  static HostTensor from(FloatTensor&& t) { return HostTensor(std::move(t.shape), std::move(t.data)); }
+  static HostTensor from(FloatTensor&& t) {
+    return HostTensor(std::move(t.shape), std::move(t.data));
+  }
 
   ElemType type() const { return static_cast<ElemType>(values_.index()); }
   const Shape& shape() const { return shape_; }

@@ -1,4 +1,3 @@
-#include "kernels/weight_rows.h"
 #include "stage/bundle.h"
 
 #include <openssl/evp.h>
@@ -19,6 +18,7 @@
 #include "io/safetensors.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
+#include "kernels/weight_rows.h"
 #include "stage/partition.h"
 #include "stage/sequence.h"
 #include "stage/weights_file.h"

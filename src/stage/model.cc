@@ -38,13 +38,17 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
     m->max_context_ = c.text.max_position_embeddings;
     const int L = c.text.num_hidden_layers;
     const LayerRange all{0, L};
-    plan.emplace_back(StageDecl{"embeddings", StageRole::Embeddings, {0, 0},
+    plan.emplace_back(StageDecl{"embeddings",
+                                StageRole::Embeddings,
+                                {0, 0},
                                 contract_for(StageRole::Embeddings, {0, 0}, c)},
                       store);
     plan.emplace_back(StageDecl{"layers_0_" + std::to_string(L), StageRole::TransformerLayers, all,
                                 contract_for(StageRole::TransformerLayers, all, c)},
                       store);
-    plan.emplace_back(StageDecl{"head", StageRole::FinalNormHead, {0, 0},
+    plan.emplace_back(StageDecl{"head",
+                                StageRole::FinalNormHead,
+                                {0, 0},
                                 contract_for(StageRole::FinalNormHead, {0, 0}, c)},
                       store);
   }

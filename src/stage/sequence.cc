@@ -40,6 +40,13 @@ void Sequence::set_kv_type(KvType t) {
   build_caches();
 }
 
+size_t Sequence::cache_bytes() const {
+  size_t b = 0;
+  for (const auto& c : caches_)
+    if (c) b += c->bytes();
+  return b;
+}
+
 bool Sequence::truncate(int64_t n) {
   if (n < 0 || n > n_past()) return false;
   for (const auto& c : caches_)
@@ -67,48 +74,46 @@ FloatTensor Sequence::forward(ThreadPool& pool, std::span<const int32_t> ids,
   TensorMap logits;
   const auto& stages = model_->stages();
   try {
-  for (size_t i = 0; i < stages.size(); ++i) {
-    const Stage& st = *stages[i];
-    TensorMap in;
-    switch (st.role()) {
-      case StageRole::Embeddings:
-        in["input_ids"] = HostTensor({S}, std::vector<int32_t>(ids.begin(), ids.end()));
-        if (soft_tokens && soft_tokens->numel() > 0)
-          in["image_soft_tokens"] = HostTensor(soft_tokens->shape, soft_tokens->data);
-        flow = st.run(pool, std::move(in), nullptr, opt, taps);
-        break;
-      case StageRole::TransformerLayers: {
-        // Only this stage's slice of the per-layer inputs crosses the boundary.
-        const LayerRange r = st.decl().layers;
-        const HostTensor& all = flow.at("per_layer_inputs");
-        const int64_t L = all.shape()[1], P = all.shape()[2], n = r.end - r.begin;
-        std::vector<float> slice(static_cast<size_t>(S * n * P));
-        const auto src = all.values<float>();
-        for (int64_t row = 0; row < S; ++row)
-          std::copy_n(src.begin() + (row * L + r.begin) * P, n * P,
-                      slice.begin() + row * n * P);
-        in["hidden_states"] = std::move(flow.at("hidden_states"));
-        in["per_layer_inputs"] = HostTensor({S, n, P}, std::move(slice));
-        in["positions"] = HostTensor({S}, positions);
-        TensorMap out = st.run(pool, std::move(in), caches_[i].get(), opt, taps);
-        flow["hidden_states"] = std::move(out.at("hidden_states"));
-        break;
-      }
-      case StageRole::FinalNormHead: {
-        HostTensor& h = flow.at("hidden_states");
-        if (all_logits) {
-          in["hidden_states"] = std::move(h);
-        } else {
-          const int64_t D = h.shape()[1];
-          const auto v = h.values<float>();
-          in["hidden_states"] =
-              HostTensor({1, D}, std::vector<float>(v.end() - D, v.end()));
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const Stage& st = *stages[i];
+      TensorMap in;
+      switch (st.role()) {
+        case StageRole::Embeddings:
+          in["input_ids"] = HostTensor({S}, std::vector<int32_t>(ids.begin(), ids.end()));
+          if (soft_tokens && soft_tokens->numel() > 0)
+            in["image_soft_tokens"] = HostTensor(soft_tokens->shape, soft_tokens->data);
+          flow = st.run(pool, std::move(in), nullptr, opt, taps);
+          break;
+        case StageRole::TransformerLayers: {
+          // Only this stage's slice of the per-layer inputs crosses the boundary.
+          const LayerRange r = st.decl().layers;
+          const HostTensor& all = flow.at("per_layer_inputs");
+          const int64_t L = all.shape()[1], P = all.shape()[2], n = r.end - r.begin;
+          std::vector<float> slice(static_cast<size_t>(S * n * P));
+          const auto src = all.values<float>();
+          for (int64_t row = 0; row < S; ++row)
+            std::copy_n(src.begin() + (row * L + r.begin) * P, n * P, slice.begin() + row * n * P);
+          in["hidden_states"] = std::move(flow.at("hidden_states"));
+          in["per_layer_inputs"] = HostTensor({S, n, P}, std::move(slice));
+          in["positions"] = HostTensor({S}, positions);
+          TensorMap out = st.run(pool, std::move(in), caches_[i].get(), opt, taps);
+          flow["hidden_states"] = std::move(out.at("hidden_states"));
+          break;
         }
-        logits = st.run(pool, std::move(in), nullptr, opt, taps);
-        break;
+        case StageRole::FinalNormHead: {
+          HostTensor& h = flow.at("hidden_states");
+          if (all_logits) {
+            in["hidden_states"] = std::move(h);
+          } else {
+            const int64_t D = h.shape()[1];
+            const auto v = h.values<float>();
+            in["hidden_states"] = HostTensor({1, D}, std::vector<float>(v.end() - D, v.end()));
+          }
+          logits = st.run(pool, std::move(in), nullptr, opt, taps);
+          break;
+        }
       }
     }
-  }
   } catch (...) {
     // A failed call leaves the sequence as it was: no stage keeps the rows it appended.
     for (const auto& cache : caches_)

@@ -47,6 +47,8 @@ class Sequence {
   // Drops every KV cache and sizes new ones for max_context (0: keep the current size).
   void reset(int64_t max_context = 0);
   KvType kv_type() const { return kv_type_; }
+  // Bytes the KV caches hold now.
+  size_t cache_bytes() const;
   // Changes the KV caches' row type; drops the caches, as reset() does.
   void set_kv_type(KvType t);
   // Forgets positions n.. in every stage's caches; false (nothing changed) if they cannot.

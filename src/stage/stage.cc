@@ -32,8 +32,8 @@ HostTensor take(TensorMap& in, const std::string& name) {
 
 Stage::Stage(const ModelConfig& config, StageDecl decl, std::shared_ptr<TensorSource> weights)
     : config_(config), decl_(std::move(decl)), weights_(std::move(weights)) {
-  text_ = std::make_unique<TextModel>(config_,
-                                      bind_text_weights(config_, *weights_, parts_for(decl_)));
+  text_ =
+      std::make_unique<TextModel>(config_, bind_text_weights(config_, *weights_, parts_for(decl_)));
   if (decl_.role == StageRole::Embeddings && config_.vision)
     vision_ = std::make_unique<VisionTower>(config_, bind_vision_weights(config_, *weights_));
 }
@@ -68,8 +68,7 @@ TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, KvCache* cache, const T
 
 FloatTensor Stage::encode_images(ThreadPool& pool, const std::vector<VisionInput>& images,
                                  TapRecorder* taps) const {
-  if (!vision_)
-    fail("stage '", decl_.id, "' has no vision tower (the model has no vision_config)");
+  if (!vision_) fail("stage '", decl_.id, "' has no vision tower (the model has no vision_config)");
   return vision_->encode_all(pool, images, taps);
 }
 
@@ -120,7 +119,8 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
   TensorMap out;
   out["hidden_states"] = HostTensor::from(std::move(e.hidden_states));
   Shape pli_shape{S, t.num_hidden_layers, t.ple_dim()};
-  if (e.per_layer_inputs.data.empty()) e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
+  if (e.per_layer_inputs.data.empty())
+    e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
   out["per_layer_inputs"] = HostTensor(pli_shape, std::move(e.per_layer_inputs.data));
   out["ple_token_ids"] = HostTensor({S}, std::move(e.ple_token_ids));
   out["image_splice_mask"] = HostTensor({S}, std::move(e.image_splice_mask));
@@ -129,8 +129,8 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
 
 TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache,
                             TapRecorder* taps) const {
-  const std::string where = "stage '" + decl_.id + "' (transformer_layers " +
-                            decl_.layers.str() + ")";
+  const std::string where =
+      "stage '" + decl_.id + "' (transformer_layers " + decl_.layers.str() + ")";
   if (!cache) fail(where, ": runs with a sequence's KV cache; none was given");
   FloatTensor hidden = take(in, "hidden_states").take_float();
   HostTensor pli_t = take(in, "per_layer_inputs");
@@ -139,7 +139,8 @@ TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache,
   const auto p = pos.values<int32_t>();
   for (int64_t r = 0; r < S; ++r)
     if (p[static_cast<size_t>(r)] != cache->n_past() + r)
-      fail(where, ": positions must be consecutive and continue this sequence's cache, which holds ",
+      fail(where,
+           ": positions must be consecutive and continue this sequence's cache, which holds ",
            cache->n_past(), " positions: expected position ", cache->n_past() + r, " at row ", r,
            ", got ", p[static_cast<size_t>(r)]);
   PerLayerInputs pli;
