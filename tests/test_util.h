@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -67,9 +68,15 @@ inline std::string error_of(const std::function<void()>& fn) {
   return "(no error)";
 }
 
+// Largest |a[i] - b[i]|. Vectors of different sizes are a test failure (and infinitely far
+// apart), so an empty or truncated result can never pass a tolerance.
 inline double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) {
+    ADD_FAILURE() << "max_abs_diff: comparing " << a.size() << " values with " << b.size();
+    return std::numeric_limits<double>::infinity();
+  }
   double m = 0;
-  for (size_t i = 0; i < a.size() && i < b.size(); ++i)
+  for (size_t i = 0; i < a.size(); ++i)
     m = std::max(m, std::fabs(static_cast<double>(a[i]) - b[i]));
   return m;
 }

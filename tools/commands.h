@@ -27,5 +27,6 @@ void add_tokenize_command(CLI::App& app, Registry& reg);
 void add_detokenize_command(CLI::App& app, Registry& reg);
 void add_parity_command(CLI::App& app, Registry& reg);
 void add_serve_command(CLI::App& app, Registry& reg);
+void add_run_stage_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

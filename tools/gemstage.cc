@@ -33,6 +33,7 @@ int main(int argc, char** argv) {
   gemstage::cli::add_detokenize_command(app, reg);
   gemstage::cli::add_parity_command(app, reg);
   gemstage::cli::add_serve_command(app, reg);
+  gemstage::cli::add_run_stage_command(app, reg);
   // llama.cpp spells serve's --parallel as -np; CLI11 only takes one-letter short names, so that
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);

@@ -1,4 +1,4 @@
-// Architecture presets with the real E2B / E4B dimensions (spec §2.3, §7), written as the hub's
+// Architecture presets with the real E2B / E4B dimensions, written as the hub's
 // config.json so random checkpoints load through exactly the same path as real ones.
 #pragma once
 

@@ -1,5 +1,5 @@
 // The Gemma 4 vision tower (Gemma4VisionModel) and the vision multimodal embedder
-// (model.embed_vision), spec §4:
+// (model.embed_vision):
 //   patch embedder  input_proj(2·(pix − 0.5)) + pos_table[0][x] + pos_table[1][y]
 //   encoder         sandwich-norm layers, ClippableLinear projections, q/k norms with weights,
 //                   weightless v norm, 2D RoPE (x on the first half of each head, y on the
@@ -9,7 +9,7 @@
 //
 // The encoder runs on the real (non-padding) patches only. HF runs every max_patches row and
 // masks padded keys, and the pooler zeroes padded rows, so the real rows are mathematically the
-// same; only the reduction order differs (spec §4.4).
+// same; only the reduction order differs.
 #pragma once
 
 #include <cstdint>

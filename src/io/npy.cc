@@ -230,4 +230,42 @@ void save_npy_i64(const std::string& path, const Shape& shape, const std::vector
   save_npy(path, DType::I64, shape, v.data());
 }
 
+namespace {
+template <typename T>
+std::vector<T> values_of(const NpyArray& a) {
+  std::vector<T> v(static_cast<size_t>(a.numel()));
+  if (!v.empty()) std::memcpy(v.data(), a.bytes.data(), v.size() * sizeof(T));
+  return v;
+}
+}  // namespace
+
+HostTensor npy_to_host_tensor(const NpyArray& a, const std::string& what) {
+  switch (a.dtype) {
+    case DType::F32:
+      return HostTensor(a.shape, values_of<float>(a));
+    case DType::I32:
+      return HostTensor(a.shape, values_of<int32_t>(a));
+    case DType::I64:
+      return HostTensor(a.shape, values_of<int64_t>(a));
+    case DType::U8:
+      return HostTensor(a.shape, values_of<uint8_t>(a));
+    default:
+      fail(what, ": dtype ", dtype_name(a.dtype),
+           " is not a stage tensor type; stage tensors are float32, int32, int64 or uint8");
+  }
+}
+
+void save_npy(const std::string& path, const HostTensor& t) {
+  switch (t.type()) {
+    case ElemType::F32:
+      return save_npy(path, DType::F32, t.shape(), t.values<float>().data());
+    case ElemType::I32:
+      return save_npy(path, DType::I32, t.shape(), t.values<int32_t>().data());
+    case ElemType::I64:
+      return save_npy(path, DType::I64, t.shape(), t.values<int64_t>().data());
+    case ElemType::U8:
+      return save_npy(path, DType::U8, t.shape(), t.values<uint8_t>().data());
+  }
+}
+
 }  // namespace gemstage

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/host_tensor.h"
 #include "core/tensor.h"
 
 namespace gemstage {
@@ -25,6 +26,10 @@ NpyArray parse_npy(const uint8_t* data, size_t size, const std::string& what);
 
 void save_npy(const std::string& path, DType dtype, const Shape& shape, const void* data);
 void save_npy_f32(const std::string& path, const Shape& shape, const std::vector<float>& v);
+// A contract tensor from an array whose dtype is one of the contract's element types (float32,
+// int32, int64, uint8), exactly: no conversion, so a wrong dtype is reported, not guessed.
+HostTensor npy_to_host_tensor(const NpyArray& a, const std::string& what);
+void save_npy(const std::string& path, const HostTensor& t);
 void save_npy_i64(const std::string& path, const Shape& shape, const std::vector<int64_t>& v);
 
 }  // namespace gemstage

@@ -182,13 +182,4 @@ std::vector<std::string> TensorStore::keys() const {
   return k;
 }
 
-size_t TensorStore::total_bytes() const {
-  size_t n = 0;
-  for (const auto& [key, i] : where_) {
-    const auto& e = files_[i]->entries().at(key);
-    n += e.end - e.begin;
-  }
-  return n;
-}
-
 }  // namespace gemstage

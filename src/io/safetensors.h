@@ -60,7 +60,6 @@ class TensorStore : public TensorSource {
   WeightView view(const std::string& key) const override;
   std::string file_of(const std::string& key) const override;
   std::vector<std::string> keys() const override;
-  size_t total_bytes() const;
 
  private:
   std::vector<std::unique_ptr<SafetensorsFile>> files_;

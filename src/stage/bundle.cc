@@ -320,7 +320,8 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
   if (need(j, "format", "manifest") != "gemstage-bundle")
     fail(path, ": format is not gemstage-bundle");
   const json& ver = need(j, "schema_version", "manifest");
-  if (!ver.is_number_integer() || ver.get<int>() != kBundleSchemaVersion)
+  if (!ver.is_number_integer() ||
+      (ver.get<int>() != kBundleSchemaVersion && ver.get<int>() != kBundleSchemaVersionV1))
     fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
          kBundleSchemaVersion, "); re-export the bundle");
   m.config =
@@ -358,6 +359,11 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
     }
     bs.decl.contract =
         contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
+    // Version 1 declared positions as an embeddings input (it never used them) and had no
+    // image_soft_tokens; its weights and every other field are the same, so it runs under the
+    // current contract of its role.
+    if (ver.get<int>() == kBundleSchemaVersionV1)
+      bs.decl.contract = contract_for(bs.decl.role, bs.decl.layers, m.config);
     const json& wf = need(s, "weights", where);
     const json& file = need(wf, "file", where + ".weights");
     if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");

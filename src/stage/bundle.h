@@ -1,6 +1,6 @@
 // Bundles: a model exported as a pipeline of stages.
 //
-//   BUNDLE/manifest.json      versioned schema (format "gemstage-bundle", schema_version 1):
+//   BUNDLE/manifest.json      versioned schema (format "gemstage-bundle", schema_version 2):
 //                             the model config, weight formats, max_context, copied files with
 //                             SHA-256, and per stage: id, role, layer range, contract, weights
 //                             file + SHA-256 + size, cache groups, KV donor map
@@ -22,7 +22,10 @@
 
 namespace gemstage {
 
-constexpr int kBundleSchemaVersion = 1;
+// Version 2: the embeddings stage takes no positions (the transformer stages do) and may take
+// image_soft_tokens. Version 1 bundles are still read (see read_bundle_manifest).
+constexpr int kBundleSchemaVersion = 2;
+constexpr int kBundleSchemaVersionV1 = 1;
 
 struct CacheGroup {
   std::string kind;  // "sliding" or "full"

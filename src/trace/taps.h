@@ -19,7 +19,6 @@ class TapRecorder {
   TapRecorder() = default;
 
   bool wants(const std::string& name) const { return all_ || names_.count(name) != 0; }
-  bool any() const { return all_ || !names_.empty(); }
 
   // Appends `rows` rows of shape row_shape to a sequence tap ([S, ...]).
   void append(const std::string& name, const Shape& row_shape, const float* data, int64_t rows);

@@ -1,0 +1,233 @@
+// The stage contract at run time, through `gemstage run-stage` as an integrator would use it:
+// chaining a bundle's stages by hand reproduces `dump`'s logits (images included), the embeddings
+// stage hands on PLE identity and the splice mask as named tensors, and every contract violation
+// is refused with an error naming the stage, the tensor, what was expected and what was given.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <tuple>
+
+#include "core/host_tensor.h"
+#include "io/npy.h"
+#include "stage/bundle.h"
+#include "test_util.h"
+
+using namespace gemstage;
+using namespace gemstage::testing;
+
+namespace {
+
+std::string slurp(const std::string& p) {
+  std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+struct Result {
+  int code;
+  std::string log;
+};
+
+Result cli(const std::string& args, const std::string& log) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  return {rc, slurp(log)};
+}
+
+// An f32 bundle of the tiny model with two transformer stages (6 layers, 2 KV-shared).
+const std::string& bundle() {
+  static const std::string dir = [] {
+    const std::string d = temp_dir("run_stage_bundle");
+    ExportOptions o;
+    o.stages = "0:2,2:6";
+    o.weights = "f32";
+    o.progress = false;
+    export_bundle(fixture("model"), d, o);
+    return d;
+  }();
+  return dir;
+}
+
+// The multimodal fixture's ids as the contract's i32, written to dir/input_ids.npy.
+std::string ids_i32(const std::string& dir, const std::string& fixture_file) {
+  const std::vector<int32_t> ids = load_ids(fixture(fixture_file));
+  const std::string path = dir + "/input_ids.npy";
+  save_npy(path, HostTensor({static_cast<int64_t>(ids.size())}, ids));
+  return path;
+}
+
+// Rows of [S, L, P] per-layer inputs restricted to layers [a, b).
+HostTensor slice_layers(const NpyArray& pli, int a, int b) {
+  const int64_t S = pli.shape[0], L = pli.shape[1], P = pli.shape[2];
+  const std::vector<float> all = pli.to_f32();
+  std::vector<float> out;
+  for (int64_t r = 0; r < S; ++r)
+    out.insert(out.end(), all.begin() + (r * L + a) * P, all.begin() + (r * L + b) * P);
+  return HostTensor({S, b - a, P}, std::move(out));
+}
+
+std::string positions(const std::string& dir, int64_t S) {
+  std::vector<int32_t> p(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  const std::string path = dir + "/positions.npy";
+  save_npy(path, HostTensor({S}, p));
+  return path;
+}
+
+}  // namespace
+
+TEST(RunStage, ChainingTheStagesByHandReproducesDumpLogitsWithAnImage) {
+  const std::string dir = temp_dir("run_stage_chain");
+  const std::string ids = ids_i32(dir, "multimodal/input_ids.npy");
+  const std::string pix = fixture("multimodal/pixel_values.npy");
+  const std::string pos = fixture("multimodal/image_position_ids.npy");
+
+  // What users run end to end.
+  Result r = cli("dump --model " + bundle() + " --ids " + fixture("multimodal/input_ids.npy") +
+                     " --pixel-values " + pix + " --image-position-ids " + pos +
+                     " --taps logits --out " + dir + "/dump",
+                 dir + "/dump.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+
+  r = cli("run-stage " + bundle() + " embeddings --in input_ids=" + ids + " --in pixel_values=" +
+              pix + " --in image_position_ids=" + pos + " --out " + dir + "/emb",
+          dir + "/emb.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  // The contract's named tensors travel: PLE identity is the reference's (PAD at every
+  // placeholder row) and the splice mask marks exactly the placeholder rows, while the raw ids
+  // still hold the image token.
+  const auto cfg = nlohmann::json::parse(std::ifstream(fixture("model/config.json")));
+  const int64_t image_token = cfg.at("image_token_id").get<int64_t>();
+  const std::vector<int32_t> raw = load_ids(fixture("multimodal/input_ids.npy"));
+  const NpyArray ple = load_npy(dir + "/emb/ple_token_ids.npy");
+  const NpyArray mask = load_npy(dir + "/emb/image_splice_mask.npy");
+  EXPECT_EQ(ple.dtype, DType::I32);
+  EXPECT_EQ(mask.dtype, DType::U8);
+  EXPECT_EQ(ple.to_i64(), load_npy(fixture("multimodal/ple_ids.npy")).to_i64());
+  const std::vector<int64_t> m = mask.to_i64();
+  ASSERT_EQ(m.size(), raw.size());
+  int images = 0;
+  for (size_t i = 0; i < raw.size(); ++i) {
+    images += raw[i] == image_token;
+    EXPECT_EQ(m[i], raw[i] == image_token ? 1 : 0) << "row " << i;
+  }
+  EXPECT_GT(images, 0);
+
+  // Each transformer stage gets the hidden states, its own layers' slice and the positions.
+  const NpyArray pli = load_npy(dir + "/emb/per_layer_inputs.npy");
+  const std::string p = positions(dir, pli.shape[0]);
+  std::string hidden = dir + "/emb/hidden_states.npy";
+  for (const auto& [id, a, b] : {std::tuple<std::string, int, int>{"layers_0_2", 0, 2},
+                                 std::tuple<std::string, int, int>{"layers_2_6", 2, 6}}) {
+    const std::string slice = dir + "/pli_" + id + ".npy";
+    save_npy(slice, slice_layers(pli, a, b));
+    r = cli("run-stage " + bundle() + " " + id + " --in hidden_states=" + hidden +
+                " --in per_layer_inputs=" + slice + " --in positions=" + p + " --out " + dir + "/" +
+                id,
+            dir + "/" + id + ".log");
+    ASSERT_EQ(r.code, 0) << r.log;
+    hidden = dir + "/" + id + "/hidden_states.npy";
+  }
+  r = cli(
+      "run-stage " + bundle() + " head --in hidden_states=" + hidden + " --out " + dir + "/head",
+      dir + "/head.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  const NpyArray chained = load_npy(dir + "/head/logits.npy");
+  const NpyArray dumped = load_npy(dir + "/dump/logits.npy");
+  ASSERT_EQ(chained.shape, dumped.shape);
+  EXPECT_LE(max_abs_diff(chained.to_f32(), dumped.to_f32()), 1e-6);
+  // And both are the reference's logits.
+  EXPECT_LE(max_abs_diff(chained.to_f32(), load_npy(fixture("multimodal/logits.npy")).to_f32()),
+            5e-4);
+}
+
+// Each refusal names the stage and the tensor, says what was expected and what was given, and
+// exits non-zero.
+TEST(RunStage, ContractViolationsAreRefusedByName) {
+  const std::string dir = temp_dir("run_stage_refuse");
+  const std::string ids = ids_i32(dir, "text/input_ids.npy");
+  const int64_t S = static_cast<int64_t>(load_ids(fixture("text/input_ids.npy")).size());
+  Result r =
+      cli("run-stage " + bundle() + " embeddings --in input_ids=" + ids + " --out " + dir + "/emb",
+          dir + "/emb.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  const std::string h = dir + "/emb/hidden_states.npy";
+  const NpyArray pli = load_npy(dir + "/emb/per_layer_inputs.npy");
+  const std::string slice = dir + "/pli.npy";
+  save_npy(slice, slice_layers(pli, 0, 2));
+  const std::string p = positions(dir, S);
+  const std::string good = " --in hidden_states=" + h + " --in per_layer_inputs=" + slice;
+
+  auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
+    const Result x =
+        cli("run-stage " + bundle() + " " + args + " --out " + dir + "/x", dir + "/x.log");
+    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
+    for (const std::string& n : needles)
+      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+  };
+  // Token ids given to a transformer stage: not in its contract.
+  refused("layers_0_2" + good + " --in positions=" + p + " --in input_ids=" + ids,
+          {"stage 'layers_0_2'", "'input_ids' is not in the stage's contract",
+           "hidden_states, per_layer_inputs, positions"});
+  // A missing input.
+  refused("layers_0_2" + good, {"stage 'layers_0_2'", "'positions' is missing", "i32 [S]"});
+  // A wrong dtype: the fixture's ids are int64.
+  refused("embeddings --in input_ids=" + fixture("text/input_ids.npy"),
+          {"stage 'embeddings'", "'input_ids' must be i32 [S], got i64 (numpy int64)"});
+  // A wrong shape: the whole [S, 6, P] per-layer inputs instead of this stage's [S, 2, P] slice.
+  refused("layers_0_2 --in hidden_states=" + h + " --in per_layer_inputs=" + dir +
+              "/emb/per_layer_inputs.npy --in positions=" + p,
+          {"stage 'layers_0_2'", "'per_layer_inputs' must have shape [S, 2, 32]",
+           "(dim 1 is 6, expected 2)"});
+  // S bound inconsistently: positions for one row fewer than the hidden states.
+  const std::string short_p = dir + "/short";
+  std::filesystem::create_directories(short_p);
+  refused("layers_0_2" + good + " --in positions=" + positions(short_p, S - 1),
+          {"stage 'layers_0_2'", "'positions' has shape [" + std::to_string(S - 1) + "]",
+           "'S') is " + std::to_string(S - 1), "= " + std::to_string(S)});
+  // Positions that do not start the fresh sequence at 0.
+  const std::string late = dir + "/late.npy";
+  std::vector<int32_t> lp(static_cast<size_t>(S));
+  for (int64_t i = 0; i < S; ++i) lp[static_cast<size_t>(i)] = static_cast<int32_t>(5 + i);
+  save_npy(late, HostTensor({S}, lp));
+  refused("layers_0_2" + good + " --in positions=" + late,
+          {"stage 'layers_0_2'", "expected position 0 at row 0, got 5"});
+  // An unknown stage, a malformed --in and a non-contract dtype.
+  refused("layers_0_3 --in positions=" + p, {"no stage 'layers_0_3'", "layers_2_6"});
+  refused("head --in hidden_states", {"expected NAME=FILE.npy"});
+  const std::string f64 = dir + "/f64.npy";
+  const std::vector<double> d(4, 0.0);
+  save_npy(f64, DType::F64, {4}, d.data());
+  refused("head --in hidden_states=" + f64, {"f64.npy", "not a stage tensor type"});
+}
+
+// Bundles written before the embeddings stage stopped taking positions (schema version 1) still
+// run, under the current contract of each stage's role.
+TEST(RunStage, SchemaVersion1BundlesStillRun) {
+  const std::string dir = temp_dir("run_stage_v1");
+  std::filesystem::copy(
+      bundle(), dir,
+      std::filesystem::copy_options::recursive | std::filesystem::copy_options::overwrite_existing);
+  auto j = nlohmann::json::parse(std::ifstream(dir + "/manifest.json"));
+  j["schema_version"] = 1;
+  for (auto& s : j["stages"])
+    if (s["role"] == "embeddings") {
+      auto& in = s["contract"]["inputs"];
+      for (size_t i = 0; i < in.size(); ++i)
+        if (in[i]["name"] == "image_soft_tokens") in.erase(i--);
+      in.push_back({{"name", "positions"},
+                    {"shape", {"S"}},
+                    {"dtype", "i32"},
+                    {"meaning", "absolute position of each row"}});
+    }
+  std::ofstream(dir + "/manifest.json") << j.dump(2);
+  const Result r = cli("dump --model " + dir + " --ids " + fixture("text/input_ids.npy") +
+                           " --taps logits --out " + dir + "/dump",
+                       dir + "/dump.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  EXPECT_LE(max_abs_diff(load_npy(dir + "/dump/logits.npy").to_f32(),
+                         load_npy(fixture("text/logits.npy")).to_f32()),
+            5e-4);
+}

@@ -1,0 +1,86 @@
+// gemstage run-stage: one stage of a bundle (or of a checkpoint's three-stage chain) on its own,
+// from named .npy inputs to named .npy outputs, checked against the stage's contract both ways.
+// It runs on a fresh sequence: a transformer stage's positions must start at 0 (the rows of one
+// prefill call). Someone integrating a single stage into another runtime feeds it the tensors
+// their side produces and compares what comes out with what their side expects next.
+#include <filesystem>
+#include <iostream>
+
+#include "core/error.h"
+#include "io/npy.h"
+#include "stage/model.h"
+#include "tools/cli_common.h"
+#include "tools/commands.h"
+
+namespace gemstage::cli {
+
+namespace {
+
+struct RunStageArgs {
+  std::string model, stage, out;
+  std::vector<std::string> inputs;  // NAME=FILE.npy
+  int threads = 0;
+  bool verbose = false;
+};
+
+std::string stage_list(const Model& m) {
+  std::string s;
+  for (const StageDecl& d : m.stage_decls())
+    s += (s.empty() ? "" : ", ") + d.id + " (" + stage_role_name(d.role) + ")";
+  return s;
+}
+
+int run_stage_cmd(const RunStageArgs& a) {
+  // Parse the inputs before loading anything: a typo should not cost a model load.
+  std::vector<std::pair<std::string, std::string>> files;
+  for (const std::string& in : a.inputs) {
+    const size_t eq = in.find('=');
+    if (eq == std::string::npos || eq == 0 || eq + 1 == in.size())
+      fail("--in '", in, "': expected NAME=FILE.npy, e.g. --in hidden_states=h.npy");
+    const std::string name = in.substr(0, eq);
+    for (const auto& [seen, _] : files)
+      if (seen == name) fail("--in: input '", name, "' is given twice");
+    files.emplace_back(name, in.substr(eq + 1));
+  }
+  const auto model = Model::open(a.model);
+  print_model_notes(model->notes(), a.verbose);
+  const Stage* stage = model->find_stage(a.stage);
+  if (!stage) fail(a.model, ": no stage '", a.stage, "'; its stages are ", stage_list(*model));
+
+  TensorMap inputs;
+  for (const auto& [name, path] : files) inputs[name] = npy_to_host_tensor(load_npy(path), path);
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  const auto cache = stage->new_cache(model->max_context(), model->default_kv_type());
+  const double t0 = now_seconds();
+  const TensorMap outputs = stage->run(pool, std::move(inputs), cache.get(), {}, nullptr);
+  const double t1 = now_seconds();
+
+  std::filesystem::create_directories(a.out);
+  for (const auto& [name, t] : outputs) {
+    const std::string path = (std::filesystem::path(a.out) / (name + ".npy")).string();
+    save_npy(path, t);
+    std::cerr << "wrote " << path << " " << elem_type_name(t.type()) << " " << shape_str(t.shape())
+              << "\n";
+  }
+  std::cerr << "stage '" << stage->id() << "' ran in " << t1 - t0 << " s\n";
+  return 0;
+}
+
+}  // namespace
+
+void add_run_stage_command(CLI::App& app, Registry& reg) {
+  auto a = std::make_shared<RunStageArgs>();
+  auto* sub = app.add_subcommand(
+      "run-stage",
+      "Run one stage on named .npy tensors, checked against its contract, and write its outputs");
+  sub->add_option("model", a->model, "gemstage bundle (or HF checkpoint directory)")->required();
+  sub->add_option("stage", a->stage, "stage id, as in the bundle's manifest (see 'info')")
+      ->required();
+  sub->add_option("--in", a->inputs, "an input tensor: NAME=FILE.npy (repeat for each)");
+  sub->add_option("--out", a->out, "directory for the outputs, one NAME.npy each")->required();
+  sub->add_option("-t,--threads", a->threads, "threads (default: all cores)");
+  sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
+  reg.add(sub, [a] { return run_stage_cmd(*a); });
+}
+
+}  // namespace gemstage::cli
