@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "gemma4/tensor_table.h"
 #include "stage/bundle.h"
 #include "stage/model.h"
 #include "tools/cli_common.h"
@@ -67,34 +68,18 @@ int run_info(const InfoArgs& a) {
   const TextConfig& t = c.text;
   const TensorSource& st = *src;
 
-  // Parameter counts by part, from the tensors actually stored.
+  // Parameter counts by part, from the tensors actually stored, labelled by the tensor table.
   std::map<std::string, std::pair<double, double>> parts;  // part -> (params, bytes)
-  const std::string p = c.text_prefix();
+  std::map<std::string, std::string> label;
+  for (const TensorSpec& s : tensor_table(c)) label[s.key] = s.info_part;
   std::set<std::string> seen;
   for (const std::string& k : st.keys()) {
     if (!seen.insert(k).second) continue;
     const WeightView e = st.view(k);
-    std::string part = "other";
-    if (k == p + "embed_tokens.weight")
-      part = "text: token embedding (tied LM head)";
-    else if (k == p + "embed_tokens_per_layer.weight")
-      part = "text: PLE table (gathered, not multiplied)";
-    else if (k.rfind(p + "per_layer_", 0) == 0)
-      part = "text: PLE projection";
-    else if (k.rfind(p + "layers.", 0) == 0) {
-      const size_t dot = k.find('.', p.size() + 7);
-      const int layer = std::stoi(k.substr(p.size() + 7, dot - p.size() - 7));
-      const bool unused =
-          t.layers[static_cast<size_t>(layer)].kv_shared &&
-          (k.find("k_proj") != std::string::npos || k.find("v_proj") != std::string::npos ||
-           k.find("k_norm") != std::string::npos);
-      part = unused ? "text: KV-shared layers' unused k/v (ignored)" : "text: decoder layers";
-    } else if (k.rfind(p, 0) == 0)
-      part = "text: final norm";
-    else if (k.rfind("model.vision_tower.", 0) == 0 || k.rfind("model.embed_vision.", 0) == 0)
-      part = "vision tower + embedder";
-    else if (k.rfind("model.audio_tower.", 0) == 0 || k.rfind("model.embed_audio.", 0) == 0)
-      part = "audio tower (not run)";
+    const auto it = label.find(k);
+    const std::string part = it != label.end()    ? it->second
+                             : is_unrun_tensor(k) ? kUnrunInfoPart
+                                                  : "other";
     parts[part].first += static_cast<double>(shape_numel(e.shape));
     parts[part].second += static_cast<double>(e.nbytes);
   }

@@ -1,6 +1,7 @@
-// The declarative tensor registry: every checkpoint tensor gemstage reads, named once with its
-// HF key, expected shape and role. Loading validates the whole list against the safetensors
-// headers and reports every problem at once (file, key, expected vs found).
+// Loading's checks and the text decoder's weights. The tensors themselves (keys, shapes, roles,
+// parts, bundle storage) are declared once in gemma4/tensor_table.h; loading validates that
+// whole list against the safetensors headers and reports every problem at once (file, key,
+// expected vs found), and bind_text_weights fills TextWeights through the table's slots.
 #pragma once
 
 #include <string>
@@ -8,23 +9,10 @@
 
 #include "core/tensor.h"
 #include "gemma4/config.h"
+#include "gemma4/tensor_table.h"
 #include "io/safetensors.h"
 
 namespace gemstage {
-
-enum class TensorRole {
-  Required,  // must be present with this shape
-  Ignored,   // may be present (HF skips it: KV-shared layers' k/v/k_norm); never read
-};
-
-struct TensorSpec {
-  std::string key;
-  Shape shape;
-  TensorRole role = TensorRole::Required;
-};
-
-std::vector<TensorSpec> text_tensor_specs(const ModelConfig& c);
-std::vector<TensorSpec> vision_tensor_specs(const ModelConfig& c);
 
 // Throws one Error listing every missing tensor, wrong shape and unsupported dtype.
 // Tensors of parts gemstage does not run (audio) are accepted; other unknown keys are returned.
@@ -60,6 +48,7 @@ struct TextParts {
 };
 
 // Binds views over the source; call validate_tensors first. Parts not held stay empty.
+// Which tensors a part holds, and where each one lands, is the table's (text_tensor_specs).
 TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store,
                               const TextParts& parts = {});
 

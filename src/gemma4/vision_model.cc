@@ -1,4 +1,3 @@
-#include "kernels/weight_rows.h"
 #include "gemma4/vision_model.h"
 
 #include <algorithm>
@@ -9,6 +8,7 @@
 #include "gemma4/registry.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
+#include "kernels/weight_rows.h"
 
 namespace gemstage {
 
@@ -18,18 +18,6 @@ namespace gemstage {
 namespace {
 
 constexpr int64_t kTileBytes = 256 * 1024;
-
-ClippableLinear bind_linear(const TensorSource& store, const std::string& prefix, bool clipped) {
-  ClippableLinear l;
-  l.weight = store.view(prefix + ".linear.weight");
-  if (clipped) {
-    l.input_min = weight_at(store.view(prefix + ".input_min"), 0);
-    l.input_max = weight_at(store.view(prefix + ".input_max"), 0);
-    l.output_min = weight_at(store.view(prefix + ".output_min"), 0);
-    l.output_max = weight_at(store.view(prefix + ".output_max"), 0);
-  }
-  return l;
-}
 
 // matmul over row tiles of x: a tile stays in cache while the weight streams past it, instead of
 // every group of weight rows streaming all of x (the vision tower runs thousands of rows at
@@ -49,37 +37,10 @@ void clamp_copy(const float* x, int64_t n, float lo, float hi, float* y) {
 
 VisionWeights bind_vision_weights(const ModelConfig& c, const TensorSource& store) {
   if (!c.vision) fail(c.source, ": the config has no vision_config");
-  const VisionConfig& v = *c.vision;
-  const std::string p = "model.vision_tower.";
+  // Clip bounds exist in the table only with use_clipped_linears; otherwise they stay infinite.
   VisionWeights w;
-  w.input_proj = store.view(p + "patch_embedder.input_proj.weight");
-  w.position_table = store.view(p + "patch_embedder.position_embedding_table");
-  if (v.standardize) {
-    w.std_bias = vector_to_f32(store.view(p + "std_bias"));
-    w.std_scale = vector_to_f32(store.view(p + "std_scale"));
-  }
-  w.embedding_projection = store.view("model.embed_vision.embedding_projection.weight");
-  w.layers.resize(static_cast<size_t>(v.num_hidden_layers));
-  for (int i = 0; i < v.num_hidden_layers; ++i) {
-    VisionLayerWeights& lw = w.layers[static_cast<size_t>(i)];
-    const std::string l = p + "encoder.layers." + std::to_string(i) + ".";
-    const bool clip = v.use_clipped_linears;
-    lw.q_proj = bind_linear(store, l + "self_attn.q_proj", clip);
-    lw.k_proj = bind_linear(store, l + "self_attn.k_proj", clip);
-    lw.v_proj = bind_linear(store, l + "self_attn.v_proj", clip);
-    lw.o_proj = bind_linear(store, l + "self_attn.o_proj", clip);
-    lw.gate_proj = bind_linear(store, l + "mlp.gate_proj", clip);
-    lw.up_proj = bind_linear(store, l + "mlp.up_proj", clip);
-    lw.down_proj = bind_linear(store, l + "mlp.down_proj", clip);
-    lw.q_norm = vector_to_f32(store.view(l + "self_attn.q_norm.weight"));
-    lw.k_norm = vector_to_f32(store.view(l + "self_attn.k_norm.weight"));
-    lw.input_layernorm = vector_to_f32(store.view(l + "input_layernorm.weight"));
-    lw.post_attention_layernorm = vector_to_f32(store.view(l + "post_attention_layernorm.weight"));
-    lw.pre_feedforward_layernorm =
-        vector_to_f32(store.view(l + "pre_feedforward_layernorm.weight"));
-    lw.post_feedforward_layernorm =
-        vector_to_f32(store.view(l + "post_feedforward_layernorm.weight"));
-  }
+  for (const TensorSpec& s : vision_tensor_specs(c, &w))
+    if (s.role == TensorRole::Required) bind_tensor(s, store);
   return w;
 }
 

@@ -57,43 +57,15 @@ struct PlannedTensor {
   DType dtype;
 };
 
-// Which checkpoint tensors each stage holds, and in which format.
+// Which checkpoint tensors each stage holds, and in which format: the table's parts and storage
+// classes, in the table's order.
 std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelConfig& c, DType w,
                                               DType ple) {
   std::vector<PlannedTensor> out;
-  const std::string p = c.text_prefix();
-  // Vectors (norm weights, layer_scalar) follow a bf16 bundle's rounding, like an HF bf16
-  // checkpoint; quantized and f32 bundles keep them in f32.
-  const DType vec = w == DType::BF16 ? DType::BF16 : DType::F32;
-  auto pick = [&](const TensorSpec& s, DType matrix_dtype) {
-    out.push_back({s.key, s.shape.size() >= 2 ? matrix_dtype : vec});
-  };
-  const std::vector<TensorSpec> text = text_tensor_specs(c);
-  if (d.role == StageRole::Embeddings) {
-    for (const TensorSpec& s : text) {
-      if (s.key == p + "embed_tokens.weight" || s.key == p + "per_layer_model_projection.weight" ||
-          s.key == p + "per_layer_projection_norm.weight")
-        pick(s, w);
-      if (s.key == p + "embed_tokens_per_layer.weight") pick(s, ple);
-    }
-    // The vision tower is small and sensitive to clipping: kept in f32 or bf16, never 4-bit.
-    const DType vision = w == DType::F32 ? DType::F32 : DType::BF16;
-    for (const TensorSpec& s : vision_tensor_specs(c))
-      out.push_back({s.key, s.shape.size() >= 2 ? vision : DType::F32});
-    for (auto& t : out)
-      if (t.key.find("position_embedding_table") != std::string::npos) t.dtype = vision;
-  } else if (d.role == StageRole::TransformerLayers) {
-    for (const TensorSpec& s : text) {
-      if (s.role == TensorRole::Ignored) continue;
-      const std::string pre = p + "layers.";
-      if (s.key.rfind(pre, 0) != 0) continue;
-      const int layer = std::stoi(s.key.substr(pre.size()));
-      if (layer >= d.layers.begin && layer < d.layers.end) pick(s, w);
-    }
-  } else {
-    for (const TensorSpec& s : text)
-      if (s.key == p + "norm.weight" || s.key == p + "embed_tokens.weight") pick(s, w);
-  }
+  const PartSet held = stage_parts(d);
+  for (const TensorSpec& s : tensor_table(c))
+    if (s.role == TensorRole::Required && part_holds(held, s))
+      out.push_back({s.key, storage_dtype(s.storage, w, ple)});
   return out;
 }
 
@@ -403,12 +375,7 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
                    const ExportOptions& opt) {
   const ModelConfig cfg = load_model_config(hf_dir);
   const TensorStore store = TensorStore::open_dir(hf_dir);
-  {
-    std::vector<TensorSpec> specs = text_tensor_specs(cfg);
-    const auto v = vision_tensor_specs(cfg);
-    specs.insert(specs.end(), v.begin(), v.end());
-    validate_tensors(specs, store, cfg);
-  }
+  validate_tensors(tensor_table(cfg), store, cfg);
   const DType w = weights_dtype(opt.weights);
   DType ple;
   if (opt.ple_weights == "auto")
@@ -564,8 +531,7 @@ int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& 
                                                       : DType::BF16;
     size_t n = 0;
     std::map<std::string, Shape> want_shape;
-    for (const TensorSpec& s : text_tensor_specs(m.config)) want_shape[s.key] = s.shape;
-    for (const TensorSpec& s : vision_tensor_specs(m.config)) want_shape[s.key] = s.shape;
+    for (const TensorSpec& s : tensor_table(m.config)) want_shape[s.key] = s.shape;
     for (const BundleStage& s : m.stages) {
       WeightsFile f((fs::path(dir) / s.weights_file).string());
       for (const PlannedTensor& pt : plan_stage_tensors(s.decl, m.config, w, ple)) {

@@ -7,6 +7,18 @@
 
 namespace gemstage {
 
+PartSet stage_parts(const StageDecl& d) {
+  switch (d.role) {
+    case StageRole::Embeddings:
+      return {kPartEmbeddings | kPartVision, 0, 0};
+    case StageRole::TransformerLayers:
+      return {kPartLayer, d.layers.begin, d.layers.end};
+    case StageRole::FinalNormHead:
+      return {kPartHead, 0, 0};
+  }
+  return {};
+}
+
 const char* stage_role_name(StageRole r) {
   switch (r) {
     case StageRole::Embeddings:

@@ -11,6 +11,7 @@
 
 #include "core/host_tensor.h"
 #include "gemma4/config.h"
+#include "gemma4/tensor_table.h"
 #include "stage/partition.h"
 
 namespace gemstage {
@@ -44,6 +45,10 @@ struct StageDecl {
   LayerRange layers{0, 0};
   StageContract contract;
 };
+
+// The model parts (gemma4/tensor_table.h) a stage's weight file holds: the embeddings stage
+// also holds the vision tower, which runs where the token ids are.
+PartSet stage_parts(const StageDecl& d);
 
 // The inputs a pipeline feeds its stages itself (the embeddings stage's inputs plus the positions
 // of each call's rows): the names check_contract_chain starts from.

@@ -28,10 +28,7 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
     m->config_ = std::make_unique<ModelConfig>(load_model_config(path));
     const ModelConfig& c = *m->config_;
     auto store = std::make_shared<TensorStore>(TensorStore::open_dir(path));
-    std::vector<TensorSpec> specs = text_tensor_specs(c);
-    const auto vision = vision_tensor_specs(c);
-    specs.insert(specs.end(), vision.begin(), vision.end());
-    const auto unknown = validate_tensors(specs, *store, c);
+    const auto unknown = validate_tensors(tensor_table(c), *store, c);
     m->notes_ = c.warnings;
     for (const auto& k : unknown)
       m->notes_.push_back("tensor " + k + " is not used by gemstage; ignored");

@@ -171,16 +171,13 @@ TensorMap Stage::run_head(ThreadPool& pool, TensorMap& in, TapRecorder* taps) co
 }
 
 double Stage::decode_weight_bytes() const {
-  const TextWeights& w = text_->weights();
+  // The table marks the matrices read whole per decoded token, and in which part (the tied
+  // embedding counts as the head, not where its rows are gathered).
+  const PartSet held = stage_parts(decl_);
   double b = 0;
-  if (decl_.role == StageRole::FinalNormHead) b += static_cast<double>(w.embed_tokens.nbytes);
-  if (decl_.role != StageRole::TransformerLayers) return b;
-  for (const TextLayerWeights& l : w.layers)
-    if (l.bound)
-      for (const WeightView* v :
-           {&l.q_proj, &l.k_proj, &l.v_proj, &l.o_proj, &l.gate_proj, &l.up_proj, &l.down_proj,
-            &l.per_layer_input_gate, &l.per_layer_projection})
-        b += static_cast<double>(v->nbytes);
+  for (const TensorSpec& s : tensor_table(config_))
+    if (s.role == TensorRole::Required && (s.decode_read_in & held.parts) && part_holds(held, s))
+      b += static_cast<double>(weights_->view(s.key).nbytes);
   return b;
 }
 
