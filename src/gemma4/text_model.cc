@@ -1,4 +1,3 @@
-#include "kernels/weight_rows.h"
 #include "gemma4/text_model.h"
 
 #include <algorithm>
@@ -7,8 +6,9 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
-#include "kernels/attention.h"
+#include "kernels/attention_layer.h"
 #include "kernels/matmul.h"
+#include "kernels/weight_rows.h"
 
 namespace gemstage {
 
@@ -167,8 +167,7 @@ struct TextModel::LayerPass {
   // exactly as later chunks will read them back from the cache.
   std::vector<std::vector<uint16_t>> k16, v16;
   std::vector<float> x, q, attn, branch, gate, up, ple_gate;
-  // Decode's key-split attention: each part's unnormalized output, max and sum per query.
-  std::vector<float> part_out, part_max, part_sum;
+  AttentionWorkspace attention;
 };
 
 namespace {
@@ -207,19 +206,31 @@ void add_normed(float* hidden, float* branch, int64_t r0, int64_t r1, int64_t D,
 void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
                               const PerLayerInputs& pli, KvCache& cache, LayerPass& pass,
                               TapRecorder* taps) const {
+  if (!w_.layers[static_cast<size_t>(li)].bound) fail("layer ", li, " is not held by this stage");
+  const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
+  const int L = cfg_.num_hidden_layers;
+  attention_block(pool, li, hidden, cache, pass);
+  if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, hidden.data.data(), S);
+  mlp_block(pool, li, hidden, pass);
+  if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, hidden.data.data(), S);
+  if (cfg_.has_ple()) ple_block(pool, li, hidden, pli, pass);
+  if (taps) taps->append_layer("hidden_states", li, L, {D}, hidden.data.data(), S);
+}
+
+// Pre-norm, Q (and, unless KV-shared, K/V) projections with their norms and RoPE, attention over
+// the cache and the call's fresh rows, the output projection, its post-norm and the residual.
+void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden, KvCache& cache,
+                                LayerPass& pass) const {
   const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
-  if (!lw.bound) fail("layer ", li, " is not held by this stage");
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
-  const int64_t H = cfg_.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
-  const int64_t G = H / Hkv, kvw = Hkv * hd;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
-  const int L = cfg_.num_hidden_layers;
+  float* h = hidden.data.data();
+  const int64_t H = cfg_.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
+  const int64_t kvw = Hkv * hd;
   const int64_t start = cache.n_past();
   const RopeAngles& rope = ls.type == LayerType::Full ? pass.rope_full : pass.rope_sliding;
-  float* h = hidden.data.data();
 
-  // ---- attention ----
   auto& x = pass.x;
   auto& q = pass.q;
   sized(x, S * D);
@@ -272,101 +283,39 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
   const int64_t window = cfg_.sliding_window;
 
-  auto& attn = pass.attn;  // every element is written by attend_queries or the merge
+  auto& attn = pass.attn;  // every element is written by attend_layer
   sized(attn, S * H * hd);
-  // One task per (block of rows, KV head, part of the keys). A task's queries share every key
-  // and value row the kernel loads, so a prefill task takes several rows, about
-  // kQueriesPerTask queries; causal rows see more keys the later they are, so tasks go to
-  // whichever thread is free, latest rows first. Decode has one row, too few (row, KV head)
-  // groups to occupy the pool: each group's keys are then split into key_parts ranges whose
-  // partial softmax states are merged afterwards, so every key and value is still read once per
-  // token (the cache at depth is what decode reads besides the weights).
-  constexpr int64_t kQueriesPerTask = 16;
-  const int64_t per_group = S * Hkv;
-  const int64_t key_parts = per_group < pool.size() ? (pool.size() + per_group - 1) / per_group : 1;
-  const int64_t rows_per_task = key_parts > 1 ? 1 : std::max<int64_t>(1, kQueriesPerTask / G);
-  const int64_t row_blocks = (S + rows_per_task - 1) / rows_per_task;
-  const int64_t n_tasks = row_blocks * Hkv * key_parts;
-  const int64_t n_queries = S * H;
-  if (key_parts > 1) {
-    sized(pass.part_out, key_parts * n_queries * hd);
-    sized(pass.part_max, key_parts * n_queries);
-    sized(pass.part_sum, key_parts * n_queries);
-  }
-  // T: the cache's row type (float or bf16 bits); the chunk's fresh rows come in the same type.
-  auto attend_tasks = [&]<typename T>(const T* fresh_k, const T* fresh_v) {
-    pool.parallel_chunks(static_cast<size_t>(n_tasks), 1, [&](size_t b, size_t e) {
-      thread_local AttentionScratch scratch;
-      thread_local QueryBlock queries;
-      for (size_t task = b; task < e; ++task) {
-        const int64_t t = static_cast<int64_t>(task);
-        const int64_t rb = row_blocks - 1 - t / (Hkv * key_parts), kvh = t / key_parts % Hkv;
-        const int64_t part = t % key_parts;
-        queries.clear();
-        for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
-          const int64_t pos = start + r;
-          // Sliding: keys in (pos - W, pos]; full: [0, pos].
-          int64_t lo = ls.type == LayerType::Sliding ? std::max<int64_t>(0, pos - window + 1) : 0;
-          int64_t hi = pos;
-          float* out = attn.data();
-          if (key_parts > 1) {  // this part's share of the key blocks; may be empty
-            const int64_t blocks = (hi - lo + kKeyBlock) / kKeyBlock;
-            const int64_t per_part = (blocks + key_parts - 1) / key_parts;
-            lo += part * per_part * kKeyBlock;
-            hi = std::min(hi, lo + per_part * kKeyBlock - 1);
-            out = pass.part_out.data() + part * n_queries * hd;
-            for (int64_t g = 0; g < G; ++g)  // marks an empty part for the merge
-              pass.part_sum[static_cast<size_t>(part * n_queries + r * H + kvh * G + g)] = 0.0f;
-            if (lo > hi) continue;
-          }
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t at = (r * H + kvh * G + g) * hd;
-            queries.add(q.data() + at, out + at, lo, hi);
-          }
-        }
-        if (queries.size() == 0) continue;
-        // Keys before the chunk come from the cache, the rest from this chunk's fresh K/V.
-        auto key = [&](int64_t p) {
-          return (p < start ? past->k_at<T>(p) : fresh_k + (p - start) * kvw) + kvh * hd;
-        };
-        auto val = [&](int64_t p) {
-          return (p < start ? past->v_at<T>(p) : fresh_v + (p - start) * kvw) + kvh * hd;
-        };
-        if (key_parts == 1) {
-          attend_queries(queries, hd, key, val, scratch);
-          continue;
-        }
-        attend_queries_partial(queries, hd, key, val, scratch);
-        for (int64_t m = 0; m < queries.size(); ++m) {  // G heads of one row, in order
-          const int64_t at = (queries.out[static_cast<size_t>(m)] - pass.part_out.data()) / hd;
-          pass.part_max[static_cast<size_t>(at)] = scratch.max[static_cast<size_t>(m)];
-          pass.part_sum[static_cast<size_t>(at)] = scratch.sum[static_cast<size_t>(m)];
-        }
-      }
-    });
-  };
-  if (past->kv_type() == KvType::BF16)
-    attend_tasks(pass.k16[static_cast<size_t>(src)].data(),
-                 pass.v16[static_cast<size_t>(src)].data());
-  else
-    attend_tasks(ck.data(), cv.data());
-  if (key_parts > 1)
-    for (int64_t i = 0; i < n_queries; ++i)
-      merge_partial_attention(pass.part_out.data() + i * hd, pass.part_max.data() + i,
-                              pass.part_sum.data() + i, key_parts, n_queries, hd,
-                              attn.data() + i * hd);
+  const bool bf16_cache = past->kv_type() == KvType::BF16;
+  attend_layer(
+      pool,
+      {q.data(), S, H, Hkv, hd, start, ls.type == LayerType::Sliding ? window : 0, past,
+       bf16_cache ? static_cast<const void*>(pass.k16[static_cast<size_t>(src)].data()) : ck.data(),
+       bf16_cache ? static_cast<const void*>(pass.v16[static_cast<size_t>(src)].data()) : cv.data(),
+       attn.data()},
+      pass.attention);
   auto& branch = pass.branch;
   sized(branch, S * D);
   matmul(pool, attn.data(), S, lw.o_proj, branch.data());
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     add_normed(h, branch.data(), r0, r1, D, lw.post_attention_layernorm.data(), eps);
+  });
+}
+
+// Pre-feedforward norm, gate/up, GELU(tanh) gating, down projection, post-norm and residual;
+// without per-layer inputs layer_scalar (the layer's last op) applies here.
+void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPass& pass) const {
+  const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
+  const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
+  const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  float* h = hidden.data.data();
+  const int64_t I = ls.mlp_width;
+  auto& x = pass.x;
+  sized(x, S * D);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm.data(), eps,
                  x.data() + r0 * D);
   });
-  if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, h, S);
-
-  // ---- MLP ----
-  const int64_t I = ls.mlp_width;
   auto& gate = pass.gate;
   auto& up = pass.up;
   sized(gate, S * I);
@@ -375,6 +324,8 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     gelu_tanh_mul(gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I, gate.data() + r0 * I);
   });
+  auto& branch = pass.branch;
+  sized(branch, S * D);
   matmul(pool, gate.data(), S, lw.down_proj, branch.data());
   const bool ple = cfg_.has_ple();
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
@@ -383,38 +334,43 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
     if (!ple)
       for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
   });
-  if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, h, S);
-
-  // ---- per-layer input: gate from the un-normalized stream, times this layer's PLE slice ----
-  if (ple) {
-    const int64_t P = cfg_.ple_dim();
-    if (pli.rows != S || pli.dim != P || !pli.holds(li))
-      fail("layer ", li, ": per_layer_inputs holds rows ", pli.rows, ", layers [", pli.first_layer,
-           ", ", pli.first_layer + pli.num_layers, "), width ", pli.dim, "; expected ", S,
-           " rows including layer ", li, ", width ", P);
-    auto& g = pass.ple_gate;
-    sized(g, S * P);
-    matmul(pool, h, S, lw.per_layer_input_gate, g.data());
-    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-      for (int64_t r = r0; r < r1; ++r) {
-        const float* p = pli.at(r, li);
-        float* gr = g.data() + r * P;
-        for (int64_t j = 0; j < P; ++j) gr[j] = gelu_tanh(gr[j]) * p[j];
-      }
-    });
-    matmul(pool, g.data(), S, lw.per_layer_projection, branch.data());
-    // layer_scalar scales the whole residual stream, as the layer's last op.
-    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-      add_normed(h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
-      for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
-    });
-  }
-  if (taps) taps->append_layer("hidden_states", li, L, {D}, h, S);
 }
 
-void TextModel::run_layers(ThreadPool& pool, int begin, int end, int64_t start,
-                           FloatTensor& hidden, const PerLayerInputs& pli, KvCache& cache,
-                           TapRecorder* taps) const {
+// Per-layer input: a gate from the un-normalized stream times this layer's PLE slice, projected
+// back, post-normed and added; layer_scalar then scales the whole residual stream.
+void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const PerLayerInputs& pli,
+                          LayerPass& pass) const {
+  const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
+  const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  float* h = hidden.data.data();
+  const int64_t P = cfg_.ple_dim();
+  if (pli.rows != S || pli.dim != P || !pli.holds(li))
+    fail("layer ", li, ": per_layer_inputs holds rows ", pli.rows, ", layers [", pli.first_layer,
+         ", ", pli.first_layer + pli.num_layers, "), width ", pli.dim, "; expected ", S,
+         " rows including layer ", li, ", width ", P);
+  auto& g = pass.ple_gate;
+  sized(g, S * P);
+  matmul(pool, h, S, lw.per_layer_input_gate, g.data());
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* p = pli.at(r, li);
+      float* gr = g.data() + r * P;
+      for (int64_t j = 0; j < P; ++j) gr[j] = gelu_tanh(gr[j]) * p[j];
+    }
+  });
+  auto& branch = pass.branch;
+  sized(branch, S * D);
+  matmul(pool, g.data(), S, lw.per_layer_projection, branch.data());
+  // layer_scalar scales the whole residual stream, as the layer's last op.
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    add_normed(h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
+    for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
+  });
+}
+
+void TextModel::run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
+                           const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const {
   const int L = cfg_.num_hidden_layers;
   if (begin < 0 || end > L || begin >= end)
     fail("layer range [", begin, ", ", end, ") is not inside [0, ", L, ")");

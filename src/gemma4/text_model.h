@@ -10,6 +10,7 @@
 #include <span>
 #include <vector>
 
+#include "cache/kv_cache.h"
 #include "core/tensor.h"
 #include "core/thread_pool.h"
 #include "gemma4/config.h"
@@ -17,7 +18,6 @@
 #include "gemma4/registry.h"
 #include "kernels/ops.h"
 #include "trace/taps.h"
-#include "cache/kv_cache.h"
 
 namespace gemstage {
 
@@ -50,7 +50,7 @@ struct PerLayerInputs {
 struct EmbeddingsOutput {
   FloatTensor hidden_states;  // [S, D] spliced inputs_embeds
   PerLayerInputs per_layer_inputs;
-  std::vector<int32_t> ple_token_ids;     // [S] the PLE lookup's ids: pad at placeholder rows
+  std::vector<int32_t> ple_token_ids;      // [S] the PLE lookup's ids: pad at placeholder rows
   std::vector<uint8_t> image_splice_mask;  // [S] 1 where a soft token was spliced in
 };
 
@@ -84,8 +84,14 @@ class TextModel {
 
  private:
   struct LayerPass;  // what the layers of one run_layers call share (text_model.cc)
+  // One decoder layer: the attention, MLP and per-layer-input blocks in turn.
   void layer_forward(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
                      KvCache& cache, LayerPass& pass, TapRecorder* taps) const;
+  void attention_block(ThreadPool& pool, int layer, FloatTensor& hidden, KvCache& cache,
+                       LayerPass& pass) const;
+  void mlp_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass) const;
+  void ple_block(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
+                 LayerPass& pass) const;
 
   const ModelConfig& model_cfg_;
   const TextConfig& cfg_;
