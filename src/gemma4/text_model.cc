@@ -161,7 +161,9 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
 // element is written before it is read, and for a prompt they are tens of MB that zeroing and
 // first-touch page faults made ~5% of a prefill.
 struct TextModel::LayerPass {
-  RopeAngles rope_sliding, rope_full;
+  std::span<const RowSegment> segments;
+  KvType kv_type = KvType::F32;          // every segment's cache holds rows of this type
+  RopeAngles rope_sliding, rope_full;    // one row per call row, at that row's position
   std::vector<std::vector<float>> k, v;  // per layer: [S, kv heads * head_dim]
   // The same rounded to bf16 when the cache holds bf16, so the chunk's own keys enter attention
   // exactly as later chunks will read them back from the cache.
@@ -204,12 +206,11 @@ void add_normed(float* hidden, float* branch, int64_t r0, int64_t r1, int64_t D,
 }  // namespace
 
 void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
-                              const PerLayerInputs& pli, KvCache& cache, LayerPass& pass,
-                              TapRecorder* taps) const {
+                              const PerLayerInputs& pli, LayerPass& pass, TapRecorder* taps) const {
   if (!w_.layers[static_cast<size_t>(li)].bound) fail("layer ", li, " is not held by this stage");
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
   const int L = cfg_.num_hidden_layers;
-  attention_block(pool, li, hidden, cache, pass);
+  attention_block(pool, li, hidden, pass);
   if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, hidden.data.data(), S);
   mlp_block(pool, li, hidden, pass);
   if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, hidden.data.data(), S);
@@ -219,7 +220,7 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
 
 // Pre-norm, Q (and, unless KV-shared, K/V) projections with their norms and RoPE, attention over
 // the cache and the call's fresh rows, the output projection, its post-norm and the residual.
-void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden, KvCache& cache,
+void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
                                 LayerPass& pass) const {
   const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
@@ -228,7 +229,6 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden, K
   float* h = hidden.data.data();
   const int64_t H = cfg_.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
   const int64_t kvw = Hkv * hd;
-  const int64_t start = cache.n_past();
   const RopeAngles& rope = ls.type == LayerType::Full ? pass.rope_full : pass.rope_sliding;
 
   auto& x = pass.x;
@@ -239,7 +239,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden, K
   });
   sized(q, S * H * hd);
   // A KV-shared layer reads its donor's K/V and computes none of its own.
-  const bool bf16_kv = cache.kv_type() == KvType::BF16;
+  const bool bf16_kv = pass.kv_type == KvType::BF16;
   float* k = nullptr;
   float* v = nullptr;
   if (ls.kv_shared) {
@@ -279,20 +279,26 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden, K
     fail("layer ", li, " reads the K/V of layer ", src,
          ", which did not run in this pass; a stage must hold each KV-shared layer together with "
          "its donor");
-  const LayerKvCache* past = cache.own(src);
-  if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
-  const int64_t window = cfg_.sliding_window;
-
+  const int64_t window = ls.type == LayerType::Sliding ? cfg_.sliding_window : 0;
   auto& attn = pass.attn;  // every element is written by attend_layer
   sized(attn, S * H * hd);
-  const bool bf16_cache = past->kv_type() == KvType::BF16;
-  attend_layer(
-      pool,
-      {q.data(), S, H, Hkv, hd, start, ls.type == LayerType::Sliding ? window : 0, past,
-       bf16_cache ? static_cast<const void*>(pass.k16[static_cast<size_t>(src)].data()) : ck.data(),
-       bf16_cache ? static_cast<const void*>(pass.v16[static_cast<size_t>(src)].data()) : cv.data(),
-       attn.data()},
-      pass.attention);
+  // Each sequence's rows attend to its own cache and its own fresh rows.
+  for (const RowSegment& seg : pass.segments) {
+    const LayerKvCache* past = seg.cache->own(src);
+    if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
+    const void* fk =
+        bf16_kv
+            ? static_cast<const void*>(pass.k16[static_cast<size_t>(src)].data() + seg.row0 * kvw)
+            : ck.data() + seg.row0 * kvw;
+    const void* fv =
+        bf16_kv
+            ? static_cast<const void*>(pass.v16[static_cast<size_t>(src)].data() + seg.row0 * kvw)
+            : cv.data() + seg.row0 * kvw;
+    attend_layer(pool,
+                 {q.data() + seg.row0 * H * hd, seg.rows, H, Hkv, hd, seg.start, window, past, fk,
+                  fv, attn.data() + seg.row0 * H * hd},
+                 pass.attention);
+  }
   auto& branch = pass.branch;
   sized(branch, S * D);
   matmul(pool, attn.data(), S, lw.o_proj, branch.data());
@@ -371,32 +377,65 @@ void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const P
 
 void TextModel::run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
                            const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const {
+  const RowSegment one{0, hidden.shape.empty() ? 0 : hidden.dim(0), start, &cache};
+  run_layers(pool, begin, end, std::span<const RowSegment>(&one, 1), hidden, pli, taps);
+}
+
+void TextModel::run_layers(ThreadPool& pool, int begin, int end,
+                           std::span<const RowSegment> segments, FloatTensor& hidden,
+                           const PerLayerInputs& pli, TapRecorder* taps) const {
   const int L = cfg_.num_hidden_layers;
   if (begin < 0 || end > L || begin >= end)
     fail("layer range [", begin, ", ", end, ") is not inside [0, ", L, ")");
   if (hidden.shape.size() != 2 || hidden.dim(1) != cfg_.hidden_size)
     fail("hidden_states must be [S, ", cfg_.hidden_size, "], got ", shape_str(hidden.shape));
   const int64_t S = hidden.dim(0);
-  if (start != cache.n_past())
-    fail("positions start at ", start, " but this sequence's KV cache holds positions [0, ",
-         cache.n_past(), "): a call's rows must continue the cache");
-  if (cache.n_past() + S > cache.max_context())
-    fail("context limit reached: ", cache.n_past() + S, " tokens exceed the context size of ",
-         cache.max_context(),
-         " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
-         cfg_.max_position_embeddings, ")");
+  if (segments.empty()) fail("run_layers: no sequence to run");
   LayerPass pass;
-  pass.rope_sliding = RopeAngles::at(rope_sliding_, cache.n_past(), S);
-  pass.rope_full = RopeAngles::at(rope_full_, cache.n_past(), S);
+  pass.segments = segments;
+  pass.kv_type = segments.front().cache->kv_type();
+  int64_t row = 0;
+  for (const RowSegment& seg : segments) {
+    const KvCache& cache = *seg.cache;
+    if (seg.row0 != row || seg.rows <= 0)
+      fail("run_layers: sequence segments must cover the rows in order without gaps (rows ",
+           seg.row0, "..", seg.row0 + seg.rows, " after row ", row, ")");
+    row += seg.rows;
+    if (cache.kv_type() != pass.kv_type)
+      fail("sequences batched together must keep the same KV row type (",
+           kv_type_name(pass.kv_type), " and ", kv_type_name(cache.kv_type()), ")");
+    if (seg.start != cache.n_past())
+      fail("positions start at ", seg.start, " but this sequence's KV cache holds positions [0, ",
+           cache.n_past(), "): a call's rows must continue the cache");
+    if (cache.n_past() + seg.rows > cache.max_context())
+      fail("context limit reached: ", cache.n_past() + seg.rows,
+           " tokens exceed the context size of ", cache.max_context(),
+           " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
+           cfg_.max_position_embeddings, ")");
+    // RoPE angles for this sequence's rows, at its own positions.
+    for (auto [angles, table] :
+         {std::pair{&pass.rope_sliding, &rope_sliding_}, std::pair{&pass.rope_full, &rope_full_}}) {
+      const RopeAngles part = RopeAngles::at(*table, seg.start, seg.rows);
+      angles->head_dim = part.head_dim;
+      angles->n_rotated = part.n_rotated;
+      angles->cos.insert(angles->cos.end(), part.cos.begin(), part.cos.end());
+      angles->sin.insert(angles->sin.end(), part.sin.begin(), part.sin.end());
+    }
+  }
+  if (row != S) fail("run_layers: sequence segments cover ", row, " rows of ", S);
   pass.k.resize(static_cast<size_t>(L));
   pass.v.resize(static_cast<size_t>(L));
   pass.k16.resize(static_cast<size_t>(L));
   pass.v16.resize(static_cast<size_t>(L));
-  for (int li = begin; li < end; ++li) layer_forward(pool, li, hidden, pli, cache, pass, taps);
+  for (int li = begin; li < end; ++li) layer_forward(pool, li, hidden, pli, pass, taps);
   for (int li = begin; li < end; ++li)
     if (!cfg_.layers[static_cast<size_t>(li)].kv_shared)
-      cache.own(li)->append(pass.k[static_cast<size_t>(li)].data(),
-                            pass.v[static_cast<size_t>(li)].data(), S);
+      for (const RowSegment& seg : segments) {
+        const int64_t kvw = static_cast<int64_t>(pass.k[static_cast<size_t>(li)].size()) / S;
+        seg.cache->own(li)->append(pass.k[static_cast<size_t>(li)].data() + seg.row0 * kvw,
+                                   pass.v[static_cast<size_t>(li)].data() + seg.row0 * kvw,
+                                   seg.rows);
+      }
 }
 
 FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,

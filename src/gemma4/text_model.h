@@ -60,6 +60,14 @@ std::vector<LayerCachePlan> kv_cache_plan(const TextConfig& t, int begin = 0, in
 KvCache make_kv_cache(const TextConfig& t, int64_t max_context, int begin = 0, int end = -1,
                       KvType kv_type = KvType::F32);
 
+// Rows [row0, row0 + rows) of a call belong to one sequence: positions start..start+rows-1,
+// which continue that sequence's KV cache group (start == cache->n_past()). A call of several
+// segments multiplies every matrix once over all rows; each segment attends to its own cache.
+struct RowSegment {
+  int64_t row0 = 0, rows = 0, start = 0;
+  KvCache* cache = nullptr;
+};
+
 class TextModel {
  public:
   TextModel(const ModelConfig& config, TextWeights weights);
@@ -77,6 +85,10 @@ class TextModel {
   // cache.n_past() (the caller does, once per call, after its last stage).
   void run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
                   const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const;
+  // The same for a batch: segments cover the rows of hidden in order, one per sequence (their
+  // caches hold the same row type). Taps record rows as they lie in the batch.
+  void run_layers(ThreadPool& pool, int begin, int end, std::span<const RowSegment> segments,
+                  FloatTensor& hidden, const PerLayerInputs& pli, TapRecorder* taps) const;
 
   // Final norm + tied head + soft-cap for the given rows of hidden ([S, D]) -> [rows, V].
   FloatTensor head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row, int64_t n_rows,
@@ -86,9 +98,8 @@ class TextModel {
   struct LayerPass;  // what the layers of one run_layers call share (text_model.cc)
   // One decoder layer: the attention, MLP and per-layer-input blocks in turn.
   void layer_forward(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
-                     KvCache& cache, LayerPass& pass, TapRecorder* taps) const;
-  void attention_block(ThreadPool& pool, int layer, FloatTensor& hidden, KvCache& cache,
-                       LayerPass& pass) const;
+                     LayerPass& pass, TapRecorder* taps) const;
+  void attention_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass) const;
   void mlp_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass) const;
   void ple_block(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
                  LayerPass& pass) const;

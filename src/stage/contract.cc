@@ -98,6 +98,13 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
       k.inputs.push_back(pli);
       k.inputs.push_back(
           {"positions", {"S"}, "i32", "absolute position of each row (RoPE, masks, cache slots)"});
+      k.inputs.push_back({"row_sequence",
+                          {"S"},
+                          "i32",
+                          "a batch of several sequences: each row's sequence, as an index into the "
+                          "call's caches; a sequence's rows are contiguous and in position order "
+                          "(absent: every row is one sequence's)",
+                          true});
       k.outputs.push_back({"hidden_states",
                            {"S", D},
                            "f32",
@@ -176,6 +183,7 @@ StageContract contract_from_json(const nlohmann::json& j, const std::string& whe
 std::vector<TensorDecl> pipeline_inputs(const ModelConfig& c) {
   std::vector<TensorDecl> in = contract_for(StageRole::Embeddings, {}, c).inputs;
   in.push_back({"positions", {"S"}, "i32", "absolute position of each row"});
+  in.push_back({"row_sequence", {"S"}, "i32", "each row's sequence in a batch", true});
   return in;
 }
 
@@ -254,7 +262,8 @@ void check_contract_chain(const std::vector<StageDecl>& stages, const ModelConfi
             fail(where, " receives token ids ('", in.name,
                  "'): only the embeddings stage may see token ids, so no "
                  "transformer stage can re-derive PLE identity from raw placeholder ids");
-        if ((in.dtype == "i32" || in.dtype == "i64") && in.name != "positions")
+        if ((in.dtype == "i32" || in.dtype == "i64") && in.name != "positions" &&
+            in.name != "row_sequence")
           fail(where, " receives integer tensor '", in.name,
                "'; transformer and head stages take only hidden states, "
                "their per_layer_inputs slice and positions");

@@ -60,28 +60,64 @@ bool Sequence::truncate(int64_t n) {
 FloatTensor Sequence::forward(ThreadPool& pool, std::span<const int32_t> ids,
                               const FloatTensor* soft_tokens, bool all_logits, TapRecorder* taps,
                               const TextRunOptions& opt) {
+  const BatchEntry one{this, ids, soft_tokens, all_logits};
+  return std::move(forward_batch(pool, std::span<const BatchEntry>(&one, 1), taps, opt).front());
+}
+
+std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
+                                                 std::span<const BatchEntry> batch,
+                                                 TapRecorder* taps, const TextRunOptions& opt) {
+  if (batch.empty()) fail("forward: no sequence in the batch");
+  const Model& model = batch.front().sequence->model();
+  const ModelConfig& c = model.config();
+  // The call's rows: each entry's ids in turn, with their positions and sequence index.
+  std::vector<int32_t> ids, positions, row_sequence;
+  std::vector<float> soft;
+  bool any_soft = false;
+  for (const BatchEntry& e : batch)
+    any_soft = any_soft || (e.soft_tokens && e.soft_tokens->numel() > 0);
+  for (size_t k = 0; k < batch.size(); ++k) {
+    const BatchEntry& e = batch[k];
+    Sequence& seq = *e.sequence;
+    if (&seq.model() != &model) fail("forward: the sequences of one batch must share one model");
+    for (size_t m = 0; m < k; ++m)
+      if (batch[m].sequence == &seq) fail("forward: a sequence appears twice in one batch");
+    const int64_t S = static_cast<int64_t>(e.ids.size());
+    if (S == 0) fail("forward: no tokens");
+    if (seq.n_past() + S > seq.max_context_)
+      fail("context limit reached: ", seq.n_past() + S, " tokens exceed the context size of ",
+           seq.max_context_,
+           " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
+           c.text.max_position_embeddings, ")");
+    // Soft tokens are spliced in row order over the whole call, so once any entry brings some,
+    // each entry must bring exactly its own placeholders' worth.
+    const int64_t n_soft = e.soft_tokens ? e.soft_tokens->dim(0) : 0;
+    if (any_soft && batch.size() > 1 && count_placeholders(c, e.ids) != n_soft)
+      fail("forward: batch entry ", k, " has ", count_placeholders(c, e.ids),
+           " placeholder rows but ", n_soft, " soft tokens");
+    if (n_soft) soft.insert(soft.end(), e.soft_tokens->data.begin(), e.soft_tokens->data.end());
+    ids.insert(ids.end(), e.ids.begin(), e.ids.end());
+    for (int64_t r = 0; r < S; ++r) {
+      positions.push_back(static_cast<int32_t>(seq.n_past() + r));
+      row_sequence.push_back(static_cast<int32_t>(k));
+    }
+  }
   const int64_t S = static_cast<int64_t>(ids.size());
-  if (S == 0) fail("forward: no tokens");
-  const ModelConfig& c = model_->config();
-  if (n_past() + S > max_context_)
-    fail("context limit reached: ", n_past() + S, " tokens exceed the context size of ",
-         max_context_, " (raise --ctx-size / -c, up to the model's max_position_embeddings of ",
-         c.text.max_position_embeddings, ")");
-  std::vector<int32_t> positions(static_cast<size_t>(S));
-  std::iota(positions.begin(), positions.end(), static_cast<int32_t>(n_past()));
 
   TensorMap flow;  // what the previous stage produced
   TensorMap logits;
-  const auto& stages = model_->stages();
+  const auto& stages = model.stages();
   try {
     for (size_t i = 0; i < stages.size(); ++i) {
       const Stage& st = *stages[i];
       TensorMap in;
       switch (st.role()) {
         case StageRole::Embeddings:
-          in["input_ids"] = HostTensor({S}, std::vector<int32_t>(ids.begin(), ids.end()));
-          if (soft_tokens && soft_tokens->numel() > 0)
-            in["image_soft_tokens"] = HostTensor(soft_tokens->shape, soft_tokens->data);
+          in["input_ids"] = HostTensor({S}, ids);
+          if (!soft.empty()) {
+            const int64_t D = c.text.hidden_size, n = static_cast<int64_t>(soft.size()) / D;
+            in["image_soft_tokens"] = HostTensor({n, D}, std::move(soft));
+          }
           flow = st.run(pool, std::move(in), nullptr, opt, taps);
           break;
         case StageRole::TransformerLayers: {
@@ -96,35 +132,61 @@ FloatTensor Sequence::forward(ThreadPool& pool, std::span<const int32_t> ids,
           in["hidden_states"] = std::move(flow.at("hidden_states"));
           in["per_layer_inputs"] = HostTensor({S, n, P}, std::move(slice));
           in["positions"] = HostTensor({S}, positions);
-          TensorMap out = st.run(pool, std::move(in), caches_[i].get(), opt, taps);
+          std::vector<KvCache*> caches;
+          for (const BatchEntry& e : batch) caches.push_back(e.sequence->caches_[i].get());
+          if (batch.size() > 1) in["row_sequence"] = HostTensor({S}, row_sequence);
+          TensorMap out = st.run(pool, std::move(in), caches, opt, taps);
           flow["hidden_states"] = std::move(out.at("hidden_states"));
           break;
         }
         case StageRole::FinalNormHead: {
-          HostTensor& h = flow.at("hidden_states");
-          if (all_logits) {
-            in["hidden_states"] = std::move(h);
-          } else {
-            const int64_t D = h.shape()[1];
-            const auto v = h.values<float>();
-            in["hidden_states"] = HostTensor({1, D}, std::vector<float>(v.end() - D, v.end()));
+          // Only the rows whose logits are wanted go through the head.
+          const HostTensor& h = flow.at("hidden_states");
+          const int64_t D = h.shape()[1];
+          const auto v = h.values<float>();
+          std::vector<float> rows;
+          int64_t row0 = 0, n_rows = 0;
+          for (const BatchEntry& e : batch) {
+            const int64_t n = static_cast<int64_t>(e.ids.size());
+            const int64_t first = e.all_logits ? row0 : row0 + n - 1;
+            rows.insert(rows.end(), v.begin() + first * D, v.begin() + (row0 + n) * D);
+            n_rows += row0 + n - first;
+            row0 += n;
           }
+          in["hidden_states"] = HostTensor({n_rows, D}, std::move(rows));
           logits = st.run(pool, std::move(in), nullptr, opt, taps);
           break;
         }
       }
     }
   } catch (...) {
-    // A failed call leaves the sequence as it was: no stage keeps the rows it appended.
-    for (const auto& cache : caches_)
-      if (cache) cache->drop_uncommitted();
+    // A failed call leaves every sequence as it was: no stage keeps the rows it appended.
+    for (const BatchEntry& e : batch)
+      for (const auto& cache : e.sequence->caches_)
+        if (cache) cache->drop_uncommitted();
     throw;
   }
   // The call ran through every stage: each cache group now holds its rows.
-  for (const auto& cache : caches_)
-    if (cache) cache->advance(S);
-  tokens_.insert(tokens_.end(), ids.begin(), ids.end());
-  return logits.at("logits").take_float();
+  std::vector<FloatTensor> out;
+  FloatTensor all = logits.at("logits").take_float();
+  const int64_t V = all.dim(1);
+  int64_t at = 0;
+  for (const BatchEntry& e : batch) {
+    const int64_t n = static_cast<int64_t>(e.ids.size());
+    for (const auto& cache : e.sequence->caches_)
+      if (cache) cache->advance(n);
+    e.sequence->tokens_.insert(e.sequence->tokens_.end(), e.ids.begin(), e.ids.end());
+    const int64_t rows = e.all_logits ? n : 1;
+    if (batch.size() == 1) {
+      out.push_back(std::move(all));  // all of it is this entry's (a prompt's logits can be GBs)
+      break;
+    }
+    FloatTensor part({rows, V});
+    std::copy_n(all.data.begin() + at * V, rows * V, part.data.begin());
+    out.push_back(std::move(part));
+    at += rows;
+  }
+  return out;
 }
 
 FloatTensor Sequence::prefill(ThreadPool& pool, std::span<const int32_t> ids,

@@ -18,6 +18,17 @@
 
 namespace gemstage {
 
+class Sequence;
+
+// One sequence's part of a batched call: its new ids (a prompt chunk, or one decoded token), the
+// soft tokens of their placeholder rows, and whether it wants logits for every row or the last.
+struct BatchEntry {
+  Sequence* sequence = nullptr;
+  std::span<const int32_t> ids;
+  const FloatTensor* soft_tokens = nullptr;
+  bool all_logits = false;
+};
+
 class Sequence {
  public:
   // max_context 0: the model's max_context(); kv_type: the model's default_kv_type() if unset.
@@ -59,6 +70,13 @@ class Sequence {
   FloatTensor forward(ThreadPool& pool, std::span<const int32_t> ids,
                       const FloatTensor* soft_tokens, bool all_logits, TapRecorder* taps,
                       const TextRunOptions& opt = {});
+
+  // Several sequences of one model in one call: every matrix is multiplied once over all their
+  // rows, and each sequence attends to its own cache, so each gets what it would get alone.
+  // Returns each entry's logits, in order. A failure leaves every sequence as it was.
+  static std::vector<FloatTensor> forward_batch(ThreadPool& pool, std::span<const BatchEntry> batch,
+                                                TapRecorder* taps = nullptr,
+                                                const TextRunOptions& opt = {});
 
   // Whole prompt in chunks of `chunk` rows (<= 0: one pass), each chunk with the soft tokens of
   // its own placeholder rows; returns the last chunk's logits.

@@ -46,8 +46,8 @@ std::unique_ptr<KvCache> Stage::new_cache(int64_t max_context, KvType kv_type) c
       make_kv_cache(config_.text, max_context, decl_.layers.begin, decl_.layers.end, kv_type));
 }
 
-TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, KvCache* cache, const TextRunOptions& opt,
-                     TapRecorder* taps) const {
+TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, std::span<KvCache* const> caches,
+                     const TextRunOptions& opt, TapRecorder* taps) const {
   DimBindings dims;
   check_call_tensors(decl_, "input", decl_.contract.inputs, inputs, dims);
   TensorMap out;
@@ -56,7 +56,7 @@ TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, KvCache* cache, const T
       out = run_embeddings(pool, inputs, opt, taps);
       break;
     case StageRole::TransformerLayers:
-      out = run_layers(pool, inputs, cache, taps);
+      out = run_layers(pool, inputs, caches, taps);
       break;
     case StageRole::FinalNormHead:
       out = run_head(pool, inputs, taps);
@@ -127,22 +127,47 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
   return out;
 }
 
-TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache,
+TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, std::span<KvCache* const> caches,
                             TapRecorder* taps) const {
   const std::string where =
       "stage '" + decl_.id + "' (transformer_layers " + decl_.layers.str() + ")";
-  if (!cache) fail(where, ": runs with a sequence's KV cache; none was given");
+  if (caches.empty()) fail(where, ": runs with a sequence's KV cache; none was given");
   FloatTensor hidden = take(in, "hidden_states").take_float();
   HostTensor pli_t = take(in, "per_layer_inputs");
   const HostTensor pos = take(in, "positions");
   const int64_t S = hidden.dim(0);
   const auto p = pos.values<int32_t>();
-  for (int64_t r = 0; r < S; ++r)
-    if (p[static_cast<size_t>(r)] != cache->n_past() + r)
+  // Rows of one sequence form one segment; without row_sequence every row is caches[0]'s.
+  std::vector<int32_t> seq_of(static_cast<size_t>(S), 0);
+  if (in.count("row_sequence")) {
+    const HostTensor rs = take(in, "row_sequence");
+    seq_of.assign(rs.values<int32_t>().begin(), rs.values<int32_t>().end());
+  } else if (caches.size() != 1) {
+    fail(where, ": a call with ", caches.size(), " sequences needs row_sequence");
+  }
+  std::vector<RowSegment> segments;
+  std::vector<uint8_t> seen(caches.size(), 0);
+  for (int64_t r = 0; r < S; ++r) {
+    const int32_t k = seq_of[static_cast<size_t>(r)];
+    if (k < 0 || static_cast<size_t>(k) >= caches.size() || !caches[static_cast<size_t>(k)])
+      fail(where, ": row_sequence[", r, "] is ", k, ", but the call has ", caches.size(),
+           " sequence(s)");
+    if (segments.empty() || seq_of[static_cast<size_t>(r - 1)] != k) {
+      if (seen[static_cast<size_t>(k)])
+        fail(where, ": the rows of sequence ", k, " are not contiguous (again at row ", r, ")");
+      seen[static_cast<size_t>(k)] = 1;
+      segments.push_back(
+          {r, 0, caches[static_cast<size_t>(k)]->n_past(), caches[static_cast<size_t>(k)]});
+    }
+    RowSegment& seg = segments.back();
+    const int64_t want = seg.start + seg.rows;
+    if (p[static_cast<size_t>(r)] != want)
       fail(where,
-           ": positions must be consecutive and continue this sequence's cache, which holds ",
-           cache->n_past(), " positions: expected position ", cache->n_past() + r, " at row ", r,
-           ", got ", p[static_cast<size_t>(r)]);
+           ": positions must be consecutive and continue each sequence's cache, which holds ",
+           seg.start, " positions: expected position ", want, " at row ", r, ", got ",
+           p[static_cast<size_t>(r)]);
+    ++seg.rows;
+  }
   PerLayerInputs pli;
   if (config_.text.has_ple()) {
     pli.rows = S;
@@ -153,8 +178,7 @@ TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache,
     pli.data.assign(v.begin(), v.end());
   }
   try {
-    text_->run_layers(pool, decl_.layers.begin, decl_.layers.end, cache->n_past(), hidden, pli,
-                      *cache, taps);
+    text_->run_layers(pool, decl_.layers.begin, decl_.layers.end, segments, hidden, pli, taps);
   } catch (const Error& err) {
     fail(where, ": ", err.what());
   }

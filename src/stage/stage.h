@@ -12,6 +12,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -41,11 +42,18 @@ class Stage {
   std::unique_ptr<KvCache> new_cache(int64_t max_context, KvType kv_type) const;
 
   // One call: checks `inputs` against the contract, computes, checks the outputs and returns
-  // them. cache: the sequence's cache group of this stage (transformer stages only); the call's
-  // positions must continue it, and its rows are appended (the caller advances it once the whole
-  // call has run, see Sequence::forward).
+  // them. caches: this stage's cache group of each sequence in the call (transformer stages
+  // only; several with a `row_sequence` input, which indexes them). Each sequence's positions
+  // must continue its cache, and its rows are appended (the caller advances the caches once the
+  // whole call has run, see Sequence::forward_batch).
+  TensorMap run(ThreadPool& pool, TensorMap inputs, std::span<KvCache* const> caches,
+                const TextRunOptions& opt, TapRecorder* taps) const;
+  // One sequence's call (cache: null for stages without one).
   TensorMap run(ThreadPool& pool, TensorMap inputs, KvCache* cache, const TextRunOptions& opt,
-                TapRecorder* taps) const;
+                TapRecorder* taps) const {
+    return run(pool, std::move(inputs), std::span<KvCache* const>(&cache, cache ? 1 : 0), opt,
+               taps);
+  }
 
   // Embeddings stage: the vision tower's soft tokens for whole images, so a prompt whose images
   // span several calls runs the tower once and hands each call its rows (image_soft_tokens).
@@ -61,7 +69,8 @@ class Stage {
  private:
   TensorMap run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOptions& opt,
                            TapRecorder* taps) const;
-  TensorMap run_layers(ThreadPool& pool, TensorMap& in, KvCache* cache, TapRecorder* taps) const;
+  TensorMap run_layers(ThreadPool& pool, TensorMap& in, std::span<KvCache* const> caches,
+                       TapRecorder* taps) const;
   TensorMap run_head(ThreadPool& pool, TensorMap& in, TapRecorder* taps) const;
 
   const ModelConfig& config_;
