@@ -174,8 +174,7 @@ TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, std::span<KvCache* 
     pli.first_layer = decl_.layers.begin;
     pli.num_layers = decl_.layers.end - decl_.layers.begin;
     pli.dim = config_.text.ple_dim();
-    const auto v = pli_t.values<float>();
-    pli.data.assign(v.begin(), v.end());
+    pli.data = pli_t.take_float().data;  // moved, not copied
   }
   try {
     text_->run_layers(pool, decl_.layers.begin, decl_.layers.end, segments, hidden, pli, taps);
