@@ -23,7 +23,7 @@ namespace {
 
 struct BenchArgs {
   std::string model;
-  std::string prompts = "128", gens = "32", depths = "0";
+  std::string prompts = "128", gens = "32", depths = "0", sequences = "1";
   int threads = 0, reps = 5;
   bool json = false;
   bool warmup = true;
@@ -124,7 +124,9 @@ int run_bench(const BenchArgs& a) {
   const double t_load = now_seconds() - t0;
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const auto prompts = int_list(a.prompts, "-p"), gens = int_list(a.gens, "-n"),
-             depths = int_list(a.depths, "-d");
+             depths = int_list(a.depths, "-d"), sequences = int_list(a.sequences, "--sequences");
+  for (int64_t ns : sequences)
+    if (ns < 1) fail("--sequences: each count must be at least 1, got ", ns);
   const int64_t V = p->config().text.vocab_size;
   std::mt19937 rng(1);
   auto random_ids = [&](int64_t n) {
@@ -139,13 +141,15 @@ int run_bench(const BenchArgs& a) {
   struct Row {
     int64_t n_prompt, n_gen, n_depth;
     std::vector<double> ts;
+    int64_t n_seq = 1;  // tg: sequences decoding together, one token each per step
   };
   std::vector<Row> rows;
   for (int64_t d : depths) {
     for (int64_t np : prompts)
       if (np > 0) rows.push_back({np, 0, d, {}});
     for (int64_t ng : gens)
-      if (ng > 0) rows.push_back({0, ng, d, {}});
+      if (ng > 0)
+        for (int64_t ns : sequences) rows.push_back({0, ng, d, {}, ns});
   }
   const int64_t model_ctx = p->max_context();
   // Refuse up front what would only fail after the depth's prefill (minutes at large depths).
@@ -167,15 +171,41 @@ int run_bench(const BenchArgs& a) {
     }
     for (int rep = 0; rep < a.reps; ++rep) {
       p->reset();
-      if (r.n_depth > 0) p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
+      if (r.n_depth > 0 && r.n_seq == 1)
+        p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
       const double ts = now_seconds();
       if (r.n_prompt > 0) {
         p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
-      } else {
+      } else if (r.n_seq == 1) {
         for (int64_t i = 0; i < r.n_gen; ++i) {
           const std::vector<int32_t> one = random_ids(1);
           p->forward(pool, one, nullptr, false, nullptr);
         }
+      } else {
+        // n_seq sequences of one model, each at the depth, decoding together: one batched call
+        // a step, so the weights are read once for all of them.
+        std::vector<std::unique_ptr<Sequence>> seqs;
+        for (int64_t k = 0; k < r.n_seq; ++k) {
+          seqs.push_back(
+              std::make_unique<Sequence>(p->shared_model(), p->max_context(), p->kv_type()));
+          if (r.n_depth > 0)
+            seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
+        }
+        const double t_start = now_seconds();
+        std::vector<int32_t> next(static_cast<size_t>(r.n_seq));
+        std::vector<BatchEntry> batch;
+        for (int64_t i = 0; i < r.n_gen; ++i) {
+          batch.clear();
+          for (int64_t k = 0; k < r.n_seq; ++k) {
+            next[static_cast<size_t>(k)] = random_ids(1)[0];
+            batch.push_back({seqs[static_cast<size_t>(k)].get(),
+                             std::span<const int32_t>(&next[static_cast<size_t>(k)], 1), nullptr,
+                             false});
+          }
+          Sequence::forward_batch(pool, batch);
+        }
+        r.ts.push_back(static_cast<double>(r.n_gen * r.n_seq) / (now_seconds() - t_start));
+        continue;
       }
       const double dt = now_seconds() - ts;
       r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
@@ -201,6 +231,7 @@ int run_bench(const BenchArgs& a) {
                      {"n_prompt", r.n_prompt},
                      {"n_gen", r.n_gen},
                      {"n_depth", r.n_depth},
+                     {"n_sequences", r.n_seq},
                      {"type_k", kv_type_name(p->kv_type())},
                      {"type_v", kv_type_name(p->kv_type())},
                      {"avg_ts", m},
@@ -221,6 +252,7 @@ int run_bench(const BenchArgs& a) {
     const auto [m, sd] = stats(r.ts);
     std::ostringstream test;
     test << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen));
+    if (r.n_seq > 1) test << " x" << r.n_seq;
     if (r.n_depth) test << " @ d" << r.n_depth;
     std::cout << "| " << a.model << " | " << pool.size() << " | " << test.str() << " | "
               << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
@@ -251,6 +283,10 @@ void add_bench_command(CLI::App& app, Registry& reg) {
   sub->add_option("-d,--n-depth", a->depths, "context depths to run each test at, comma-separated")
       ->capture_default_str();
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
+  sub->add_option("--sequences", a->sequences,
+                  "decode tests: sequences decoding together in one batched call a step, "
+                  "comma-separated (tgN xK reports the tokens/s of all K together)")
+      ->capture_default_str();
   add_cache_type(sub, a->cache_type);
   sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
       ->capture_default_str()
