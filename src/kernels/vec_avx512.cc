@@ -76,11 +76,6 @@ GEMSTAGE_AVX512F inline __m512 gelu_tanh_ps(__m512 x) {
 
 }  // namespace
 
-bool available() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
-}
-
 GEMSTAGE_AVX512F void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = tail_mask(n - i);
