@@ -10,7 +10,8 @@
 // scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
 // blocking: decode (S = 1) walks the weight rows one at a time in address order, prefetching
 // ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
-// activation rows, each activation vector by 4 weight rows).
+// activation rows, each activation vector by 4 weight rows). The AVX2 tier (VPMADDUBSW, 8
+// lanes = half a chunk) keeps a 4 x 2 tile for prefill and a 1 x 4 tile for decode (tile_avx2).
 //
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
