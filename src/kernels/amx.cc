@@ -21,6 +21,7 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "kernels/amx.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
 #include <algorithm>
@@ -391,3 +392,24 @@ void amx_quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, cons
 }
 
 }  // namespace gemstage
+
+#else  // not x86: no AMX; cpu_features().amx_bf16 is false, so the amx tier is never chosen
+
+#include "core/error.h"
+
+namespace gemstage {
+
+bool amx_bf16_available() {
+  return false;
+}
+
+void amx_quant_matmul(ThreadPool&, const float*, int64_t, DType, const uint8_t*, size_t, int64_t,
+                      int64_t, float*) {
+  fail(
+      "amx_quant_matmul: this build is not for x86, which AMX tiles need (use another "
+      "GEMSTAGE_ISA tier)");
+}
+
+}  // namespace gemstage
+
+#endif  // x86

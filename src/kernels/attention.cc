@@ -11,6 +11,7 @@
 namespace gemstage {
 
 float dot_f32(const float* a, const float* b, int64_t n) {
+#if defined(__x86_64__) || defined(__i386__)
   switch (vector_ops_path()) {
     case VecPath::Avx512:
       return avx512::dot(a, b, n);
@@ -19,6 +20,7 @@ float dot_f32(const float* a, const float* b, int64_t n) {
     case VecPath::Scalar:
       break;
   }
+#endif
   // Four partial sums let the compiler vectorize without -ffast-math.
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   int64_t i = 0;
@@ -33,6 +35,7 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 void axpy_f32(float a, const float* x, float* y, int64_t n) {
+#if defined(__x86_64__) || defined(__i386__)
   switch (vector_ops_path()) {
     case VecPath::Avx512:
       return avx512::axpy(a, x, y, n);
@@ -41,6 +44,7 @@ void axpy_f32(float a, const float* x, float* y, int64_t n) {
     case VecPath::Scalar:
       break;
   }
+#endif
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -92,8 +96,9 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
 // One dispatch for both row types: the twin of the tier in force, else the portable loops.
 template <typename T>
 void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<T>& rows,
-                        int64_t nk, const KeyBlockRows<T>& next, int64_t next_nk, int64_t first,
-                        AttentionScratch& s) {
+                        int64_t nk, [[maybe_unused]] const KeyBlockRows<T>& next,
+                        [[maybe_unused]] int64_t next_nk, int64_t first, AttentionScratch& s) {
+#if defined(__x86_64__) || defined(__i386__)
   const VecPath path = vector_ops_path();
   if (path == VecPath::Avx512)
     return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
@@ -104,6 +109,7 @@ void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRo
     return avx2::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), qb.size(),
                                   head_dim, rows.keys, rows.values, nk, first, s.scores.data(),
                                   kKeyBlock, s.max.data(), s.sum.data());
+#endif
   portable_key_block(qb, head_dim, rows.keys, rows.values, nk, first, s);  // the reference
 }
 

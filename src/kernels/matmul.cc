@@ -2,11 +2,13 @@
 
 #include "kernels/weight_rows.h"
 
+#if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers
 // (_mm512_reduce_add_ps, _mm512_cvtph_ps); they are not about this file's code.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -48,6 +50,7 @@ void rows_scalar(const float* x, int64_t S, const WeightView& w, float* y, int64
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 // ---- AVX-512: 4 weight rows x 4 activation rows per step, 16 accumulators ----------------------
 
 template <DType T>
@@ -170,9 +173,12 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
   }
 }
 
+#endif  // x86
+
 using RowsFn = void (*)(const float*, int64_t, const WeightView&, float*, int64_t, int64_t);
 
-RowsFn pick(DType t) {
+RowsFn pick([[maybe_unused]] DType t) {
+#if defined(__x86_64__) || defined(__i386__)
   if (cpu_tier_at_least(CpuTier::Avx512)) {
     if (t == DType::F32) return rows_avx512<DType::F32>;
     if (t == DType::BF16) return rows_avx512<DType::BF16>;
@@ -182,6 +188,7 @@ RowsFn pick(DType t) {
     if (t == DType::BF16) return rows_avx2<DType::BF16>;
     if (t == DType::F16) return rows_avx2<DType::F16>;
   }
+#endif
   return rows_scalar;
 }
 

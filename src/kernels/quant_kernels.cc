@@ -13,10 +13,12 @@
 // activation rows, each activation vector by 4 weight rows). The AVX2 tier (VPMADDUBSW, 8
 // lanes = half a chunk) keeps a 4 x 2 tile for prefill and a 1 x 4 tile for decode (tile_avx2).
 //
+#if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -81,6 +83,7 @@ void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 #define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // The same codes as quantize_act_row (VCVTPS2DQ rounds to nearest even, like nearbyint).
@@ -110,9 +113,11 @@ GEMSTAGE_VNNI void quantize_act_row_avx512(const float* x, int64_t K, int z, uin
   }
 }
 
+#endif  // x86
+
 // use_vnni: quantize with the AVX-512 twin (the VNNI kernels' callers only).
 void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
-                   bool use_vnni, ActQ* a) {
+                   [[maybe_unused]] bool use_vnni, ActQ* a) {
   a->K = K;
   a->nb = K / kQB;
   a->q.resize(static_cast<size_t>(S * K));
@@ -121,12 +126,15 @@ void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z
   auto run = [&](size_t b, size_t e) {
     for (size_t s = b; s < e; ++s) {
       const int64_t si = static_cast<int64_t>(s);
-      if (interleave && use_vnni)
+#if defined(__x86_64__) || defined(__i386__)
+      if (interleave && use_vnni) {
         quantize_act_row_avx512(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
                                 a->nzx.data() + si * a->nb);
-      else
-        quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K,
-                         a->d.data() + si * a->nb, a->nzx.data() + si * a->nb);
+        continue;
+      }
+#endif
+      quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K, a->d.data() + si * a->nb,
+                       a->nzx.data() + si * a->nb);
     }
   };
   if (S < 8)
@@ -169,6 +177,7 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 // ---- AVX-512 VNNI -----------------------------------------------------------------------------
 
 // One chunk (m blocks) of NX activation rows x NW weight rows into int32 accumulators.
@@ -465,6 +474,8 @@ GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, siz
   }
 }
 
+#endif  // x86
+
 // The kernel family for S rows under the tier in force.
 enum class Kernel { Scalar, Avx2, Vnni, Amx };
 Kernel kernel_for(int64_t S) {
@@ -535,10 +546,12 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   using Fn =
       void (*)(const ActQ&, int64_t, const uint8_t*, size_t, int64_t, float*, int64_t, int64_t);
   Fn fn = nullptr;
+#if defined(__x86_64__) || defined(__i386__)
   if (kernel == Kernel::Vnni)
     fn = t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
   else if (kernel == Kernel::Avx2)
     fn = t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+#endif
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {
     int64_t first = 0;

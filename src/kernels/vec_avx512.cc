@@ -1,5 +1,7 @@
 #include "kernels/vec_avx512.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+
 // GCC 12 reports false "uninitialized" warnings inside its AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -422,3 +424,5 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
 }
 
 }  // namespace gemstage::avx512
+
+#endif  // x86
