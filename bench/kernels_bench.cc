@@ -117,13 +117,7 @@ void BM_Matmul(benchmark::State& state, DType t) {
                                               benchmark::Counter::kIsRate);
   state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
                                                  benchmark::Counter::kIsRate);
-  const QuantIsa qi = quant_best_isa();
-  const bool tiles = qi == QuantIsa::AmxBf16 && S >= kAmxMinRows;
-  state.SetLabel(!dtype_is_quantized(t)       ? matmul_isa()
-                 : tiles                      ? "amx-bf16"
-                 : qi >= QuantIsa::Avx512Vnni ? "avx512vnni"
-                 : qi == QuantIsa::Avx2       ? "avx2"
-                                              : "scalar");
+  state.SetLabel(dtype_is_quantized(t) ? quant_isa(S) : matmul_isa());
 }
 
 void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -14,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "kernels/attention.h"
+#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 
@@ -60,17 +62,17 @@ TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
   const auto x = randn(static_cast<size_t>(S * K), 1);
   const auto wf = randn(static_cast<size_t>(N * K), 2, 0.1f);
   const Stored w = store_as(wf, N, K, t);
-  std::vector<float> ref(static_cast<size_t>(S * N)), got(ref.size()), scalar(ref.size());
+  std::vector<float> ref(static_cast<size_t>(S * N)), got(ref.size());
   matmul_reference(x.data(), S, w.view, ref.data());
   ThreadPool pool(2);
-  matmul(pool, x.data(), S, w.view, got.data());
-  matmul_force_scalar(true);
-  matmul(pool, x.data(), S, w.view, scalar.data());
-  matmul_force_scalar(false);
   const double tol = 1e-5 * std::sqrt(static_cast<double>(K)) * 4;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_NEAR(got[i], ref[i], tol) << matmul_isa() << " at " << i;
-    ASSERT_NEAR(scalar[i], ref[i], tol) << "scalar at " << i;
+  // Every tier this CPU supports (an AVX-512 machine still runs the AVX2 rows), scalar included.
+  for (CpuTier tier : cpu_supported_tiers()) {
+    ScopedCpuTier use(tier);
+    matmul(pool, x.data(), S, w.view, got.data());
+    for (size_t i = 0; i < ref.size(); ++i)
+      ASSERT_NEAR(got[i], ref[i], tol)
+          << cpu_tier_name(tier) << " (" << matmul_isa() << ") at " << i;
   }
 }
 
@@ -187,12 +189,12 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
   // the AVX-512 and the portable path, with f32 and with bf16 key/value rows (the reference then
   // reads the same rows widened back to f32).
   for (bool bf16 : {false, true})
-    for (bool portable : {false, true})
+    for (CpuTier tier : cpu_supported_tiers())
       for (auto [M, hd, n] :
            {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
             std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70},
             std::tuple{5, 32, 37}, std::tuple{8, 512, 1100}}) {
-        vector_ops_force_scalar(portable);
+        ScopedCpuTier use(tier);
         // Scores of a few units, like the decoder's normalized q and k; not so peaked that one
         // key takes all the weight.
         const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
@@ -227,17 +229,16 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
           for (int64_t i = 0; i < hd; ++i)
             ASSERT_NEAR(out[static_cast<size_t>(m * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
                 << "M " << M << " query " << m << " keys [" << lo << ", " << hi << "] hd " << hd
-                << " n " << n << " portable " << portable << " bf16 " << bf16;
+                << " n " << n << " tier " << cpu_tier_name(tier) << " bf16 " << bf16;
         }
-        vector_ops_force_scalar(false);
       }
 }
 
 TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
   // Decode splits one row's keys into parts, one per thread, and merges their unnormalized
   // states; a part past the last key (sum 0, output never written) must not count.
-  for (bool portable : {false, true}) {
-    vector_ops_force_scalar(portable);
+  for (CpuTier tier : cpu_supported_tiers()) {
+    ScopedCpuTier use(tier);
     const int64_t hd = 40, n = 75, G = 3;
     const auto q = randn(static_cast<size_t>(G * hd), 41, 0.3f), k = randn(n * hd, 42),
                v = randn(n * hd, 43);
@@ -267,9 +268,8 @@ TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
       attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
       for (int64_t i = 0; i < hd; ++i)
         ASSERT_NEAR(out[static_cast<size_t>(i)], ref[static_cast<size_t>(i)], 1e-5)
-            << "head " << g << " portable " << portable;
+            << "head " << g << " tier " << cpu_tier_name(tier);
     }
-    vector_ops_force_scalar(false);
   }
 }
 
@@ -291,24 +291,35 @@ TEST(Attention, ScratchIsReusedAcrossCallsOfDifferentSizes) {
   EXPECT_EQ(run(3, 5, shared), run(3, 5, fresh));
 }
 
-// The AVX-512 twins against the scalar reference (vector_ops_force_scalar) on odd sizes, so
-// both the full-vector body and the masked tail run.
-class VectorOps : public ::testing::Test {
+// Each SIMD tier's twins against the scalar reference on odd sizes, so both the full-vector
+// body and the tail run. A tier the CPU lacks is skipped (an AVX-512 machine runs both).
+class VectorOps : public ::testing::TestWithParam<CpuTier> {
  protected:
   void SetUp() override {
-    if (!vector_ops_use_avx512()) GTEST_SKIP() << "no AVX-512 on this CPU";
+    if (!cpu_tier_supported(GetParam()))
+      GTEST_SKIP() << "this CPU has no " << cpu_tier_name(GetParam()) << " (it has "
+                   << cpu_features_string() << ")";
+    previous_ = cpu_tier();
+    set_cpu_tier(GetParam(), "VectorOps test");
   }
-  void TearDown() override { vector_ops_force_scalar(false); }
+  void TearDown() override {
+    if (previous_) set_cpu_tier(*previous_, "VectorOps test");
+  }
   template <typename Fn>
   static auto scalar(Fn fn) {
-    vector_ops_force_scalar(true);
-    auto r = fn();
-    vector_ops_force_scalar(false);
-    return r;
+    ScopedCpuTier use(CpuTier::Scalar);
+    return fn();
   }
+  std::optional<CpuTier> previous_;
 };
 
-TEST_F(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
+INSTANTIATE_TEST_SUITE_P(Tiers, VectorOps,
+                         ::testing::Values(CpuTier::Avx2, CpuTier::Avx512, CpuTier::Neon),
+                         [](const ::testing::TestParamInfo<CpuTier>& i) {
+                           return std::string(cpu_tier_name(i.param));
+                         });
+
+TEST_P(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
   for (int n : {1, 15, 17, 203}) {
     // Mixed scales: |x| < 0.3 exercises the series branch, large |x| the saturation.
     auto g = randn(static_cast<size_t>(n), 31, 3.0f);
@@ -334,7 +345,7 @@ TEST_F(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
   EXPECT_EQ(out[2], 1e6f);
 }
 
-TEST_F(VectorOps, RmsNormMatchesScalar) {
+TEST_P(VectorOps, RmsNormMatchesScalar) {
   for (int n : {1, 15, 33, 256, 1541}) {
     const auto x = randn(static_cast<size_t>(3 * n), 45, 3.0f);
     const auto w = randn(static_cast<size_t>(n), 46);
@@ -351,7 +362,7 @@ TEST_F(VectorOps, RmsNormMatchesScalar) {
   }
 }
 
-TEST_F(VectorOps, SoftcapAndSoftmaxMatchScalar) {
+TEST_P(VectorOps, SoftcapAndSoftmaxMatchScalar) {
   for (int n : {1, 16, 31, 1001}) {
     const auto x = randn(static_cast<size_t>(n), 41, 40.0f);
     auto capped = [&] {
@@ -374,7 +385,7 @@ TEST_F(VectorOps, SoftcapAndSoftmaxMatchScalar) {
   }
 }
 
-TEST_F(VectorOps, DotAndAxpyMatchScalar) {
+TEST_P(VectorOps, DotAndAxpyMatchScalar) {
   for (int n : {1, 7, 16, 33, 512, 515}) {
     const auto a = randn(static_cast<size_t>(n), 51), b = randn(static_cast<size_t>(n), 52);
     const float want = scalar([&] { return dot_f32(a.data(), b.data(), n); });

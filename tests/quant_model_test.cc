@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <memory>
 
+#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
 #include "stage/bundle.h"
@@ -71,14 +72,18 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
   for (DType t : {DType::Q8_0, DType::Q4_0}) {
     const auto text = Model::open(quantized_bundle(t));
     EXPECT_EQ(text->stages()[1]->text().weights().layers[0].q_proj.dtype, t);
-    quant_enable_amx(false);
-    const FloatTensor got = run(text);
-    quant_enable_amx(true);
+    // The int8 kernels: the best tier short of AMX tiles.
+    const CpuTier int8_tier = cpu_best_tier() == CpuTier::Amx ? CpuTier::Avx512 : cpu_best_tier();
+    const FloatTensor got = [&] {
+      ScopedCpuTier use(int8_tier);
+      return run(text);
+    }();
     ASSERT_EQ(got.shape, want.shape);
     for (float v : got.data) ASSERT_TRUE(std::isfinite(v));
-    matmul_force_scalar(true);
-    const FloatTensor scalar = run(text);
-    matmul_force_scalar(false);
+    const FloatTensor scalar = [&] {
+      ScopedCpuTier use(CpuTier::Scalar);
+      return run(text);
+    }();
     const double self = min_row_cosine(scalar, got);
     EXPECT_GE(self, 0.995) << dtype_name(t);
     std::printf("%s: SIMD vs scalar min row cosine %.6f, max-abs %.4g\n",
@@ -86,7 +91,8 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     cos[t == DType::Q8_0 ? 0 : 1] = min_row_cosine(want, got);
     // The prefill on AMX tiles (bf16 operands instead of int8 activations) must track f32 at
     // least about as well as the int8 kernels do.
-    if (quant_best_isa() == QuantIsa::AmxBf16) {
+    if (cpu_tier_supported(CpuTier::Amx)) {
+      ScopedCpuTier use(CpuTier::Amx);
       const FloatTensor tiles = run(text);
       for (float v : tiles.data) ASSERT_TRUE(std::isfinite(v));
       const double amx_cos = min_row_cosine(want, tiles);

@@ -1,5 +1,4 @@
 // Q8_0 / Q4_0: layout, round-trip bounds, readers, and every matmul path against the reference.
-#include "kernels/weight_rows.h"
 #include "kernels/quant.h"
 
 #include <gtest/gtest.h>
@@ -12,7 +11,9 @@
 #include "core/error.h"
 #include "core/thread_pool.h"
 #include "kernels/amx.h"
+#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
+#include "kernels/weight_rows.h"
 
 using namespace gemstage;
 
@@ -283,33 +284,30 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
   std::vector<float> ref(static_cast<size_t>(S * N));
   matmul_reference(x.data(), S, w, ref.data());
   ThreadPool pool(2);
-  std::vector<float> via_matmul(ref.size()), forced_scalar(ref.size());
-  matmul(pool, x.data(), S, w, via_matmul.data());
-  matmul_force_scalar(true);
-  matmul(pool, x.data(), S, w, forced_scalar.data());
-  matmul_force_scalar(false);
-  auto on_tiles = [&](QuantIsa isa) { return isa == QuantIsa::AmxBf16 && S >= kAmxMinRows; };
-  const bool matmul_on_tiles = on_tiles(quant_best_isa());
-  for (size_t i = 0; i < ref.size(); ++i) {
-    ASSERT_NEAR(forced_scalar[i], ref[i], bound[i]) << fmt(t) << " forced scalar at " << i;
-    if (matmul_on_tiles) {
-      ASSERT_NEAR(via_matmul[i], ref[i], bf16_bound[i]) << fmt(t) << " matmul (amx) at " << i;
-      continue;
-    }
-    ASSERT_NEAR(via_matmul[i], ref[i], bound[i]) << fmt(t) << " matmul at " << i;
-    ASSERT_NEAR(via_matmul[i], forced_scalar[i], mag[i]) << fmt(t) << " simd vs scalar at " << i;
+  std::vector<float> forced_scalar(ref.size());
+  {
+    ScopedCpuTier use(CpuTier::Scalar);
+    matmul(pool, x.data(), S, w, forced_scalar.data());
   }
-  for (QuantIsa isa : {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni, QuantIsa::AmxBf16}) {
-    if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
-    std::vector<float> got(ref.size());
-    quant_matmul(pool, x.data(), S, w, got.data(), isa);
+  for (size_t i = 0; i < ref.size(); ++i)
+    ASSERT_NEAR(forced_scalar[i], ref[i], bound[i]) << fmt(t) << " forced scalar at " << i;
+  // Every tier this CPU supports, through matmul() and quant_matmul() both: an AVX-512 machine
+  // still proves the AVX2 kernels.
+  for (CpuTier tier : cpu_supported_tiers()) {
+    ScopedCpuTier use(tier);
+    const std::string isa = quant_isa(S);
+    std::vector<float> via_matmul(ref.size()), got(ref.size());
+    matmul(pool, x.data(), S, w, via_matmul.data());
+    quant_matmul(pool, x.data(), S, w, got.data());
+    ASSERT_EQ(via_matmul, got) << fmt(t) << " tier " << cpu_tier_name(tier);
     for (size_t i = 0; i < ref.size(); ++i) {
-      if (on_tiles(isa)) {
+      if (isa == "amx-bf16") {
         ASSERT_NEAR(got[i], ref[i], bf16_bound[i]) << fmt(t) << " amx at " << i;
         continue;
       }
-      ASSERT_NEAR(got[i], ref[i], bound[i]) << fmt(t) << " isa " << static_cast<int>(isa);
-      ASSERT_NEAR(got[i], forced_scalar[i], mag[i]) << fmt(t) << " isa " << static_cast<int>(isa);
+      ASSERT_NEAR(got[i], ref[i], bound[i]) << fmt(t) << " " << isa << " at " << i;
+      ASSERT_NEAR(got[i], forced_scalar[i], mag[i])
+          << fmt(t) << " " << isa << " vs scalar at " << i;
     }
   }
 }
@@ -392,8 +390,7 @@ TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
   EXPECT_EQ(yb, rb);
   EXPECT_EQ(yf, rf);
   const QuantTarget mixed[] = {{&a, ya.data()}, {&b, yb.data()}};
-  const std::string e =
-      error_of([&] { quant_matmul_many(pool, x.data(), 1, mixed, QuantIsa::Avx512Vnni); });
+  const std::string e = error_of([&] { quant_matmul_many(pool, x.data(), 1, mixed); });
   EXPECT_NE(e.find("b is Q4_0"), std::string::npos) << e;
 }
 
@@ -410,15 +407,14 @@ TEST(QuantMatmulShapes, ZeroAndNanActivations) {
       for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(K + k)] = 0.0f;  // row 1 zero
       x[2 * K + 40] = NAN;                                                   // row 2 NaN
       ThreadPool pool(2);
-      for (QuantIsa isa :
-           {QuantIsa::Scalar, QuantIsa::Avx2, QuantIsa::Avx512Vnni, QuantIsa::AmxBf16}) {
-        if (static_cast<int>(isa) > static_cast<int>(quant_best_isa())) continue;
+      for (CpuTier tier : cpu_supported_tiers()) {
+        ScopedCpuTier use(tier);
         std::vector<float> y(static_cast<size_t>(S * N));
-        quant_matmul(pool, x.data(), S, w, y.data(), isa);
+        quant_matmul(pool, x.data(), S, w, y.data());
         for (int64_t r = 0; r < N; ++r) {
           EXPECT_TRUE(std::isfinite(y[r]));
           EXPECT_EQ(y[N + r], 0.0f);
-          EXPECT_TRUE(std::isnan(y[2 * N + r])) << static_cast<int>(isa);
+          EXPECT_TRUE(std::isnan(y[2 * N + r])) << cpu_tier_name(tier);
         }
       }
     }

@@ -13,6 +13,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "kernels/cpu_features.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -28,6 +29,7 @@ struct BenchArgs {
   bool json = false;
   bool warmup = true;
   std::string cache_type = "auto";
+  std::string isa;  // empty: GEMSTAGE_ISA or the CPU's best tier
 };
 
 std::vector<int64_t> int_list(const std::string& s, const char* flag) {
@@ -118,6 +120,8 @@ double bytes_per_token(const Sequence& p) {
 }
 
 int run_bench(const BenchArgs& a) {
+  if (!a.isa.empty()) set_cpu_tier(a.isa, "bench --isa");
+  const std::string tier = cpu_tier_name(cpu_tier());
   const double t0 = now_seconds();
   auto p = Sequence::open(a.model);
   apply_cache_type(*p, a.cache_type);
@@ -228,6 +232,8 @@ int run_bench(const BenchArgs& a) {
       const auto [m, sd] = stats(r.ts);
       out.push_back({{"model_filename", a.model},
                      {"n_threads", pool.size()},
+                     {"isa", tier},
+                     {"cpu_features", cpu_features_string()},
                      {"n_prompt", r.n_prompt},
                      {"n_gen", r.n_gen},
                      {"n_depth", r.n_depth},
@@ -247,18 +253,19 @@ int run_bench(const BenchArgs& a) {
     std::cout << out.dump(2) << "\n";
     return 0;
   }
-  std::cout << "| model | threads | test | t/s |\n| --- | ---: | ---: | ---: |\n";
+  std::cout << "| model | threads | isa | test | t/s |\n| --- | ---: | --- | ---: | ---: |\n";
   for (const Row& r : rows) {
     const auto [m, sd] = stats(r.ts);
     std::ostringstream test;
     test << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen));
     if (r.n_seq > 1) test << " x" << r.n_seq;
     if (r.n_depth) test << " @ d" << r.n_depth;
-    std::cout << "| " << a.model << " | " << pool.size() << " | " << test.str() << " | "
-              << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
+    std::cout << "| " << a.model << " | " << pool.size() << " | " << tier << " | " << test.str()
+              << " | " << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
   }
-  std::cout << std::setprecision(3) << "KV cache " << kv_type_name(p->kv_type()) << "; load "
-            << t_load << " s; peak RSS " << rss_gb << " GB";
+  std::cout << std::setprecision(3) << "ISA tier " << tier << " (CPU: " << cpu_features_string()
+            << "); KV cache " << kv_type_name(p->kv_type()) << "; load " << t_load
+            << " s; peak RSS " << rss_gb << " GB";
   if (mem.file_gb >= 0)
     std::cout << " (resident at the end: " << mem.file_gb << " GB of mapped bundle files, "
               << mem.anon_gb << " GB anonymous: KV cache, activations, heap)";
@@ -288,6 +295,9 @@ void add_bench_command(CLI::App& app, Registry& reg) {
                   "comma-separated (tgN xK reports the tokens/s of all K together)")
       ->capture_default_str();
   add_cache_type(sub, a->cache_type);
+  sub->add_option("--isa", a->isa,
+                  "kernel tier: scalar, avx2, avx512, amx or neon (default: GEMSTAGE_ISA, else the "
+                  "best this CPU supports; one the CPU lacks is an error)");
   sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu_features.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
@@ -47,6 +48,8 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
+    // A bad GEMSTAGE_ISA fails here, before any work, not inside the first kernel call.
+    gemstage::cpu_tier();
     for (auto& [sub, action] : reg.commands)
       if (sub->parsed()) return action();
   } catch (const gemstage::Error& e) {

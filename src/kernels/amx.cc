@@ -21,15 +21,14 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include "kernels/amx.h"
 
-#include <cpuid.h>
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu_features.h"
 #include "kernels/quant.h"
 
 namespace gemstage {
@@ -56,17 +55,6 @@ struct alignas(64) TileConfig {
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-bool cpu_has_amx_bf16() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  const bool amx_bf16 = (d >> 22) & 1, amx_tile = (d >> 24) & 1;
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
-  const bool avx512_bf16 = (a1 >> 5) & 1;
-  return amx_bf16 && amx_tile && avx512_bf16 && __builtin_cpu_supports("avx512f") &&
-         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
-}
 
 // f32 -> bf16, round to nearest even (NaN stays NaN).
 uint16_t bf16_rne(float f) {
@@ -392,8 +380,7 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
 }  // namespace
 
 bool amx_bf16_available() {
-  static const bool ok = cpu_has_amx_bf16() && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  return ok;
+  return cpu_features().amx_bf16;
 }
 
 void amx_quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, const uint8_t* w,
@@ -405,3 +392,24 @@ void amx_quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, cons
 }
 
 }  // namespace gemstage
+
+#else  // not x86: no AMX; cpu_features().amx_bf16 is false, so the amx tier is never chosen
+
+#include "core/error.h"
+
+namespace gemstage {
+
+bool amx_bf16_available() {
+  return false;
+}
+
+void amx_quant_matmul(ThreadPool&, const float*, int64_t, DType, const uint8_t*, size_t, int64_t,
+                      int64_t, float*) {
+  fail(
+      "amx_quant_matmul: this build is not for x86, which AMX tiles need (use another "
+      "GEMSTAGE_ISA tier)");
+}
+
+}  // namespace gemstage
+
+#endif  // x86

@@ -28,7 +28,7 @@
 namespace gemstage {
 
 // True when the CPU has AMX-TILE, AMX-BF16 and AVX512-BF16 and the kernel granted this process
-// the tile state (Linux arch_prctl ARCH_REQ_XCOMP_PERM, asked once).
+// the tile state (cpu_features().amx_bf16, kernels/cpu_features.cc).
 bool amx_bf16_available();
 
 // Below this many activation rows the VNNI kernels win (each weight is dequantized once per

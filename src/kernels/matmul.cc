@@ -1,36 +1,26 @@
-#include "kernels/weight_rows.h"
 #include "kernels/matmul.h"
 
+#include "kernels/weight_rows.h"
+
+#if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers
 // (_mm512_reduce_add_ps, _mm512_cvtph_ps); they are not about this file's code.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
-#include <atomic>
 #include <cstring>
 #include <vector>
 
 #include "core/error.h"
+#include "kernels/cpu_features.h"
 #include "kernels/quant.h"
 
 namespace gemstage {
 
 namespace {
-
-std::atomic<bool> g_force_scalar{false};
-
-bool cpu_has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl");
-  return ok;
-}
-bool cpu_has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
-}
 
 // Scalar widening of one weight element; the portable path's inner loop.
 inline float widen(const void* base, DType t, int64_t i) {
@@ -60,6 +50,7 @@ void rows_scalar(const float* x, int64_t S, const WeightView& w, float* y, int64
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 // ---- AVX-512: 4 weight rows x 4 activation rows per step, 16 accumulators ----------------------
 
 template <DType T>
@@ -182,41 +173,38 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
   }
 }
 
+#endif  // x86
+
 using RowsFn = void (*)(const float*, int64_t, const WeightView&, float*, int64_t, int64_t);
 
-RowsFn pick(DType t) {
-  if (!g_force_scalar.load()) {
-    if (cpu_has_avx512()) {
-      if (t == DType::F32) return rows_avx512<DType::F32>;
-      if (t == DType::BF16) return rows_avx512<DType::BF16>;
-      if (t == DType::F16) return rows_avx512<DType::F16>;
-    } else if (cpu_has_avx2()) {
-      if (t == DType::F32) return rows_avx2<DType::F32>;
-      if (t == DType::BF16) return rows_avx2<DType::BF16>;
-      if (t == DType::F16) return rows_avx2<DType::F16>;
-    }
+RowsFn pick([[maybe_unused]] DType t) {
+#if defined(__x86_64__) || defined(__i386__)
+  if (cpu_tier_at_least(CpuTier::Avx512)) {
+    if (t == DType::F32) return rows_avx512<DType::F32>;
+    if (t == DType::BF16) return rows_avx512<DType::BF16>;
+    if (t == DType::F16) return rows_avx512<DType::F16>;
+  } else if (cpu_tier_at_least(CpuTier::Avx2)) {
+    if (t == DType::F32) return rows_avx2<DType::F32>;
+    if (t == DType::BF16) return rows_avx2<DType::BF16>;
+    if (t == DType::F16) return rows_avx2<DType::F16>;
   }
+#endif
   return rows_scalar;
 }
 
 }  // namespace
 
 const char* matmul_isa() {
-  if (g_force_scalar.load()) return "scalar";
-  if (cpu_has_avx512()) return "avx512";
-  if (cpu_has_avx2()) return "avx2";
+  if (cpu_tier_at_least(CpuTier::Avx512)) return "avx512";
+  if (cpu_tier_at_least(CpuTier::Avx2)) return "avx2";
   return "scalar";
-}
-
-void matmul_force_scalar(bool on) {
-  g_force_scalar.store(on);
 }
 
 void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y) {
   if (w.shape.size() != 2)
     fail("matmul: weight ", w.name, " is not a matrix: ", shape_str(w.shape));
   if (dtype_is_quantized(w.dtype)) {
-    quant_matmul(pool, x, S, w, y, g_force_scalar.load() ? QuantIsa::Scalar : quant_best_isa());
+    quant_matmul(pool, x, S, w, y);
     return;
   }
   if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
@@ -233,13 +221,14 @@ void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, fl
 void matmul_many(ThreadPool& pool, const float* x, int64_t S,
                  std::initializer_list<MatmulTarget> targets) {
   std::vector<QuantTarget> quantized;
-  bool together = !g_force_scalar.load();
+  // The scalar tier keeps one call per matrix, the path the reference-checking tests pin down.
+  bool together = cpu_tier() != CpuTier::Scalar;
   for (const MatmulTarget& t : targets) {
     together = together && t.w.shape.size() == 2 && dtype_is_quantized(t.w.dtype) &&
                t.w.dtype == targets.begin()->w.dtype && t.w.cols() == targets.begin()->w.cols();
     quantized.push_back({&t.w, t.y});
   }
-  if (together) return quant_matmul_many(pool, x, S, quantized, quant_best_isa());
+  if (together) return quant_matmul_many(pool, x, S, quantized);
   for (const MatmulTarget& t : targets) matmul(pool, x, S, t.w, t.y);
 }
 

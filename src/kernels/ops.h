@@ -1,7 +1,7 @@
 // Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
 // formula it implements; the scalar code in ops.cc is the reference, and gelu_tanh_mul, softcap,
-// softmax_inplace, rmsnorm_rows (and attention.h's dot/axpy) dispatch to AVX-512 twins
-// (vec_avx512.h) on CPUs that have it.
+// softmax_inplace, rmsnorm_rows (and attention.h's dot/axpy and key blocks) dispatch to AVX-512
+// (vec_avx512.h) or AVX2 (vec_avx2.h) twins by the tier in force (kernels/cpu_features.h).
 #pragma once
 
 #include <cstdint>
@@ -9,10 +9,10 @@
 
 namespace gemstage {
 
-// Whether the dispatching kernels take their AVX-512 path; forcing scalar lets tests compare both
-// on one machine.
-bool vector_ops_use_avx512();
-void vector_ops_force_scalar(bool on);
+// Which twins the dispatching kernels take under the tier in force (cpu_tier()); tests switch
+// tiers with ScopedCpuTier to compare each against the scalar reference on one machine.
+enum class VecPath { Scalar, Avx2, Avx512 };
+VecPath vector_ops_path();
 
 // Gemma4RMSNorm: y = x * (mean(x^2) + eps)^(-1/2) * w. The weight is used as-is (not 1 + w).
 // w == nullptr is the scale-free variant (attention V, the multimodal embedders).

@@ -85,18 +85,15 @@ std::vector<uint8_t> quantize_matrix(DType t, const float* src, int64_t rows, in
 
 // ---- used by matmul() -------------------------------------------------------------------------
 
-// AmxBf16 runs prefill-sized calls (S >= kAmxMinRows, kernels/amx.h) on AMX tiles and the rest
-// with Avx512Vnni.
-enum class QuantIsa { Scalar, Avx2, Avx512Vnni, AmxBf16 };
-// The best implementation for quantized weights on this CPU (AMX-BF16 with AVX-512 VNNI, else
-// AVX-512 F/BW/VL/VNNI, else AVX2+FMA+F16C, else scalar).
-QuantIsa quant_best_isa();
-// Lets quant_best_isa pick AmxBf16 (the default) or not; tests compare both paths.
-void quant_enable_amx(bool on);
+// The kernels follow the tier in force (kernels/cpu_features.h): amx runs prefill-sized calls
+// (S >= kAmxMinRows, kernels/amx.h) on AMX tiles and the rest as avx512; avx512 uses AVX-512 VNNI
+// when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; scalar and neon the
+// portable integer kernels.
+// The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2", "scalar".
+const char* quant_isa(int64_t S);
 // y[S, out] = x[S, in] * W^T for a Q8_0/Q4_0 view (validated by the caller's shape checks;
 // this checks in % 32 and nbytes).
-void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y,
-                  QuantIsa isa);
+void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y);
 
 // One matrix of a quant_matmul_many call and where its outputs go.
 struct QuantTarget {
@@ -107,6 +104,6 @@ struct QuantTarget {
 // gate and up): the activations are quantized once, and below the AMX threshold all rows of all
 // the matrices are one job for the pool instead of one job each.
 void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
-                       std::span<const QuantTarget> targets, QuantIsa isa);
+                       std::span<const QuantTarget> targets);
 
 }  // namespace gemstage

@@ -10,21 +10,24 @@
 // scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
 // blocking: decode (S = 1) walks the weight rows one at a time in address order, prefetching
 // ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
-// activation rows, each activation vector by 4 weight rows).
+// activation rows, each activation vector by 4 weight rows). The AVX2 tier (VPMADDUBSW, 8
+// lanes = half a chunk) keeps a 4 x 2 tile for prefill and a 1 x 4 tile for decode (tile_avx2).
 //
+#if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "core/error.h"
 #include "kernels/amx.h"
+#include "kernels/cpu_features.h"
 #include "kernels/quant.h"
 
 namespace gemstage {
@@ -80,6 +83,7 @@ void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 #define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // The same codes as quantize_act_row (VCVTPS2DQ rounds to nearest even, like nearbyint).
@@ -109,14 +113,11 @@ GEMSTAGE_VNNI void quantize_act_row_avx512(const float* x, int64_t K, int z, uin
   }
 }
 
-bool cpu_has_vnni() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-  return ok;
-}
+#endif  // x86
 
+// use_vnni: quantize with the AVX-512 twin (the VNNI kernels' callers only).
 void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
-                   ActQ* a) {
+                   [[maybe_unused]] bool use_vnni, ActQ* a) {
   a->K = K;
   a->nb = K / kQB;
   a->q.resize(static_cast<size_t>(S * K));
@@ -125,12 +126,15 @@ void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z
   auto run = [&](size_t b, size_t e) {
     for (size_t s = b; s < e; ++s) {
       const int64_t si = static_cast<int64_t>(s);
-      if (interleave && cpu_has_vnni())
+#if defined(__x86_64__) || defined(__i386__)
+      if (interleave && use_vnni) {
         quantize_act_row_avx512(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
                                 a->nzx.data() + si * a->nb);
-      else
-        quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K,
-                         a->d.data() + si * a->nb, a->nzx.data() + si * a->nb);
+        continue;
+      }
+#endif
+      quantize_act_row(x + si * K, K, z, interleave, a->q.data() + si * K, a->d.data() + si * a->nb,
+                       a->nzx.data() + si * a->nb);
     }
   };
   if (S < 8)
@@ -173,6 +177,7 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
   }
 }
 
+#if defined(__x86_64__) || defined(__i386__)
 // ---- AVX-512 VNNI -----------------------------------------------------------------------------
 
 // One chunk (m blocks) of NX activation rows x NW weight rows into int32 accumulators.
@@ -333,109 +338,178 @@ GEMSTAGE_AVX2 inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-template <DType T>
-GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
-                             int64_t N, float* y, int64_t r0, int64_t r1) {
-  constexpr int NW = 4;
+// One (NX activation rows x NW weight rows) tile over the whole input width. Per half chunk
+// (8 blocks, one int32 lane each) the NX * NW int32 accumulators stay in registers while every
+// unpacked weight vector is used by NX activation rows and every activation vector by NW weight
+// rows; then one convert, one scale product and one FMA per (row, weight row) fold the half into
+// f32 accumulators. The 4 x 2 prefill tile keeps 8 accumulators, 4 unpacked weight vectors and
+// the activation pair in the 16 ymm registers (4 x 4 spilled and measured slower).
+template <DType T, int NX, int NW>
+GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                             float* out) {
   constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
   const int64_t K = A.K, nb = A.nb;
   const __m256i ones16 = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
   const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = _mm256_setzero_ps();
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t L = std::min<int64_t>(8, m - 8 * h);
+      if (L <= 0) break;
+      const int lb = static_cast<int>(4 * L);
+      const int64_t b0 = c * kCB + 8 * h;
+      const uint8_t* xq[NX];
+      const uint8_t* wq[NW];
+      __m256i D[NX][NW];
+      for (int a = 0; a < NX; ++a) {
+        xq[a] = A.q.data() + srow[a] * K + c * 512 + 32 * h;
+        const __m256i init = load_part(A.nzx.data() + srow[a] * nb + b0, lb);
+        for (int w = 0; w < NW; ++w) D[a][w] = init;
+      }
+      for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes + 32 * h;
+      if constexpr (T == DType::Q8_0) {
+        for (int j = 0; j < 8; ++j) {
+          __m256i qa[NW], qs[NW];  // |q| and q's sign pattern
+          for (int w = 0; w < NW; ++w) {
+            qs[w] = _mm256_xor_si256(load_part(wq[w] + j * gs, lb), bias);
+            qa[w] = _mm256_sign_epi8(qs[w], qs[w]);
+          }
+          for (int a = 0; a < NX; ++a) {
+            const __m256i xv = load_part(xq[a] + j * gs, lb);
+            for (int w = 0; w < NW; ++w) {
+              const __m256i p = _mm256_maddubs_epi16(qa[w], _mm256_sign_epi8(xv, qs[w]));
+              D[a][w] = _mm256_add_epi32(D[a][w], _mm256_madd_epi16(p, ones16));
+            }
+          }
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          __m256i wl[NW], wh[NW];
+          for (int w = 0; w < NW; ++w) {
+            const __m256i pv = load_part(wq[w] + g * gs, lb);
+            wl[w] = _mm256_and_si256(pv, lo4);
+            wh[w] = _mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4);
+          }
+          for (int a = 0; a < NX; ++a) {
+            const __m256i xl = load_part(xq[a] + 2 * g * gs, lb),
+                          xh = load_part(xq[a] + (2 * g + 1) * gs, lb);
+            for (int w = 0; w < NW; ++w) {
+              // u <= 15 and |xq| <= 127: the two int16 pair sums stay below 2^15.
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl[w], xl),
+                                                 _mm256_maddubs_epi16(wh[w], xh));
+              D[a][w] = _mm256_add_epi32(D[a][w], _mm256_madd_epi16(p, ones16));
+            }
+          }
+        }
+      }
+      __m256 dw[NW];
+      for (int w = 0; w < NW; ++w) {
+        if (L == 8) {
+          dw[w] =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[w] + 2 * b0)));
+        } else {
+          alignas(16) uint16_t hs[8] = {};
+          std::memcpy(hs, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
+          dw[w] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        }
+      }
+      for (int a = 0; a < NX; ++a) {
+        const __m256 dx = _mm256_castsi256_ps(load_part(A.d.data() + srow[a] * nb + b0, lb));
+        for (int w = 0; w < NW; ++w)
+          facc[a][w] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[a][w]), _mm256_mul_ps(dw[w], dx), facc[a][w]);
+      }
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = hsum8(facc[a][w]);
+}
+
+template <DType T>
+GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                             int64_t N, float* y, int64_t r0, int64_t r1) {
+  float out[16];
+  if (S == 1) {  // decode GEMV: 4 weight rows per step against the one activation row
+    const int64_t s0 = 0;
+    for (int64_t r = r0; r < r1; r += 4) {
+      const int nw = static_cast<int>(std::min<int64_t>(4, r1 - r));
+      const uint8_t* wrow[4];
+      for (int w = 0; w < 4; ++w)
+        wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+      tile_avx2<T, 1, 4>(A, &s0, wrow, out);
+      for (int w = 0; w < nw; ++w) y[r + w] = out[w];
+    }
+    return;
+  }
+  constexpr int NW = 2;
   for (int64_t r = r0; r < r1; r += NW) {
     const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
     const uint8_t* wrow[NW];
     for (int w = 0; w < NW; ++w)
       wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
-    for (int64_t s = 0; s < S; ++s) {
-      __m256 facc[NW];
-      for (auto& f : facc) f = _mm256_setzero_ps();
-      for (int64_t c = 0; c * kCB < nb; ++c) {
-        const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
-        for (int64_t h = 0; h < 2; ++h) {
-          const int64_t L = std::min<int64_t>(8, m - 8 * h);
-          if (L <= 0) break;
-          const int lb = static_cast<int>(4 * L);
-          const int64_t b0 = c * kCB + 8 * h;
-          const uint8_t* xq = A.q.data() + s * K + c * 512 + 32 * h;
-          __m256i D[NW];
-          const __m256i init = load_part(A.nzx.data() + s * nb + b0, lb);
-          for (auto& dd : D) dd = init;
-          if constexpr (T == DType::Q8_0) {
-            for (int j = 0; j < 8; ++j) {
-              const __m256i xv = load_part(xq + j * gs, lb);
-              for (int w = 0; w < NW; ++w) {
-                const __m256i qv = _mm256_xor_si256(
-                    load_part(wrow[w] + 2 * nb + c * chunk_bytes + 32 * h + j * gs, lb), bias);
-                const __m256i p =
-                    _mm256_maddubs_epi16(_mm256_sign_epi8(qv, qv), _mm256_sign_epi8(xv, qv));
-                D[w] = _mm256_add_epi32(D[w], _mm256_madd_epi16(p, ones16));
-              }
-            }
-          } else {
-            for (int g = 0; g < 4; ++g) {
-              const __m256i xl = load_part(xq + 2 * g * gs, lb),
-                            xh = load_part(xq + (2 * g + 1) * gs, lb);
-              for (int w = 0; w < NW; ++w) {
-                const __m256i pv =
-                    load_part(wrow[w] + 2 * nb + c * chunk_bytes + 32 * h + g * gs, lb);
-                const __m256i wl = _mm256_and_si256(pv, lo4),
-                              wh = _mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4);
-                const __m256i p =
-                    _mm256_add_epi16(_mm256_maddubs_epi16(wl, xl), _mm256_maddubs_epi16(wh, xh));
-                D[w] = _mm256_add_epi32(D[w], _mm256_madd_epi16(p, ones16));
-              }
-            }
-          }
-          alignas(32) float dxs[8] = {};
-          std::memcpy(dxs, A.d.data() + s * nb + b0, static_cast<size_t>(lb));
-          const __m256 dx = _mm256_load_ps(dxs);
-          for (int w = 0; w < NW; ++w) {
-            alignas(16) uint16_t hs[8] = {};
-            std::memcpy(hs, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
-            const __m256 dw = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
-            facc[w] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[w]), _mm256_mul_ps(dw, dx), facc[w]);
-          }
-        }
+    for (int64_t s = 0; s < S;) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, S - s));
+      const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
+      switch (nx) {
+        case 4:
+          tile_avx2<T, 4, NW>(A, srow, wrow, out);
+          break;
+        case 3:
+          tile_avx2<T, 3, NW>(A, srow, wrow, out);
+          break;
+        case 2:
+          tile_avx2<T, 2, NW>(A, srow, wrow, out);
+          break;
+        default:
+          tile_avx2<T, 1, NW>(A, srow, wrow, out);
+          break;
       }
-      for (int w = 0; w < nw; ++w) y[s * N + r + w] = hsum8(facc[w]);
+      for (int a = 0; a < nx; ++a)
+        for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
+      s += nx;
     }
   }
 }
 
-// AMX tiles for prefill; the rows below kAmxMinRows still need the VNNI kernels.
-bool cpu_has_amx() {
-  return cpu_has_vnni() && amx_bf16_available();
-}
+#endif  // x86
 
-std::atomic<bool> g_amx_enabled{true};
-
-bool cpu_has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                         __builtin_cpu_supports("f16c");
-  return ok;
+// The kernel family for S rows under the tier in force.
+enum class Kernel { Scalar, Avx2, Vnni, Amx };
+Kernel kernel_for(int64_t S) {
+  const CpuTier tier = cpu_tier();
+  const CpuFeatures& f = cpu_features();
+  if (tier == CpuTier::Amx && S >= kAmxMinRows) return Kernel::Amx;
+  if ((tier == CpuTier::Amx || tier == CpuTier::Avx512) && f.avx512vnni) return Kernel::Vnni;
+  if (cpu_tier_at_least(CpuTier::Avx2)) return Kernel::Avx2;
+  return Kernel::Scalar;
 }
 
 }  // namespace
 
-void quant_enable_amx(bool on) {
-  g_amx_enabled.store(on);
+const char* quant_isa(int64_t S) {
+  switch (kernel_for(S)) {
+    case Kernel::Amx:
+      return "amx-bf16";
+    case Kernel::Vnni:
+      return "avx512vnni";
+    case Kernel::Avx2:
+      return "avx2";
+    case Kernel::Scalar:
+      break;
+  }
+  return "scalar";
 }
 
-QuantIsa quant_best_isa() {
-  if (g_amx_enabled.load() && cpu_has_amx()) return QuantIsa::AmxBf16;
-  if (cpu_has_vnni()) return QuantIsa::Avx512Vnni;
-  if (cpu_has_avx2()) return QuantIsa::Avx2;
-  return QuantIsa::Scalar;
-}
-
-void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y,
-                  QuantIsa isa) {
+void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y) {
   const QuantTarget one{&w, y};
-  quant_matmul_many(pool, x, S, {&one, 1}, isa);
+  quant_matmul_many(pool, x, S, {&one, 1});
 }
 
 void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
-                       std::span<const QuantTarget> targets, QuantIsa isa) {
+                       std::span<const QuantTarget> targets) {
   if (targets.empty()) return;
   const DType t = targets[0].w->dtype;
   const int64_t K = targets[0].w->cols();
@@ -457,29 +531,27 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     total_rows += N;
   }
   if (S <= 0 || total_rows == 0) return;
-  if (isa == QuantIsa::AmxBf16 && !cpu_has_amx()) isa = quant_best_isa();
-  if (isa == QuantIsa::AmxBf16) {
-    if (S >= kAmxMinRows) {
-      for (const QuantTarget& tg : targets)
-        amx_quant_matmul(pool, x, S, t, static_cast<const uint8_t*>(tg.w->data), rb, K,
-                         tg.w->rows(), tg.y);
-      return;
-    }
-    isa = QuantIsa::Avx512Vnni;
+  const Kernel kernel = kernel_for(S);
+  if (kernel == Kernel::Amx) {
+    for (const QuantTarget& tg : targets)
+      amx_quant_matmul(pool, x, S, t, static_cast<const uint8_t*>(tg.w->data), rb, K, tg.w->rows(),
+                       tg.y);
+    return;
   }
-  if (isa == QuantIsa::Avx512Vnni && !cpu_has_vnni()) isa = quant_best_isa();
-  if (isa == QuantIsa::Avx2 && !cpu_has_avx2()) isa = QuantIsa::Scalar;
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
-  const int z = isa == QuantIsa::Avx2 && t == DType::Q8_0 ? 0 : zero_point(t);
+  const int z = kernel == Kernel::Avx2 && t == DType::Q8_0 ? 0 : zero_point(t);
   ActQ A;
-  quantize_acts(pool, x, S, K, isa == QuantIsa::Scalar ? 0 : z, isa != QuantIsa::Scalar, &A);
+  quantize_acts(pool, x, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
+                kernel == Kernel::Vnni, &A);
   using Fn =
       void (*)(const ActQ&, int64_t, const uint8_t*, size_t, int64_t, float*, int64_t, int64_t);
   Fn fn = nullptr;
-  if (isa == QuantIsa::Avx512Vnni)
+#if defined(__x86_64__) || defined(__i386__)
+  if (kernel == Kernel::Vnni)
     fn = t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
-  else if (isa == QuantIsa::Avx2)
+  else if (kernel == Kernel::Avx2)
     fn = t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+#endif
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {
     int64_t first = 0;

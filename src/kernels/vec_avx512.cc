@@ -1,5 +1,7 @@
 #include "kernels/vec_avx512.h"
 
+#if defined(__x86_64__) || defined(__i386__)
+
 // GCC 12 reports false "uninitialized" warnings inside its AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -75,11 +77,6 @@ GEMSTAGE_AVX512F inline __m512 gelu_tanh_ps(__m512 x) {
 }
 
 }  // namespace
-
-bool available() {
-  static const bool ok = __builtin_cpu_supports("avx512f");
-  return ok;
-}
 
 GEMSTAGE_AVX512F void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
   for (int64_t i = 0; i < n; i += 16) {
@@ -427,3 +424,5 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
 }
 
 }  // namespace gemstage::avx512
+
+#endif  // x86

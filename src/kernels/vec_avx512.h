@@ -1,5 +1,5 @@
 // AVX-512 twins of the elementwise kernels in ops.h / attention.h. ops.cc and attention.cc
-// dispatch to them at run time when the CPU has AVX-512F and the portable path is not forced;
+// dispatch to them when the tier in force (kernels/cpu_features.h) is avx512 or amx;
 // the scalar functions there stay the reference the tests compare these against.
 //
 // Accuracy (measured by tests/kernels_test.cc against the scalar std:: versions):
@@ -12,8 +12,6 @@
 #include <cstdint>
 
 namespace gemstage::avx512 {
-
-bool available();  // AVX-512F on this CPU
 
 // y = x * inv * w (w == nullptr: y = x * inv); rmsnorm's scaling, its reduction being dot(x, x).
 void scale_row(const float* x, float inv, const float* w, int64_t n, float* y);

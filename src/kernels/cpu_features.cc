@@ -1,0 +1,188 @@
+#include "kernels/cpu_features.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+
+#include "core/error.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
+
+namespace gemstage {
+
+namespace {
+
+CpuFeatures probe() {
+  CpuFeatures f;
+#if defined(__x86_64__) || defined(__i386__)
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
+  f.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  f.avx512 = f.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  f.avx512vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  bool amx_bits = false;
+  if (f.avx512 && __get_cpuid_count(7, 0, &a, &b, &c, &d)) {
+    amx_bits = ((d >> 22) & 1) && ((d >> 24) & 1);  // AMX-BF16, AMX-TILE
+    unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+    if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512bf16 = (a1 >> 5) & 1;
+  }
+  // Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
+  // XFEATURE_XTILEDATA); without the grant the first tile instruction faults.
+  f.amx_bf16 = amx_bits && f.avx512bf16 && f.avx512vnni && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#elif defined(__aarch64__)
+  f.neon = true;  // Advanced SIMD is mandatory on aarch64
+#if defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP);
+  f.neon_dotprod = (hw & HWCAP_ASIMDDP) != 0;
+#if defined(HWCAP2_I8MM)
+  f.neon_i8mm = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
+#endif
+#endif
+#endif
+  return f;
+}
+
+constexpr CpuTier kAllTiers[] = {CpuTier::Scalar, CpuTier::Avx2, CpuTier::Avx512, CpuTier::Amx,
+                                 CpuTier::Neon};
+
+std::string supported_list() {
+  std::string s;
+  for (CpuTier t : cpu_supported_tiers()) {
+    if (!s.empty()) s += ", ";
+    s += cpu_tier_name(t);
+  }
+  return s;
+}
+
+void check_supported(CpuTier t, std::string_view source) {
+  if (!cpu_tier_supported(t))
+    fail(source, ": ISA tier '", cpu_tier_name(t),
+         "' is not supported by this CPU (it has: ", cpu_features_string(),
+         "); choose one of: ", supported_list());
+}
+
+CpuTier parse_or_fail(std::string_view name, std::string_view source) {
+  const std::optional<CpuTier> t = parse_cpu_tier(name);
+  if (!t)
+    fail(source, ": unknown ISA tier '", name,
+         "'; expected scalar, avx2, avx512, amx or neon (this CPU supports: ", supported_list(),
+         ")");
+  return *t;
+}
+
+// -1 until the first cpu_tier() call resolves GEMSTAGE_ISA or the best tier.
+std::atomic<int> g_tier{-1};
+std::mutex g_init;
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = probe();
+  return f;
+}
+
+std::string cpu_features_string() {
+  const CpuFeatures& f = cpu_features();
+  std::string s;
+  auto add = [&](bool on, const char* name) {
+    if (!on) return;
+    if (!s.empty()) s += ' ';
+    s += name;
+  };
+  add(f.avx2, "avx2");
+  add(f.avx512, "avx512");
+  add(f.avx512vnni, "avx512vnni");
+  add(f.avx512bf16, "avx512bf16");
+  add(f.amx_bf16, "amx-bf16");
+  add(f.neon, "neon");
+  add(f.neon_dotprod, "dotprod");
+  add(f.neon_i8mm, "i8mm");
+  return s.empty() ? "no SIMD extensions gemstage uses" : s;
+}
+
+const char* cpu_tier_name(CpuTier t) {
+  switch (t) {
+    case CpuTier::Scalar:
+      return "scalar";
+    case CpuTier::Avx2:
+      return "avx2";
+    case CpuTier::Avx512:
+      return "avx512";
+    case CpuTier::Amx:
+      return "amx";
+    case CpuTier::Neon:
+      return "neon";
+  }
+  return "?";
+}
+
+std::optional<CpuTier> parse_cpu_tier(std::string_view name) {
+  for (CpuTier t : kAllTiers)
+    if (name == cpu_tier_name(t)) return t;
+  return std::nullopt;
+}
+
+bool cpu_tier_supported(CpuTier t) {
+  const CpuFeatures& f = cpu_features();
+  switch (t) {
+    case CpuTier::Scalar:
+      return true;
+    case CpuTier::Avx2:
+      return f.avx2;
+    case CpuTier::Avx512:
+      return f.avx512;
+    case CpuTier::Amx:
+      return f.amx_bf16;
+    case CpuTier::Neon:
+      return f.neon;
+  }
+  return false;
+}
+
+std::vector<CpuTier> cpu_supported_tiers() {
+  std::vector<CpuTier> out;
+  for (CpuTier t : kAllTiers)
+    if (cpu_tier_supported(t)) out.push_back(t);
+  return out;
+}
+
+CpuTier cpu_best_tier() {
+  return cpu_supported_tiers().back();
+}
+
+CpuTier cpu_tier() {
+  const int t = g_tier.load(std::memory_order_relaxed);
+  if (t >= 0) return static_cast<CpuTier>(t);
+  std::lock_guard<std::mutex> lock(g_init);
+  if (g_tier.load() < 0) {
+    CpuTier chosen = cpu_best_tier();
+    if (const char* env = std::getenv("GEMSTAGE_ISA"); env && *env) {
+      chosen = parse_or_fail(env, "GEMSTAGE_ISA");
+      check_supported(chosen, "GEMSTAGE_ISA");
+    }
+    g_tier.store(static_cast<int>(chosen));
+  }
+  return static_cast<CpuTier>(g_tier.load());
+}
+
+void set_cpu_tier(CpuTier t, std::string_view source) {
+  check_supported(t, source);
+  std::lock_guard<std::mutex> lock(g_init);
+  g_tier.store(static_cast<int>(t));
+}
+
+void set_cpu_tier(std::string_view name, std::string_view source) {
+  set_cpu_tier(parse_or_fail(name, source), source);
+}
+
+}  // namespace gemstage

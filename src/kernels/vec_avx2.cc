@@ -1,0 +1,305 @@
+#include "kernels/vec_avx2.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#define GEMSTAGE_AVX2 __attribute__((target("avx2,fma")))
+
+namespace gemstage::avx2 {
+
+namespace {
+
+// Lanes [0, n) of an 8-float vector as a VMASKMOV mask (all lanes when n >= 8).
+GEMSTAGE_AVX2 inline __m256i tail_mask(int64_t n) {
+  const int c = static_cast<int>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(c), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+GEMSTAGE_AVX2 inline __m256 load(const float* p, int64_t n) {
+  return n >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail_mask(n));
+}
+GEMSTAGE_AVX2 inline void store(float* p, int64_t n, __m256 v) {
+  if (n >= 8)
+    _mm256_storeu_ps(p, v);
+  else
+    _mm256_maskstore_ps(p, tail_mask(n), v);
+}
+// bf16 bit patterns widen exactly; a partial vector goes through a zero-padded copy.
+GEMSTAGE_AVX2 inline __m256 load(const uint16_t* p, int64_t n) {
+  __m128i h;
+  if (n >= 8) {
+    h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  } else {
+    alignas(16) uint16_t t[8] = {};
+    std::memcpy(t, p, static_cast<size_t>(std::max<int64_t>(n, 0)) * sizeof(uint16_t));
+    h = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
+  }
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+GEMSTAGE_AVX2 inline float hsum(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+GEMSTAGE_AVX2 inline float hmax(__m256 v) {
+  __m128 lo = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_max_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_max_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// As avx512's exp_ps: Cody-Waite reduction and a degree-7 polynomial. AVX2 has no VSCALEFPS, so
+// 2^n is applied as two exponent-field products 2^(n/2) * 2^(n - n/2), each a normal float for
+// n in [-150, 128]: results below FLT_MIN underflow gradually to 0 as std::exp does.
+GEMSTAGE_AVX2 inline __m256 exp_ps(__m256 x) {
+  x = _mm256_min_ps(_mm256_set1_ps(88.7f), x);  // constant first: a NaN in x comes through
+  x = _mm256_max_ps(_mm256_set1_ps(-103.9f), x);
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-6f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i ni = _mm256_cvtps_epi32(n);
+  const __m256i n1 = _mm256_srai_epi32(ni, 1), n2 = _mm256_sub_epi32(ni, n1);
+  const __m256i bias = _mm256_set1_epi32(127);
+  const __m256 s1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n1, bias), 23));
+  const __m256 s2 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n2, bias), 23));
+  return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
+}
+
+GEMSTAGE_AVX2 inline __m256 tanh_ps(__m256 u) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256 a = _mm256_andnot_ps(sign_bit, u);
+  const __m256 u2 = _mm256_mul_ps(u, u);
+  __m256 p = _mm256_set1_ps(62.0f / 2835.0f);
+  p = _mm256_fmadd_ps(p, u2, _mm256_set1_ps(-17.0f / 315.0f));
+  p = _mm256_fmadd_ps(p, u2, _mm256_set1_ps(2.0f / 15.0f));
+  p = _mm256_fmadd_ps(p, u2, _mm256_set1_ps(-1.0f / 3.0f));
+  p = _mm256_mul_ps(p, u2);
+  const __m256 small = _mm256_fmadd_ps(p, u, u);
+  const __m256 e = exp_ps(_mm256_add_ps(a, a));
+  const __m256 big =
+      _mm256_sub_ps(_mm256_set1_ps(1.0f),
+                    _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(e, _mm256_set1_ps(1.0f))));
+  const __m256 big_signed = _mm256_or_ps(big, _mm256_and_ps(u, sign_bit));
+  const __m256 is_small = _mm256_cmp_ps(a, _mm256_set1_ps(0.3f), _CMP_LT_OQ);
+  return _mm256_blendv_ps(big_signed, small, is_small);
+}
+
+GEMSTAGE_AVX2 inline __m256 gelu_tanh_ps(__m256 x) {
+  const __m256 x3 = _mm256_mul_ps(_mm256_mul_ps(x, x), x);
+  const __m256 inner = _mm256_mul_ps(_mm256_set1_ps(0.7978845608028654f),
+                                     _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), x3, x));
+  const __m256 half_x = _mm256_mul_ps(_mm256_set1_ps(0.5f), x);
+  return _mm256_fmadd_ps(half_x, tanh_ps(inner), half_x);
+}
+
+}  // namespace
+
+GEMSTAGE_AVX2 void scale_row(const float* x, float inv, const float* w, int64_t n, float* y) {
+  const __m256 s = _mm256_set1_ps(inv);
+  for (int64_t i = 0; i < n; i += 8) {
+    __m256 v = _mm256_mul_ps(load(x + i, n - i), s);
+    if (w) v = _mm256_mul_ps(v, load(w + i, n - i));
+    store(y + i, n - i, v);
+  }
+}
+
+GEMSTAGE_AVX2 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; i += 8)
+    store(out + i, n - i, _mm256_mul_ps(gelu_tanh_ps(load(gate + i, n - i)), load(up + i, n - i)));
+}
+
+GEMSTAGE_AVX2 void softcap(float* x, int64_t n, float cap) {
+  const __m256 c = _mm256_set1_ps(cap);
+  for (int64_t i = 0; i < n; i += 8)
+    store(x + i, n - i, _mm256_mul_ps(c, tanh_ps(_mm256_div_ps(load(x + i, n - i), c))));
+}
+
+GEMSTAGE_AVX2 void softmax_inplace(float* s, int64_t n) {
+  if (n <= 0) return;
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  __m256 mx = ninf;
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 v =
+        _mm256_blendv_ps(ninf, load(s + i, n - i), _mm256_castsi256_ps(tail_mask(n - i)));
+    mx = _mm256_max_ps(mx, v);
+  }
+  const __m256 vmax = _mm256_set1_ps(hmax(mx));
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) {
+    const __m256 keep = _mm256_castsi256_ps(tail_mask(n - i));
+    const __m256 e = _mm256_and_ps(keep, exp_ps(_mm256_sub_ps(load(s + i, n - i), vmax)));
+    store(s + i, n - i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  const __m256 inv = _mm256_set1_ps(1.0f / hsum(sum));
+  for (int64_t i = 0; i < n; i += 8) store(s + i, n - i, _mm256_mul_ps(load(s + i, n - i), inv));
+}
+
+namespace {
+
+template <typename T>
+GEMSTAGE_AVX2 inline float dot_t(const float* a, const T* b, int64_t n) {
+  // Two accumulators hide the FMA latency.
+  __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load(b + i, 8), s0);
+    s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), load(b + i + 8, 8), s1);
+  }
+  for (; i < n; i += 8) s0 = _mm256_fmadd_ps(load(a + i, n - i), load(b + i, n - i), s0);
+  return hsum(_mm256_add_ps(s0, s1));
+}
+
+}  // namespace
+
+GEMSTAGE_AVX2 float dot(const float* a, const float* b, int64_t n) {
+  return dot_t(a, b, n);
+}
+
+GEMSTAGE_AVX2 void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m256 va = _mm256_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 8)
+    store(y + i, n - i, _mm256_fmadd_ps(va, load(x + i, n - i), load(y + i, n - i)));
+}
+
+namespace {
+
+// Up to 4 queries' outputs, one 8-column slice at a time, stay in registers across all nk value
+// rows: each value vector is loaded once per slice and used by every query of the group.
+template <int NG, typename T>
+GEMSTAGE_AVX2 void accumulate_values(const float* p, int64_t pstride, const T* const* v, int64_t nk,
+                                     int64_t hd, float* const* out) {
+  for (int64_t d = 0; d < hd; d += 16) {
+    const int64_t n0 = hd - d, n1 = hd - d - 8;
+    __m256 a0[NG], a1[NG];
+    for (int g = 0; g < NG; ++g) {
+      a0[g] = load(out[g] + d, n0);
+      a1[g] = n1 > 0 ? load(out[g] + d + 8, n1) : _mm256_setzero_ps();
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const __m256 v0 = load(v[j] + d, n0);
+      const __m256 v1 = n1 > 0 ? load(v[j] + d + 8, n1) : _mm256_setzero_ps();
+      for (int g = 0; g < NG; ++g) {
+        const __m256 s = _mm256_set1_ps(p[g * pstride + j]);
+        a0[g] = _mm256_fmadd_ps(s, v0, a0[g]);
+        a1[g] = _mm256_fmadd_ps(s, v1, a1[g]);
+      }
+    }
+    for (int g = 0; g < NG; ++g) {
+      store(out[g] + d, n0, a0[g]);
+      if (n1 > 0) store(out[g] + d + 8, n1, a1[g]);
+    }
+  }
+}
+
+// Scores of up to 2 queries against one key: the key row is loaded once for both.
+template <typename T>
+GEMSTAGE_AVX2 void score_pair(const float* q0, const float* q1, const T* k, int64_t hd, float* s0,
+                              float* s1) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t d = 0; d < hd; d += 8) {
+    const __m256 kv = load(k + d, hd - d);
+    a0 = _mm256_fmadd_ps(load(q0 + d, hd - d), kv, a0);
+    a1 = _mm256_fmadd_ps(load(q1 + d, hd - d), kv, a1);
+  }
+  *s0 = hsum(a0);
+  *s1 = hsum(a1);
+}
+
+template <typename T>
+GEMSTAGE_AVX2 void key_block(const float* const* q, float* const* out, const int64_t* lo,
+                             const int64_t* hi, int64_t M, int64_t hd, const T* const* k,
+                             const T* const* v, int64_t nk, int64_t first, float* scores,
+                             int64_t ss, float* max, float* sum) {
+  // Scores of every (query, key) pair; masked ones are overwritten by the softmax pass below.
+  for (int64_t m = 0; m < M; m += 2) {
+    const int64_t m1 = std::min(m + 1, M - 1);
+    float discard = 0;
+    for (int64_t j = 0; j < nk; ++j)
+      score_pair(q[m], q[m1], k[j], hd, scores + m * ss + j,
+                 m1 != m ? scores + m1 * ss + j : &discard);
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t a = std::max<int64_t>(lo[m] - first, 0),
+                  b = std::min<int64_t>(hi[m] - first, nk - 1);
+    float* row = scores + m * ss;
+    if (a > b) {  // nothing visible in this block: p = 0, the running state stays
+      std::fill_n(row, nk, 0.0f);
+      continue;
+    }
+    float block_max = -INFINITY;
+    for (int64_t j = a; j <= b; ++j) block_max = std::max(block_max, row[j]);
+    const float new_max = std::max(max[m], block_max);
+    const float scale = std::exp(max[m] - new_max);  // 0 for the first visible block
+    std::fill_n(row, a, 0.0f);
+    std::fill(row + b + 1, row + nk, 0.0f);
+    const __m256 vmax = _mm256_set1_ps(new_max);
+    __m256 added = _mm256_setzero_ps();
+    for (int64_t j = a; j <= b; j += 8) {
+      const int64_t n = b + 1 - j;
+      const __m256 e = _mm256_and_ps(_mm256_castsi256_ps(tail_mask(n)),
+                                     exp_ps(_mm256_sub_ps(load(row + j, n), vmax)));
+      store(row + j, n, e);
+      added = _mm256_add_ps(added, e);
+    }
+    sum[m] = sum[m] * scale + hsum(added);
+    max[m] = new_max;
+    if (scale != 1.0f) {
+      const __m256 vs = _mm256_set1_ps(scale);
+      for (int64_t d = 0; d < hd; d += 8)
+        store(out[m] + d, hd - d, _mm256_mul_ps(vs, load(out[m] + d, hd - d)));
+    }
+  }
+  for (int64_t g0 = 0; g0 < M; g0 += 4) {
+    const float* p = scores + g0 * ss;
+    switch (std::min<int64_t>(M - g0, 4)) {
+      case 1:
+        accumulate_values<1>(p, ss, v, nk, hd, out + g0);
+        break;
+      case 2:
+        accumulate_values<2>(p, ss, v, nk, hd, out + g0);
+        break;
+      case 3:
+        accumulate_values<3>(p, ss, v, nk, hd, out + g0);
+        break;
+      default:
+        accumulate_values<4>(p, ss, v, nk, hd, out + g0);
+        break;
+    }
+  }
+}
+
+}  // namespace
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
+                      const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
+                      float* max, float* sum) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
+}
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
+                      const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
+}
+
+}  // namespace gemstage::avx2
+
+#endif  // x86
