@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "gemma4/registry.h"
 #include "image/image_processor.h"
+#include "io/file_writer.h"
 #include "io/mapped_file.h"
 #include "io/progress.h"
 #include "io/safetensors.h"
@@ -234,6 +235,87 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   return os.str();
 }
 
+constexpr const char* kPartialSuffix = ".gemstage-partial";
+
+bool is_partial_name(const std::string& name) {
+  const std::string suf = kPartialSuffix;
+  return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// The files an existing bundle's manifest names (so replacing it removes exactly those), or
+// nothing when the manifest cannot be read.
+std::vector<std::string> files_of_existing_bundle(const std::string& dir) {
+  std::vector<std::string> out;
+  try {
+    const json j =
+        json::parse(read_text_file((fs::path(dir) / "manifest.json").string(), size_t{64} << 20));
+    if (j.contains("stages") && j["stages"].is_array())
+      for (const json& st : j["stages"])
+        if (st.is_object() && st.contains("weights") && st["weights"].is_object() &&
+            st["weights"].contains("file") && st["weights"]["file"].is_string())
+          out.push_back(st["weights"]["file"].get<std::string>());
+    if (j.contains("copied_files") && j["copied_files"].is_object())
+      for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
+        out.push_back(it.key());
+  } catch (const std::exception&) {
+    out.clear();
+  }
+  // Only plain names inside the folder: a manifest is input, and must not steer removals.
+  std::erase_if(out, [](const std::string& f) {
+    return f.empty() || f.find('/') != std::string::npos || f == "." || f == "..";
+  });
+  return out;
+}
+
+// Refuses an output folder that holds something other than a gemstage bundle (unless forced),
+// and removes partial files a previous interrupted export left. Returns the files of the bundle
+// that is already there (empty when none), to remove once the new one is complete.
+std::vector<std::string> prepare_output_dir(const std::string& out_dir, bool force) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(out_dir, ec);
+  if (fs::exists(st) && !fs::is_directory(st))
+    fail("--out ", out_dir, " exists and is not a folder; choose a new folder name");
+  if (!fs::exists(st)) {
+    fs::create_directories(out_dir, ec);
+    if (ec) fail("--out ", out_dir, ": cannot create the folder (", ec.message(), ")");
+    return {};
+  }
+  std::vector<std::string> others;
+  for (const auto& e : fs::directory_iterator(out_dir)) {
+    const std::string name = e.path().filename().string();
+    if (is_partial_name(name)) {
+      fs::remove(e.path(), ec);
+      continue;
+    }
+    others.push_back(name);
+  }
+  if (is_bundle_dir(out_dir)) return files_of_existing_bundle(out_dir);
+  if (!others.empty() && !force)
+    fail("--out ", out_dir, " already holds ", others.size(), " file(s) (such as '", others.front(),
+         "') and no gemstage bundle manifest; choose an empty or new folder, or pass --force to "
+         "write the bundle beside those files");
+  return {};
+}
+
+// Removes the partial files of an export that failed, so its folder holds nothing half-written.
+class PartialFiles {
+ public:
+  ~PartialFiles() { remove_now(); }
+  void remove_now() {
+    std::error_code ec;
+    for (const std::string& p : paths_) fs::remove(p, ec);
+    paths_.clear();
+  }
+  std::string add(const std::string& final_path) {
+    paths_.push_back(final_path + kPartialSuffix);
+    return paths_.back();
+  }
+  void committed() { paths_.clear(); }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
 }  // namespace
 
 std::string sha256_file(const std::string& path) {
@@ -409,71 +491,111 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
                    contract_for(StageRole::FinalNormHead, {0, 0}, cfg)});
   check_contract_chain(decls, cfg);
 
-  fs::create_directories(out_dir);
-  std::vector<std::vector<PlannedTensor>> plans;
-  uint64_t total = 0;
-  for (const StageDecl& d : decls) {
-    plans.push_back(plan_stage_tensors(d, cfg, w, ple));
-    for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
-  }
-  Progress progress("export", total, opt.progress);
-  json stages = json::array();
-  for (size_t i = 0; i < decls.size(); ++i) {
-    const StageDecl& d = decls[i];
-    const std::string file = d.id + ".gsw";
-    const std::string path = (fs::path(out_dir) / file).string();
-    WeightsFileWriter writer(path);
-    for (const PlannedTensor& t : plans[i]) {
-      const WeightView v = store.view(t.key);
-      if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
-        fail("tensor ", t.key, " has ", v.cols(),
-             " input columns, not a multiple of the 32-wide quantization block");
-      writer.declare(t.key, t.dtype, v.shape);
+  const std::vector<std::string> old_files = prepare_output_dir(out_dir, opt.force);
+  PartialFiles partial;
+  bool old_retired = false;  // the old bundle's files are being removed: it is no longer whole
+  try {
+    // (partial name, final name) of every file written, renamed only once all are complete.
+    std::vector<std::pair<std::string, std::string>> written;
+    std::vector<std::vector<PlannedTensor>> plans;
+    uint64_t total = 0;
+    for (const StageDecl& d : decls) {
+      plans.push_back(plan_stage_tensors(d, cfg, w, ple));
+      for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
     }
-    writer.begin_data();
-    for (const PlannedTensor& t : plans[i]) {
-      convert_rows(store.view(t.key), t.dtype, writer, progress);
-      writer.end_tensor();
+    Progress progress("export", total, opt.progress);
+    json stages = json::array();
+    for (size_t i = 0; i < decls.size(); ++i) {
+      const StageDecl& d = decls[i];
+      const std::string file = d.id + ".gsw";
+      const std::string final_path = (fs::path(out_dir) / file).string();
+      const std::string path = partial.add(final_path);
+      WeightsFileWriter writer(path);
+      for (const PlannedTensor& t : plans[i]) {
+        const WeightView v = store.view(t.key);
+        if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
+          fail("tensor ", t.key, " has ", v.cols(),
+               " input columns, not a multiple of the 32-wide quantization block");
+        writer.declare(t.key, t.dtype, v.shape);
+      }
+      writer.begin_data();
+      for (const PlannedTensor& t : plans[i]) {
+        convert_rows(store.view(t.key), t.dtype, writer, progress);
+        writer.end_tensor();
+      }
+      writer.finish();
+      written.emplace_back(path, final_path);
+      json s = {{"id", d.id},
+                {"role", stage_role_name(d.role)},
+                {"contract", contract_to_json(d.contract)},
+                {"weights",
+                 {{"file", file}, {"sha256", sha256_file(path)}, {"bytes", fs::file_size(path)}}}};
+      if (d.role == StageRole::TransformerLayers) {
+        s["layers"] = {d.layers.begin, d.layers.end};
+        s["cache_groups"] = cache_groups_json(d.layers, cfg.text, max_context);
+        s["kv_donors"] = kv_donors_json(d.layers, cfg.text);
+      } else {
+        s["layers"] = nullptr;
+      }
+      stages.push_back(s);
     }
-    writer.finish();
-    json s = {{"id", d.id},
-              {"role", stage_role_name(d.role)},
-              {"contract", contract_to_json(d.contract)},
-              {"weights",
-               {{"file", file}, {"sha256", sha256_file(path)}, {"bytes", fs::file_size(path)}}}};
-    if (d.role == StageRole::TransformerLayers) {
-      s["layers"] = {d.layers.begin, d.layers.end};
-      s["cache_groups"] = cache_groups_json(d.layers, cfg.text, max_context);
-      s["kv_donors"] = kv_donors_json(d.layers, cfg.text);
-    } else {
-      s["layers"] = nullptr;
+    progress.finish();
+    json copied = json::object();
+    for (const char* f : kCopiedFiles) {
+      const fs::path src = fs::path(hf_dir) / f;
+      if (!fs::exists(src)) continue;
+      const std::string final_path = (fs::path(out_dir) / f).string();
+      const std::string path = partial.add(final_path);
+      write_file_synced(path, read_text_file(src.string()));
+      written.emplace_back(path, final_path);
+      copied[f] = {{"sha256", sha256_file(path)}};
     }
-    stages.push_back(s);
+    const json model_config =
+        json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
+    const json manifest = {{"format", "gemstage-bundle"},
+                           {"schema_version", kBundleSchemaVersion},
+                           {"generator", "gemstage export"},
+                           {"source_model", fs::absolute(hf_dir).string()},
+                           {"weights", opt.weights},
+                           {"ple_weights", ple == DType::F32    ? "f32"
+                                           : ple == DType::Q8_0 ? "int8"
+                                                                : "bf16"},
+                           {"max_context", max_context},
+                           {"num_layers", cfg.text.num_hidden_layers},
+                           {"model_config", model_config},
+                           {"copied_files", copied},
+                           {"stages", stages}};
+    const std::string manifest_final = (fs::path(out_dir) / "manifest.json").string();
+    const std::string manifest_path = partial.add(manifest_final);
+    write_file_synced(manifest_path, manifest.dump(2) + "\n");
+
+    // Everything is on disk. Retire the old bundle's manifest first (so the folder never pairs it
+    // with new files), then its files the new bundle does not replace, then rename the new files
+    // into place, manifest.json last.
+    std::error_code ec;
+    if (!old_files.empty()) {
+      old_retired = true;
+      fs::remove(manifest_final, ec);
+      std::set<std::string> replaced;
+      for (const auto& [from, to] : written) replaced.insert(fs::path(to).filename().string());
+      for (const std::string& f : old_files)
+        if (!replaced.count(f)) fs::remove(fs::path(out_dir) / f, ec);
+    }
+    for (const auto& [from, to] : written) rename_into_place(from, to);
+    sync_dir(out_dir);
+    rename_into_place(manifest_path, manifest_final);
+    sync_dir(out_dir);
+    partial.committed();
+  } catch (const std::exception& e) {
+    // Remove the partial files before saying so: a user looking at the folder after a disk-full
+    // error wants to know what is (not) there.
+    partial.remove_now();
+    fail(e.what(), "\nexport stopped: its partial files were removed and ", out_dir,
+         " holds no new bundle",
+         old_files.empty() ? ""
+         : old_retired     ? " (the bundle that was there is partly replaced: export again)"
+                           : " (the bundle already there is unchanged)");
   }
-  progress.finish();
-  json copied = json::object();
-  for (const char* f : kCopiedFiles) {
-    const fs::path src = fs::path(hf_dir) / f;
-    if (!fs::exists(src)) continue;
-    fs::copy_file(src, fs::path(out_dir) / f, fs::copy_options::overwrite_existing);
-    copied[f] = {{"sha256", sha256_file((fs::path(out_dir) / f).string())}};
-  }
-  const json model_config =
-      json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
-  const json manifest = {{"format", "gemstage-bundle"},
-                         {"schema_version", kBundleSchemaVersion},
-                         {"generator", "gemstage export"},
-                         {"source_model", fs::absolute(hf_dir).string()},
-                         {"weights", opt.weights},
-                         {"ple_weights", ple == DType::F32    ? "f32"
-                                         : ple == DType::Q8_0 ? "int8"
-                                                              : "bf16"},
-                         {"max_context", max_context},
-                         {"num_layers", cfg.text.num_hidden_layers},
-                         {"model_config", model_config},
-                         {"copied_files", copied},
-                         {"stages", stages}};
-  std::ofstream(fs::path(out_dir) / "manifest.json") << manifest.dump(2) << "\n";
 }
 
 int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log) {
