@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -237,6 +238,15 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
 
 constexpr const char* kPartialSuffix = ".gemstage-partial";
 
+// A kv_donors key: a layer index written as a decimal string.
+int layer_index_key(const std::string& key, const std::string& path, const std::string& where) {
+  int v = 0;
+  const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), v);
+  if (ec != std::errc() || end != key.data() + key.size() || v < 0)
+    fail(path, ": ", where, ".kv_donors key '", key, "' is not a layer index");
+  return v;
+}
+
 bool is_partial_name(const std::string& name) {
   const std::string suf = kPartialSuffix;
   return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
@@ -366,89 +376,100 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
   } catch (const json::exception& e) {
     fail(path, ": not valid JSON (", e.what(), ")");
   }
-  const json& j = m.raw;
-  auto need = [&](const json& o, const char* k, const std::string& where) -> const json& {
-    if (!o.is_object() || !o.contains(k)) fail(path, ": ", where, " is missing '", k, "'");
-    return o[k];
-  };
-  if (need(j, "format", "manifest") != "gemstage-bundle")
-    fail(path, ": format is not gemstage-bundle");
-  const json& ver = need(j, "schema_version", "manifest");
-  if (!ver.is_number_integer() ||
-      (ver.get<int>() != kBundleSchemaVersion && ver.get<int>() != kBundleSchemaVersionV1))
-    fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
-         kBundleSchemaVersion, "); re-export the bundle");
-  m.config =
-      parse_model_config(need(j, "model_config", "manifest").dump(), path + ": model_config");
-  const json& w = need(j, "weights", "manifest");
-  if (!w.is_string()) fail(path, ": weights must be a string");
-  m.weights_format = w.get<std::string>();
-  m.ple_weights_format = j.value("ple_weights", "bf16");
-  const json& mc = need(j, "max_context", "manifest");
-  if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
-    fail(path, ": max_context must be a positive integer");
-  m.max_context = mc.get<int64_t>();
-  if (j.contains("copied_files")) {
-    if (!j["copied_files"].is_object()) fail(path, ": copied_files must be an object");
-    for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
-      m.copied_files.emplace_back(it.key(), it.value().value("sha256", ""));
-  }
-  const json& stages = need(j, "stages", "manifest");
-  if (!stages.is_array() || stages.empty()) fail(path, ": stages must be a non-empty list");
-  for (size_t i = 0; i < stages.size(); ++i) {
-    const json& s = stages[i];
-    const std::string where = "stages[" + std::to_string(i) + "]";
-    BundleStage bs;
-    const json& id = need(s, "id", where);
-    if (!id.is_string()) fail(path, ": ", where, ".id must be a string");
-    bs.decl.id = id.get<std::string>();
-    const json& role = need(s, "role", where);
-    bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
-                                        path + ": " + where);
-    if (bs.decl.role == StageRole::TransformerLayers) {
-      const json& l = need(s, "layers", where);
-      if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() || !l[1].is_number_integer())
-        fail(path, ": ", where, ".layers must be [begin, end]");
-      bs.decl.layers = {l[0].get<int>(), l[1].get<int>()};
+  // Checked fields fail with their own message; a field of the wrong JSON type deeper down
+  // (a cache group that is not an object, say) makes nlohmann throw, and that too must name the
+  // manifest rather than escape as a bare library exception.
+  try {
+    const json& j = m.raw;
+    auto need = [&](const json& o, const char* k, const std::string& where) -> const json& {
+      if (!o.is_object() || !o.contains(k)) fail(path, ": ", where, " is missing '", k, "'");
+      return o[k];
+    };
+    if (need(j, "format", "manifest") != "gemstage-bundle")
+      fail(path, ": format is not gemstage-bundle");
+    const json& ver = need(j, "schema_version", "manifest");
+    if (!ver.is_number_integer() ||
+        (ver.get<int>() != kBundleSchemaVersion && ver.get<int>() != kBundleSchemaVersionV1))
+      fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
+           kBundleSchemaVersion, "); re-export the bundle");
+    m.config =
+        parse_model_config(need(j, "model_config", "manifest").dump(), path + ": model_config");
+    const json& w = need(j, "weights", "manifest");
+    if (!w.is_string()) fail(path, ": weights must be a string");
+    m.weights_format = w.get<std::string>();
+    m.ple_weights_format = j.value("ple_weights", "bf16");
+    const json& mc = need(j, "max_context", "manifest");
+    if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
+      fail(path, ": max_context must be a positive integer");
+    m.max_context = mc.get<int64_t>();
+    if (j.contains("copied_files")) {
+      if (!j["copied_files"].is_object()) fail(path, ": copied_files must be an object");
+      for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
+        m.copied_files.emplace_back(it.key(), it.value().value("sha256", ""));
     }
-    bs.decl.contract =
-        contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
-    // Version 1 declared positions as an embeddings input (it never used them) and had no
-    // image_soft_tokens; its weights and every other field are the same, so it runs under the
-    // current contract of its role.
-    if (ver.get<int>() == kBundleSchemaVersionV1)
-      bs.decl.contract = contract_for(bs.decl.role, bs.decl.layers, m.config);
-    const json& wf = need(s, "weights", where);
-    const json& file = need(wf, "file", where + ".weights");
-    if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");
-    bs.weights_file = file.get<std::string>();
-    if (bs.weights_file.find('/') != std::string::npos ||
-        bs.weights_file.find("..") != std::string::npos)
-      fail(path, ": ", where, ".weights.file '", bs.weights_file,
-           "' must be a plain file name inside the bundle");
-    bs.sha256 = wf.value("sha256", "");
-    const json& bytes = need(wf, "bytes", where + ".weights");
-    if (!bytes.is_number_unsigned())
-      fail(path, ": ", where, ".weights.bytes must be a non-negative integer");
-    bs.bytes = bytes.get<uint64_t>();
-    if (s.contains("cache_groups")) {
-      if (!s["cache_groups"].is_array()) fail(path, ": ", where, ".cache_groups must be a list");
-      for (const json& g : s["cache_groups"]) {
-        CacheGroup cg;
-        cg.kind = g.value("kind", "");
-        if (g.contains("layers") && g["layers"].is_array())
-          for (const json& l : g["layers"])
-            if (l.is_number_integer()) cg.layers.push_back(l.get<int>());
-        cg.capacity = g.value("capacity", int64_t{0});
-        cg.window = g.value("window", int64_t{0});
-        bs.cache_groups.push_back(cg);
+    const json& stages = need(j, "stages", "manifest");
+    if (!stages.is_array() || stages.empty()) fail(path, ": stages must be a non-empty list");
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const json& s = stages[i];
+      const std::string where = "stages[" + std::to_string(i) + "]";
+      BundleStage bs;
+      const json& id = need(s, "id", where);
+      if (!id.is_string()) fail(path, ": ", where, ".id must be a string");
+      bs.decl.id = id.get<std::string>();
+      const json& role = need(s, "role", where);
+      bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
+                                          path + ": " + where);
+      if (bs.decl.role == StageRole::TransformerLayers) {
+        const json& l = need(s, "layers", where);
+        if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() ||
+            !l[1].is_number_integer())
+          fail(path, ": ", where, ".layers must be [begin, end]");
+        bs.decl.layers = {l[0].get<int>(), l[1].get<int>()};
       }
+      bs.decl.contract =
+          contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
+      // Version 1 declared positions as an embeddings input (it never used them) and had no
+      // image_soft_tokens; its weights and every other field are the same, so it runs under the
+      // current contract of its role.
+      if (ver.get<int>() == kBundleSchemaVersionV1)
+        bs.decl.contract = contract_for(bs.decl.role, bs.decl.layers, m.config);
+      const json& wf = need(s, "weights", where);
+      const json& file = need(wf, "file", where + ".weights");
+      if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");
+      bs.weights_file = file.get<std::string>();
+      if (bs.weights_file.find('/') != std::string::npos ||
+          bs.weights_file.find("..") != std::string::npos)
+        fail(path, ": ", where, ".weights.file '", bs.weights_file,
+             "' must be a plain file name inside the bundle");
+      bs.sha256 = wf.value("sha256", "");
+      const json& bytes = need(wf, "bytes", where + ".weights");
+      if (!bytes.is_number_unsigned())
+        fail(path, ": ", where, ".weights.bytes must be a non-negative integer");
+      bs.bytes = bytes.get<uint64_t>();
+      if (s.contains("cache_groups")) {
+        if (!s["cache_groups"].is_array()) fail(path, ": ", where, ".cache_groups must be a list");
+        for (const json& g : s["cache_groups"]) {
+          CacheGroup cg;
+          cg.kind = g.value("kind", "");
+          if (g.contains("layers") && g["layers"].is_array())
+            for (const json& l : g["layers"])
+              if (l.is_number_integer()) cg.layers.push_back(l.get<int>());
+          cg.capacity = g.value("capacity", int64_t{0});
+          cg.window = g.value("window", int64_t{0});
+          bs.cache_groups.push_back(cg);
+        }
+      }
+      if (s.contains("kv_donors") && s["kv_donors"].is_object())
+        for (auto it = s["kv_donors"].begin(); it != s["kv_donors"].end(); ++it)
+          if (it.value().is_number_integer())
+            bs.kv_donors.emplace_back(layer_index_key(it.key(), path, where),
+                                      it.value().get<int>());
+      m.stages.push_back(std::move(bs));
     }
-    if (s.contains("kv_donors") && s["kv_donors"].is_object())
-      for (auto it = s["kv_donors"].begin(); it != s["kv_donors"].end(); ++it)
-        if (it.value().is_number_integer())
-          bs.kv_donors.emplace_back(std::stoi(it.key()), it.value().get<int>());
-    m.stages.push_back(std::move(bs));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(path, ": malformed manifest (", e.what(), "); re-export the bundle");
   }
   return m;
 }
