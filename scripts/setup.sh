@@ -10,6 +10,8 @@ DEBIAN_PACKAGES=(
   libpng-dev libjpeg62-turbo-dev zlib1g-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-format librsvg2-bin chromium
+  # libFuzzer targets (fuzz/, scripts/fuzz.sh): clang and its runtime (libFuzzer, ASan, UBSan).
+  clang libclang-rt-14-dev
 )
 
 missing=()

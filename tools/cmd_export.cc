@@ -31,6 +31,8 @@ void add_export_command(CLI::App& app, Registry& reg) {
       ->capture_default_str();
   sub->add_option("--max-context", a->opt.max_context,
                   "context the caches are declared for (default: the model's maximum)");
+  sub->add_flag("--force", a->opt.force,
+                "write into an --out folder that holds other files (they are left alone)");
   reg.add(sub, [a] {
     const double t0 = now_seconds();
     export_bundle(a->model, a->out, a->opt);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 #include "kernels/cpu_features.h"
 #include "tools/commands.h"
 
@@ -19,6 +20,9 @@ int main(int argc, char** argv) {
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   mallopt(M_TOP_PAD, 64 << 20);
+  // A weights file truncated under a running command ends it with a message naming the file
+  // rather than a bare "Bus error" (io/mapped_file.h).
+  gemstage::install_mapped_file_fault_handler();
   CLI::App app{"gemstage: Gemma 4 E-series as a pipeline of checked stages"};
   app.require_subcommand(1);
   gemstage::cli::Registry reg;
@@ -57,6 +61,10 @@ int main(int argc, char** argv) {
     return 1;
   } catch (const std::bad_alloc&) {
     std::cerr << "error: out of memory\n";
+    return 1;
+  } catch (const std::exception& e) {
+    // std::filesystem errors carry the path and errno text; report them like our own.
+    std::cerr << "error: " << e.what() << "\n";
     return 1;
   }
   return 0;

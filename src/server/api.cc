@@ -27,8 +27,10 @@ json parse_json_body(std::string_view body) {
   json j;
   try {
     j = json::parse(body.begin(), body.end());
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {
     // nlohmann's message names the byte offset, which is what a client needs to find the fault.
+    // Not only parse_error: a number too large for a double ("1e99999") is an out_of_range
+    // thrown from the parser (found by fuzz/fuzz_openai_request.cc).
     bad_request({}, "invalid_json", std::string("the request body is not valid JSON: ") + e.what());
   }
   if (!j.is_object()) bad_request({}, "invalid_json", "the request body must be a JSON object");

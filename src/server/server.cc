@@ -14,10 +14,12 @@
 #include <cstdlib>
 #include <ctime>
 #include <deque>
+#include <iostream>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include "io/mapped_file.h"
 #include "server/chat_page.h"
 
 namespace gemstage::server {
@@ -209,6 +211,25 @@ struct Server::Impl {
     return id;
   }
 
+  // A weights file truncated or rewritten in place under the server (io/mapped_file.h). Every
+  // generation is then refused with a 503 naming the file, before anything reads the damaged
+  // mapping, and /health answers 503 with the same message so an orchestrator restarts the
+  // server; the first detection is also logged.
+  std::atomic<bool> files_change_logged{false};
+  std::string model_files_changed() {
+    try {
+      check_mapped_files();
+      return {};
+    } catch (const Error& e) {
+      if (!files_change_logged.exchange(true)) std::cerr << "serve: " << e.what() << "\n";
+      return e.what();
+    }
+  }
+  void ensure_model_files_intact() {
+    const std::string changed = model_files_changed();
+    if (!changed.empty()) throw ApiError(503, changed, "server_error", {}, "model_file_changed");
+  }
+
   void setup_routes();
   void load();
   void worker(Slot& s);
@@ -306,9 +327,11 @@ void Server::Impl::run(Slot& s, Job& job) {
   }
   bool generating = false;
   try {
-    const PreparedPrompt p =
-        job.chat ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
-                 : assistant->prepare_raw(job.prompt);
+    // Again here: the file may have changed while this request queued.
+    ensure_model_files_intact();
+    const PreparedPrompt p = job.chat
+                                 ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
+                                 : assistant->prepare_raw(job.prompt);
     const auto n = static_cast<int64_t>(p.ids.size());
     if (n >= max_context)
       throw ApiError(400,
@@ -628,6 +651,7 @@ void Server::Impl::setup_routes() {
   auto guarded = [this](bool chat) {
     return [this, chat](const Request& req, Response& res) {
       try {
+        ensure_model_files_intact();
         handle_generation(req, res, chat);
       } catch (const ApiError& e) {
         set_error(res, e);
@@ -652,6 +676,9 @@ void Server::Impl::setup_routes() {
     } else if (!ready.load()) {
       res.status = 503;
       j = {{"status", "loading"}};
+    } else if (const std::string changed = model_files_changed(); !changed.empty()) {
+      res.status = 503;
+      j = {{"status", "model_file_changed"}, {"error", changed}};
     } else {
       std::lock_guard<std::mutex> lk(q_mu);
       j = {{"status", "ok"},

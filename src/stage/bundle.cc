@@ -2,6 +2,7 @@
 
 #include <openssl/evp.h>
 
+#include <charconv>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,7 @@
 #include "core/error.h"
 #include "gemma4/registry.h"
 #include "image/image_processor.h"
+#include "io/file_writer.h"
 #include "io/mapped_file.h"
 #include "io/progress.h"
 #include "io/safetensors.h"
@@ -234,6 +236,96 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   return os.str();
 }
 
+constexpr const char* kPartialSuffix = ".gemstage-partial";
+
+// A kv_donors key: a layer index written as a decimal string.
+int layer_index_key(const std::string& key, const std::string& path, const std::string& where) {
+  int v = 0;
+  const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), v);
+  if (ec != std::errc() || end != key.data() + key.size() || v < 0)
+    fail(path, ": ", where, ".kv_donors key '", key, "' is not a layer index");
+  return v;
+}
+
+bool is_partial_name(const std::string& name) {
+  const std::string suf = kPartialSuffix;
+  return name.size() > suf.size() && name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+}
+
+// The files an existing bundle's manifest names (so replacing it removes exactly those), or
+// nothing when the manifest cannot be read.
+std::vector<std::string> files_of_existing_bundle(const std::string& dir) {
+  std::vector<std::string> out;
+  try {
+    const json j =
+        json::parse(read_text_file((fs::path(dir) / "manifest.json").string(), size_t{64} << 20));
+    if (j.contains("stages") && j["stages"].is_array())
+      for (const json& st : j["stages"])
+        if (st.is_object() && st.contains("weights") && st["weights"].is_object() &&
+            st["weights"].contains("file") && st["weights"]["file"].is_string())
+          out.push_back(st["weights"]["file"].get<std::string>());
+    if (j.contains("copied_files") && j["copied_files"].is_object())
+      for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
+        out.push_back(it.key());
+  } catch (const std::exception&) {
+    out.clear();
+  }
+  // Only plain names inside the folder: a manifest is input, and must not steer removals.
+  std::erase_if(out, [](const std::string& f) {
+    return f.empty() || f.find('/') != std::string::npos || f == "." || f == "..";
+  });
+  return out;
+}
+
+// Refuses an output folder that holds something other than a gemstage bundle (unless forced),
+// and removes partial files a previous interrupted export left. Returns the files of the bundle
+// that is already there (empty when none), to remove once the new one is complete.
+std::vector<std::string> prepare_output_dir(const std::string& out_dir, bool force) {
+  std::error_code ec;
+  const fs::file_status st = fs::status(out_dir, ec);
+  if (fs::exists(st) && !fs::is_directory(st))
+    fail("--out ", out_dir, " exists and is not a folder; choose a new folder name");
+  if (!fs::exists(st)) {
+    fs::create_directories(out_dir, ec);
+    if (ec) fail("--out ", out_dir, ": cannot create the folder (", ec.message(), ")");
+    return {};
+  }
+  std::vector<std::string> others;
+  for (const auto& e : fs::directory_iterator(out_dir)) {
+    const std::string name = e.path().filename().string();
+    if (is_partial_name(name)) {
+      fs::remove(e.path(), ec);
+      continue;
+    }
+    others.push_back(name);
+  }
+  if (is_bundle_dir(out_dir)) return files_of_existing_bundle(out_dir);
+  if (!others.empty() && !force)
+    fail("--out ", out_dir, " already holds ", others.size(), " file(s) (such as '", others.front(),
+         "') and no gemstage bundle manifest; choose an empty or new folder, or pass --force to "
+         "write the bundle beside those files");
+  return {};
+}
+
+// Removes the partial files of an export that failed, so its folder holds nothing half-written.
+class PartialFiles {
+ public:
+  ~PartialFiles() { remove_now(); }
+  void remove_now() {
+    std::error_code ec;
+    for (const std::string& p : paths_) fs::remove(p, ec);
+    paths_.clear();
+  }
+  std::string add(const std::string& final_path) {
+    paths_.push_back(final_path + kPartialSuffix);
+    return paths_.back();
+  }
+  void committed() { paths_.clear(); }
+
+ private:
+  std::vector<std::string> paths_;
+};
+
 }  // namespace
 
 std::string sha256_file(const std::string& path) {
@@ -284,89 +376,100 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
   } catch (const json::exception& e) {
     fail(path, ": not valid JSON (", e.what(), ")");
   }
-  const json& j = m.raw;
-  auto need = [&](const json& o, const char* k, const std::string& where) -> const json& {
-    if (!o.is_object() || !o.contains(k)) fail(path, ": ", where, " is missing '", k, "'");
-    return o[k];
-  };
-  if (need(j, "format", "manifest") != "gemstage-bundle")
-    fail(path, ": format is not gemstage-bundle");
-  const json& ver = need(j, "schema_version", "manifest");
-  if (!ver.is_number_integer() ||
-      (ver.get<int>() != kBundleSchemaVersion && ver.get<int>() != kBundleSchemaVersionV1))
-    fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
-         kBundleSchemaVersion, "); re-export the bundle");
-  m.config =
-      parse_model_config(need(j, "model_config", "manifest").dump(), path + ": model_config");
-  const json& w = need(j, "weights", "manifest");
-  if (!w.is_string()) fail(path, ": weights must be a string");
-  m.weights_format = w.get<std::string>();
-  m.ple_weights_format = j.value("ple_weights", "bf16");
-  const json& mc = need(j, "max_context", "manifest");
-  if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
-    fail(path, ": max_context must be a positive integer");
-  m.max_context = mc.get<int64_t>();
-  if (j.contains("copied_files")) {
-    if (!j["copied_files"].is_object()) fail(path, ": copied_files must be an object");
-    for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
-      m.copied_files.emplace_back(it.key(), it.value().value("sha256", ""));
-  }
-  const json& stages = need(j, "stages", "manifest");
-  if (!stages.is_array() || stages.empty()) fail(path, ": stages must be a non-empty list");
-  for (size_t i = 0; i < stages.size(); ++i) {
-    const json& s = stages[i];
-    const std::string where = "stages[" + std::to_string(i) + "]";
-    BundleStage bs;
-    const json& id = need(s, "id", where);
-    if (!id.is_string()) fail(path, ": ", where, ".id must be a string");
-    bs.decl.id = id.get<std::string>();
-    const json& role = need(s, "role", where);
-    bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
-                                        path + ": " + where);
-    if (bs.decl.role == StageRole::TransformerLayers) {
-      const json& l = need(s, "layers", where);
-      if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() || !l[1].is_number_integer())
-        fail(path, ": ", where, ".layers must be [begin, end]");
-      bs.decl.layers = {l[0].get<int>(), l[1].get<int>()};
+  // Checked fields fail with their own message; a field of the wrong JSON type deeper down
+  // (a cache group that is not an object, say) makes nlohmann throw, and that too must name the
+  // manifest rather than escape as a bare library exception.
+  try {
+    const json& j = m.raw;
+    auto need = [&](const json& o, const char* k, const std::string& where) -> const json& {
+      if (!o.is_object() || !o.contains(k)) fail(path, ": ", where, " is missing '", k, "'");
+      return o[k];
+    };
+    if (need(j, "format", "manifest") != "gemstage-bundle")
+      fail(path, ": format is not gemstage-bundle");
+    const json& ver = need(j, "schema_version", "manifest");
+    if (!ver.is_number_integer() ||
+        (ver.get<int>() != kBundleSchemaVersion && ver.get<int>() != kBundleSchemaVersionV1))
+      fail(path, ": schema_version ", ver.dump(), " is not supported (this gemstage reads version ",
+           kBundleSchemaVersion, "); re-export the bundle");
+    m.config =
+        parse_model_config(need(j, "model_config", "manifest").dump(), path + ": model_config");
+    const json& w = need(j, "weights", "manifest");
+    if (!w.is_string()) fail(path, ": weights must be a string");
+    m.weights_format = w.get<std::string>();
+    m.ple_weights_format = j.value("ple_weights", "bf16");
+    const json& mc = need(j, "max_context", "manifest");
+    if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
+      fail(path, ": max_context must be a positive integer");
+    m.max_context = mc.get<int64_t>();
+    if (j.contains("copied_files")) {
+      if (!j["copied_files"].is_object()) fail(path, ": copied_files must be an object");
+      for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
+        m.copied_files.emplace_back(it.key(), it.value().value("sha256", ""));
     }
-    bs.decl.contract =
-        contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
-    // Version 1 declared positions as an embeddings input (it never used them) and had no
-    // image_soft_tokens; its weights and every other field are the same, so it runs under the
-    // current contract of its role.
-    if (ver.get<int>() == kBundleSchemaVersionV1)
-      bs.decl.contract = contract_for(bs.decl.role, bs.decl.layers, m.config);
-    const json& wf = need(s, "weights", where);
-    const json& file = need(wf, "file", where + ".weights");
-    if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");
-    bs.weights_file = file.get<std::string>();
-    if (bs.weights_file.find('/') != std::string::npos ||
-        bs.weights_file.find("..") != std::string::npos)
-      fail(path, ": ", where, ".weights.file '", bs.weights_file,
-           "' must be a plain file name inside the bundle");
-    bs.sha256 = wf.value("sha256", "");
-    const json& bytes = need(wf, "bytes", where + ".weights");
-    if (!bytes.is_number_unsigned())
-      fail(path, ": ", where, ".weights.bytes must be a non-negative integer");
-    bs.bytes = bytes.get<uint64_t>();
-    if (s.contains("cache_groups")) {
-      if (!s["cache_groups"].is_array()) fail(path, ": ", where, ".cache_groups must be a list");
-      for (const json& g : s["cache_groups"]) {
-        CacheGroup cg;
-        cg.kind = g.value("kind", "");
-        if (g.contains("layers") && g["layers"].is_array())
-          for (const json& l : g["layers"])
-            if (l.is_number_integer()) cg.layers.push_back(l.get<int>());
-        cg.capacity = g.value("capacity", int64_t{0});
-        cg.window = g.value("window", int64_t{0});
-        bs.cache_groups.push_back(cg);
+    const json& stages = need(j, "stages", "manifest");
+    if (!stages.is_array() || stages.empty()) fail(path, ": stages must be a non-empty list");
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const json& s = stages[i];
+      const std::string where = "stages[" + std::to_string(i) + "]";
+      BundleStage bs;
+      const json& id = need(s, "id", where);
+      if (!id.is_string()) fail(path, ": ", where, ".id must be a string");
+      bs.decl.id = id.get<std::string>();
+      const json& role = need(s, "role", where);
+      bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
+                                          path + ": " + where);
+      if (bs.decl.role == StageRole::TransformerLayers) {
+        const json& l = need(s, "layers", where);
+        if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() ||
+            !l[1].is_number_integer())
+          fail(path, ": ", where, ".layers must be [begin, end]");
+        bs.decl.layers = {l[0].get<int>(), l[1].get<int>()};
       }
+      bs.decl.contract =
+          contract_from_json(need(s, "contract", where), path + ": " + where + ".contract");
+      // Version 1 declared positions as an embeddings input (it never used them) and had no
+      // image_soft_tokens; its weights and every other field are the same, so it runs under the
+      // current contract of its role.
+      if (ver.get<int>() == kBundleSchemaVersionV1)
+        bs.decl.contract = contract_for(bs.decl.role, bs.decl.layers, m.config);
+      const json& wf = need(s, "weights", where);
+      const json& file = need(wf, "file", where + ".weights");
+      if (!file.is_string()) fail(path, ": ", where, ".weights.file must be a string");
+      bs.weights_file = file.get<std::string>();
+      if (bs.weights_file.find('/') != std::string::npos ||
+          bs.weights_file.find("..") != std::string::npos)
+        fail(path, ": ", where, ".weights.file '", bs.weights_file,
+             "' must be a plain file name inside the bundle");
+      bs.sha256 = wf.value("sha256", "");
+      const json& bytes = need(wf, "bytes", where + ".weights");
+      if (!bytes.is_number_unsigned())
+        fail(path, ": ", where, ".weights.bytes must be a non-negative integer");
+      bs.bytes = bytes.get<uint64_t>();
+      if (s.contains("cache_groups")) {
+        if (!s["cache_groups"].is_array()) fail(path, ": ", where, ".cache_groups must be a list");
+        for (const json& g : s["cache_groups"]) {
+          CacheGroup cg;
+          cg.kind = g.value("kind", "");
+          if (g.contains("layers") && g["layers"].is_array())
+            for (const json& l : g["layers"])
+              if (l.is_number_integer()) cg.layers.push_back(l.get<int>());
+          cg.capacity = g.value("capacity", int64_t{0});
+          cg.window = g.value("window", int64_t{0});
+          bs.cache_groups.push_back(cg);
+        }
+      }
+      if (s.contains("kv_donors") && s["kv_donors"].is_object())
+        for (auto it = s["kv_donors"].begin(); it != s["kv_donors"].end(); ++it)
+          if (it.value().is_number_integer())
+            bs.kv_donors.emplace_back(layer_index_key(it.key(), path, where),
+                                      it.value().get<int>());
+      m.stages.push_back(std::move(bs));
     }
-    if (s.contains("kv_donors") && s["kv_donors"].is_object())
-      for (auto it = s["kv_donors"].begin(); it != s["kv_donors"].end(); ++it)
-        if (it.value().is_number_integer())
-          bs.kv_donors.emplace_back(std::stoi(it.key()), it.value().get<int>());
-    m.stages.push_back(std::move(bs));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    fail(path, ": malformed manifest (", e.what(), "); re-export the bundle");
   }
   return m;
 }
@@ -409,71 +512,111 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
                    contract_for(StageRole::FinalNormHead, {0, 0}, cfg)});
   check_contract_chain(decls, cfg);
 
-  fs::create_directories(out_dir);
-  std::vector<std::vector<PlannedTensor>> plans;
-  uint64_t total = 0;
-  for (const StageDecl& d : decls) {
-    plans.push_back(plan_stage_tensors(d, cfg, w, ple));
-    for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
-  }
-  Progress progress("export", total, opt.progress);
-  json stages = json::array();
-  for (size_t i = 0; i < decls.size(); ++i) {
-    const StageDecl& d = decls[i];
-    const std::string file = d.id + ".gsw";
-    const std::string path = (fs::path(out_dir) / file).string();
-    WeightsFileWriter writer(path);
-    for (const PlannedTensor& t : plans[i]) {
-      const WeightView v = store.view(t.key);
-      if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
-        fail("tensor ", t.key, " has ", v.cols(),
-             " input columns, not a multiple of the 32-wide quantization block");
-      writer.declare(t.key, t.dtype, v.shape);
+  const std::vector<std::string> old_files = prepare_output_dir(out_dir, opt.force);
+  PartialFiles partial;
+  bool old_retired = false;  // the old bundle's files are being removed: it is no longer whole
+  try {
+    // (partial name, final name) of every file written, renamed only once all are complete.
+    std::vector<std::pair<std::string, std::string>> written;
+    std::vector<std::vector<PlannedTensor>> plans;
+    uint64_t total = 0;
+    for (const StageDecl& d : decls) {
+      plans.push_back(plan_stage_tensors(d, cfg, w, ple));
+      for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
     }
-    writer.begin_data();
-    for (const PlannedTensor& t : plans[i]) {
-      convert_rows(store.view(t.key), t.dtype, writer, progress);
-      writer.end_tensor();
+    Progress progress("export", total, opt.progress);
+    json stages = json::array();
+    for (size_t i = 0; i < decls.size(); ++i) {
+      const StageDecl& d = decls[i];
+      const std::string file = d.id + ".gsw";
+      const std::string final_path = (fs::path(out_dir) / file).string();
+      const std::string path = partial.add(final_path);
+      WeightsFileWriter writer(path);
+      for (const PlannedTensor& t : plans[i]) {
+        const WeightView v = store.view(t.key);
+        if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
+          fail("tensor ", t.key, " has ", v.cols(),
+               " input columns, not a multiple of the 32-wide quantization block");
+        writer.declare(t.key, t.dtype, v.shape);
+      }
+      writer.begin_data();
+      for (const PlannedTensor& t : plans[i]) {
+        convert_rows(store.view(t.key), t.dtype, writer, progress);
+        writer.end_tensor();
+      }
+      writer.finish();
+      written.emplace_back(path, final_path);
+      json s = {{"id", d.id},
+                {"role", stage_role_name(d.role)},
+                {"contract", contract_to_json(d.contract)},
+                {"weights",
+                 {{"file", file}, {"sha256", sha256_file(path)}, {"bytes", fs::file_size(path)}}}};
+      if (d.role == StageRole::TransformerLayers) {
+        s["layers"] = {d.layers.begin, d.layers.end};
+        s["cache_groups"] = cache_groups_json(d.layers, cfg.text, max_context);
+        s["kv_donors"] = kv_donors_json(d.layers, cfg.text);
+      } else {
+        s["layers"] = nullptr;
+      }
+      stages.push_back(s);
     }
-    writer.finish();
-    json s = {{"id", d.id},
-              {"role", stage_role_name(d.role)},
-              {"contract", contract_to_json(d.contract)},
-              {"weights",
-               {{"file", file}, {"sha256", sha256_file(path)}, {"bytes", fs::file_size(path)}}}};
-    if (d.role == StageRole::TransformerLayers) {
-      s["layers"] = {d.layers.begin, d.layers.end};
-      s["cache_groups"] = cache_groups_json(d.layers, cfg.text, max_context);
-      s["kv_donors"] = kv_donors_json(d.layers, cfg.text);
-    } else {
-      s["layers"] = nullptr;
+    progress.finish();
+    json copied = json::object();
+    for (const char* f : kCopiedFiles) {
+      const fs::path src = fs::path(hf_dir) / f;
+      if (!fs::exists(src)) continue;
+      const std::string final_path = (fs::path(out_dir) / f).string();
+      const std::string path = partial.add(final_path);
+      write_file_synced(path, read_text_file(src.string()));
+      written.emplace_back(path, final_path);
+      copied[f] = {{"sha256", sha256_file(path)}};
     }
-    stages.push_back(s);
+    const json model_config =
+        json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
+    const json manifest = {{"format", "gemstage-bundle"},
+                           {"schema_version", kBundleSchemaVersion},
+                           {"generator", "gemstage export"},
+                           {"source_model", fs::absolute(hf_dir).string()},
+                           {"weights", opt.weights},
+                           {"ple_weights", ple == DType::F32    ? "f32"
+                                           : ple == DType::Q8_0 ? "int8"
+                                                                : "bf16"},
+                           {"max_context", max_context},
+                           {"num_layers", cfg.text.num_hidden_layers},
+                           {"model_config", model_config},
+                           {"copied_files", copied},
+                           {"stages", stages}};
+    const std::string manifest_final = (fs::path(out_dir) / "manifest.json").string();
+    const std::string manifest_path = partial.add(manifest_final);
+    write_file_synced(manifest_path, manifest.dump(2) + "\n");
+
+    // Everything is on disk. Retire the old bundle's manifest first (so the folder never pairs it
+    // with new files), then its files the new bundle does not replace, then rename the new files
+    // into place, manifest.json last.
+    std::error_code ec;
+    if (!old_files.empty()) {
+      old_retired = true;
+      fs::remove(manifest_final, ec);
+      std::set<std::string> replaced;
+      for (const auto& [from, to] : written) replaced.insert(fs::path(to).filename().string());
+      for (const std::string& f : old_files)
+        if (!replaced.count(f)) fs::remove(fs::path(out_dir) / f, ec);
+    }
+    for (const auto& [from, to] : written) rename_into_place(from, to);
+    sync_dir(out_dir);
+    rename_into_place(manifest_path, manifest_final);
+    sync_dir(out_dir);
+    partial.committed();
+  } catch (const std::exception& e) {
+    // Remove the partial files before saying so: a user looking at the folder after a disk-full
+    // error wants to know what is (not) there.
+    partial.remove_now();
+    fail(e.what(), "\nexport stopped: its partial files were removed and ", out_dir,
+         " holds no new bundle",
+         old_files.empty() ? ""
+         : old_retired     ? " (the bundle that was there is partly replaced: export again)"
+                           : " (the bundle already there is unchanged)");
   }
-  progress.finish();
-  json copied = json::object();
-  for (const char* f : kCopiedFiles) {
-    const fs::path src = fs::path(hf_dir) / f;
-    if (!fs::exists(src)) continue;
-    fs::copy_file(src, fs::path(out_dir) / f, fs::copy_options::overwrite_existing);
-    copied[f] = {{"sha256", sha256_file((fs::path(out_dir) / f).string())}};
-  }
-  const json model_config =
-      json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
-  const json manifest = {{"format", "gemstage-bundle"},
-                         {"schema_version", kBundleSchemaVersion},
-                         {"generator", "gemstage export"},
-                         {"source_model", fs::absolute(hf_dir).string()},
-                         {"weights", opt.weights},
-                         {"ple_weights", ple == DType::F32    ? "f32"
-                                         : ple == DType::Q8_0 ? "int8"
-                                                              : "bf16"},
-                         {"max_context", max_context},
-                         {"num_layers", cfg.text.num_hidden_layers},
-                         {"model_config", model_config},
-                         {"copied_files", copied},
-                         {"stages", stages}};
-  std::ofstream(fs::path(out_dir) / "manifest.json") << manifest.dump(2) << "\n";
 }
 
 int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log) {

@@ -62,9 +62,16 @@ struct ExportOptions {
   std::string ple_weights = "auto";  // auto | f32 | bf16 | int8
   int64_t max_context = 0;           // 0: the model's max_position_embeddings
   bool progress = true;
+  // Write into an output folder that holds files other than a gemstage bundle (they are left
+  // alone). Without it such a folder is refused; an existing bundle is always replaced.
+  bool force = false;
 };
 
 // Streams tensors from the checkpoint into stage files; never holds a whole model in memory.
+// Every file is written as NAME.gemstage-partial, synced and hashed, and renamed into place only
+// when all of them are complete, manifest.json last: a failed or interrupted export leaves no
+// manifest.json and no new final-named file (a failure removes its partial files; an existing
+// bundle in out_dir stays intact until the new one is complete, then is replaced).
 void export_bundle(const std::string& hf_dir, const std::string& out_dir, const ExportOptions& opt);
 
 struct CheckOptions {

@@ -57,17 +57,16 @@ void WeightsFileWriter::begin_data() {
                             {"offset", d.offset},
                             {"nbytes", d.nbytes}};
   const std::string header = h.dump();
-  out_.open(path_, std::ios::binary | std::ios::trunc);
-  if (!out_) fail(path_, ": cannot open for writing");
+  out_.open(path_);
   const uint64_t hl = header.size();
   out_.write(kMagic, 8);
   char len[8];
   for (int i = 0; i < 8; ++i) len[i] = static_cast<char>((hl >> (8 * i)) & 0xff);
   out_.write(len, 8);
-  out_.write(header.data(), static_cast<std::streamsize>(header.size()));
+  out_.write(header);
   const uint64_t pos = 16 + hl;
   const std::string pad(align_up(pos) - pos, '\0');
-  out_.write(pad.data(), static_cast<std::streamsize>(pad.size()));
+  out_.write(pad);
   current_ = 0;
   written_in_current_ = 0;
   data_pos_ = 0;
@@ -77,7 +76,7 @@ void WeightsFileWriter::write(const void* data, size_t n) {
   if (current_ >= decls_.size()) fail(path_, ": more tensors written than declared");
   if (written_in_current_ + n > decls_[current_].nbytes)
     fail(path_, ": tensor ", decls_[current_].name, " written past its declared size");
-  out_.write(static_cast<const char*>(data), static_cast<std::streamsize>(n));
+  out_.write(data, n);
   written_in_current_ += n;
   data_pos_ += n;
 }
@@ -89,7 +88,7 @@ void WeightsFileWriter::end_tensor() {
   const uint64_t next =
       current_ + 1 < decls_.size() ? decls_[current_ + 1].offset : align_up(data_pos_);
   const std::string pad(next - data_pos_, '\0');
-  out_.write(pad.data(), static_cast<std::streamsize>(pad.size()));
+  out_.write(pad);
   data_pos_ = next;
   ++current_;
   written_in_current_ = 0;
@@ -98,9 +97,7 @@ void WeightsFileWriter::end_tensor() {
 void WeightsFileWriter::finish() {
   if (current_ != decls_.size())
     fail(path_, ": ", decls_.size() - current_, " declared tensors were not written");
-  out_.flush();
-  if (!out_) fail(path_, ": write failed (disk full?)");
-  out_.close();
+  out_.commit();
 }
 
 WeightsFile::WeightsFile(const std::string& path) : file_(path) {

@@ -12,12 +12,12 @@
 #pragma once
 
 #include <cstdint>
-#include <fstream>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
+#include "io/file_writer.h"
 #include "io/mapped_file.h"
 #include "io/safetensors.h"
 
@@ -35,6 +35,7 @@ class WeightsFileWriter {
   void begin_data();
   void write(const void* data, size_t n);  // appends to the current tensor
   void end_tensor();
+  // Writes the last bytes and syncs the file to disk; errors name the file and errno text.
   void finish();
   uint64_t data_bytes() const { return next_offset_; }
 
@@ -46,7 +47,7 @@ class WeightsFileWriter {
     uint64_t offset, nbytes;
   };
   std::string path_;
-  std::ofstream out_;
+  FileWriter out_;
   std::vector<Decl> decls_;
   uint64_t next_offset_ = 0;
   size_t current_ = 0;
