@@ -58,13 +58,7 @@ std::vector<float> vector_to_f32(const WeightView& w) {
 }
 
 TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store,
-                              const TextParts& parts) {
-  PartSet held;
-  if (parts.embeddings) held.parts |= kPartEmbeddings;
-  if (parts.head) held.parts |= kPartHead;
-  held.parts |= kPartLayer;
-  held.layer_begin = parts.layer_begin;
-  held.layer_end = parts.layer_end < 0 ? c.text.num_hidden_layers : parts.layer_end;
+                              const PartSet& held) {
   TextWeights w;
   for (const TensorSpec& s : text_tensor_specs(c, &w))
     if (s.role == TensorRole::Required && part_holds(held, s)) bind_tensor(s, store);

@@ -38,19 +38,10 @@ struct TextWeights {
   std::vector<TextLayerWeights> layers;
 };
 
-// Which parts of the text model a weight source holds (a stage holds only its own).
-struct TextParts {
-  bool embeddings = true;  // embed_tokens, the PLE table, projection and norm
-  int layer_begin = 0;
-  int layer_end = -1;  // -1: all layers
-  bool head = true;    // final norm (+ embed_tokens as the tied head)
-  static TextParts none() { return {false, 0, 0, false}; }
-};
-
-// Binds views over the source; call validate_tensors first. Parts not held stay empty.
-// Which tensors a part holds, and where each one lands, is the table's (text_tensor_specs).
-TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store,
-                              const TextParts& parts = {});
+// Binds views over the source for the parts `held` (a stage holds only its own, see
+// stage_parts); call validate_tensors first. Parts not held stay empty. Which tensors a part
+// holds, and where each one lands, is the table's (text_tensor_specs).
+TextWeights bind_text_weights(const ModelConfig& c, const TensorSource& store, const PartSet& held);
 
 std::vector<float> vector_to_f32(const WeightView& w);
 

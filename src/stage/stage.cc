@@ -9,17 +9,6 @@ namespace gemstage {
 
 namespace {
 
-TextParts parts_for(const StageDecl& d) {
-  TextParts p = TextParts::none();
-  if (d.role == StageRole::Embeddings) p.embeddings = true;
-  if (d.role == StageRole::FinalNormHead) p.head = true;
-  if (d.role == StageRole::TransformerLayers) {
-    p.layer_begin = d.layers.begin;
-    p.layer_end = d.layers.end;
-  }
-  return p;
-}
-
 // Removes and returns an input the contract check has already validated.
 HostTensor take(TensorMap& in, const std::string& name) {
   auto it = in.find(name);
@@ -32,8 +21,8 @@ HostTensor take(TensorMap& in, const std::string& name) {
 
 Stage::Stage(const ModelConfig& config, StageDecl decl, std::shared_ptr<TensorSource> weights)
     : config_(config), decl_(std::move(decl)), weights_(std::move(weights)) {
-  text_ =
-      std::make_unique<TextModel>(config_, bind_text_weights(config_, *weights_, parts_for(decl_)));
+  text_ = std::make_unique<TextModel>(config_,
+                                      bind_text_weights(config_, *weights_, stage_parts(decl_)));
   if (decl_.role == StageRole::Embeddings && config_.vision)
     vision_ = std::make_unique<VisionTower>(config_, bind_vision_weights(config_, *weights_));
 }
