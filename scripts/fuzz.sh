@@ -12,8 +12,8 @@ SECONDS_PER_TARGET="${1:-60}"
 shift || true
 TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
-  TARGETS=(fuzz_safetensors fuzz_weights_file fuzz_config fuzz_npy fuzz_tokenizer fuzz_image
-           fuzz_openai_request)
+  TARGETS=(fuzz_safetensors fuzz_weights_file fuzz_config fuzz_npy fuzz_tokenizer
+           fuzz_tokenizer_files fuzz_image fuzz_openai_request fuzz_bundle_manifest)
 fi
 
 launcher=()

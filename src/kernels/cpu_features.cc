@@ -23,9 +23,11 @@ namespace {
 CpuFeatures probe() {
   CpuFeatures f;
 #if defined(__x86_64__) || defined(__i386__)
-  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0).
-  f.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+  // __builtin_cpu_supports also checks that the OS saves the wide registers (XCR0). F16C is
+  // read from CPUID leaf 1 (ECX bit 29) because clang's builtin does not know its name.
+  unsigned l1a = 0, l1b = 0, l1c = 0, l1d = 0;
+  const bool f16c = __get_cpuid(1, &l1a, &l1b, &l1c, &l1d) && ((l1c >> 29) & 1);
+  f.avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
   f.avx512 = f.avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
              __builtin_cpu_supports("avx512vl");
   f.avx512vnni = f.avx512 && __builtin_cpu_supports("avx512vnni");

@@ -208,7 +208,8 @@ void check_call_tensors(const StageDecl& stage, const char* side,
                         DimBindings& dims) {
   const std::string where =
       "stage '" + stage.id + "' (" + stage_role_name(stage.role) + ") " + side;
-  for (const auto& [name, t] : tensors) {
+  for (const auto& entry : tensors) {
+    const std::string& name = entry.first;
     const bool known = std::any_of(decls.begin(), decls.end(),
                                    [&](const TensorDecl& d) { return d.name == name; });
     if (!known)
