@@ -18,6 +18,7 @@
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
+#include "kernels/quant.h"
 
 using namespace gemstage;
 
@@ -399,6 +400,40 @@ TEST_P(VectorOps, DotAndAxpyMatchScalar) {
     for (int i = 0; i < n; ++i)
       EXPECT_NEAR(yg[static_cast<size_t>(i)], yw[static_cast<size_t>(i)], 1e-6) << n;
   }
+}
+
+// The decode GEMV (one activation row) of each tier against the scalar tier on widths whose
+// last chunk is short (a full half plus a tail, a lone block), many rows on two threads; a zero
+// activation row gives exact zeros and a NaN poisons every output. The integer block dots are
+// exact on every path, so the tiers differ only in f32 summation order.
+TEST_P(VectorOps, QuantGemvMatchesScalar) {
+  ThreadPool pool(2);
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+    for (int64_t K : {32, 288, 1184}) {
+      const int64_t N = 77;
+      const auto wf = randn(static_cast<size_t>(N * K), 80 + static_cast<uint32_t>(K), 0.1f);
+      const auto q = quantize_matrix(t, wf.data(), N, K);
+      const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+      auto x = randn(static_cast<size_t>(K), 81);
+      x[static_cast<size_t>(K / 3)] = 25.0f;
+      auto run = [&] {
+        std::vector<float> y(static_cast<size_t>(N));
+        matmul(pool, x.data(), 1, w, y.data());
+        return y;
+      };
+      const auto want = scalar(run), got = run();
+      for (int64_t r = 0; r < N; ++r) {
+        double mag = 0;
+        for (int64_t k = 0; k < K; ++k)
+          mag += std::fabs(x[static_cast<size_t>(k)] * wf[static_cast<size_t>(r * K + k)]);
+        ASSERT_NEAR(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)], 3e-5 * mag + 1e-6)
+            << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
+      std::fill(x.begin(), x.end(), 0.0f);
+      for (float v : run()) ASSERT_EQ(v, 0.0f) << dtype_name(t) << " K=" << K;
+      x[static_cast<size_t>(K - 1)] = NAN;
+      for (float v : run()) ASSERT_TRUE(std::isnan(v)) << dtype_name(t) << " K=" << K;
+    }
 }
 
 TEST(ThreadPool, CoversEveryIndexOnce) {
