@@ -80,7 +80,7 @@ TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
 INSTANTIATE_TEST_SUITE_P(Sizes, MatmulOdd,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16, DType::F16),
                                             ::testing::Values(1, 3, 5, 9),
-                                            ::testing::Values(1, 7, 16, 37, 131),
+                                            ::testing::Values(1, 7, 16, 37, 45, 131),
                                             ::testing::Values(1, 5, 13, 33)));
 
 TEST(Dtype, Bf16RoundsToNearestEven) {

@@ -51,6 +51,10 @@ void rows_scalar(const float* x, int64_t S, const WeightView& w, float* y, int64
 }
 
 #if defined(__x86_64__) || defined(__i386__)
+// The decode GEMVs prefetch into L2 the bytes kDecodePrefetch ahead of their one stream, as the
+// quantized decode GEMV does (kernels/quant_kernels.cc: the hardware prefetchers alone lag it).
+constexpr size_t kDecodePrefetch = 4096;
+
 // ---- AVX-512: 4 weight rows x 4 activation rows per step, 16 accumulators ----------------------
 
 template <DType T>
@@ -94,9 +98,40 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const flo
 }
 
 template <DType T>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_avx512(const float* x,
+                                                                      const WeightView& w, float* y,
+                                                                      int64_t r0, int64_t r1) {
+  const int64_t K = w.cols();
+  constexpr int64_t es = T == DType::F32 ? 4 : 2;
+  const int64_t full64 = K & ~int64_t{63};
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = static_cast<const char*>(w.data) + r * K * es;
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                     _mm512_setzero_ps()};
+    int64_t k = 0;
+    for (; k < full64; k += 64) {
+      for (int64_t o = 0; o < 64 * es; o += 64)
+        _mm_prefetch(row + k * es + o + kDecodePrefetch, _MM_HINT_T2);
+      for (int i = 0; i < 4; ++i)
+        acc[i] = _mm512_fmadd_ps(load_w16<T>(w.data, r * K + k + 16 * i, 0xffff),
+                                 _mm512_loadu_ps(x + k + 16 * i), acc[i]);
+    }
+    for (; k < K; k += 16) {
+      const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff)
+                                      : static_cast<__mmask16>((1u << (K - k)) - 1u);
+      acc[0] = _mm512_fmadd_ps(load_w16<T>(w.data, r * K + k, m), _mm512_maskz_loadu_ps(m, x + k),
+                               acc[0]);
+    }
+    y[r] = _mm512_reduce_add_ps(
+        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+  }
+}
+
+template <DType T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, int64_t S,
                                                                       const WeightView& w, float* y,
                                                                       int64_t r0, int64_t r1) {
+  if (S == 1) return gemv_avx512<T>(x, w, y, r0, r1);
   const int64_t K = w.cols(), N = w.rows();
   float out[16];
   for (int64_t r = r0; r < r1; r += 4) {
@@ -140,10 +175,40 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
+// Decode (S = 1): one weight row at a time in address order, 32 elements (AVX2) / 64 (AVX-512)
+// and 4 accumulators per step.
+template <DType T>
+__attribute__((target("avx2,fma,f16c"))) void gemv_avx2(const float* x, const WeightView& w,
+                                                        float* y, int64_t r0, int64_t r1) {
+  const int64_t K = w.cols();
+  constexpr int64_t es = T == DType::F32 ? 4 : 2;
+  const int64_t full32 = K & ~int64_t{31}, full8 = K & ~int64_t{7};
+  for (int64_t r = r0; r < r1; ++r) {
+    const char* row = static_cast<const char*>(w.data) + r * K * es;
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                     _mm256_setzero_ps()};
+    int64_t k = 0;
+    for (; k < full32; k += 32) {
+      // Prefetches never fault, so running past the end of the mapping is harmless.
+      for (int64_t o = 0; o < 32 * es; o += 64)
+        _mm_prefetch(row + k * es + o + kDecodePrefetch, _MM_HINT_T2);
+      for (int i = 0; i < 4; ++i)
+        acc[i] = _mm256_fmadd_ps(load_w8<T>(w.data, r * K + k + 8 * i),
+                                 _mm256_loadu_ps(x + k + 8 * i), acc[i]);
+    }
+    for (; k < full8; k += 8)
+      acc[0] = _mm256_fmadd_ps(load_w8<T>(w.data, r * K + k), _mm256_loadu_ps(x + k), acc[0]);
+    float v = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (; k < K; ++k) v += x[k] * widen(w.data, T, r * K + k);
+    y[r] = v;
+  }
+}
+
 template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t S,
                                                         const WeightView& w, float* y, int64_t r0,
                                                         int64_t r1) {
+  if (S == 1) return gemv_avx2<T>(x, w, y, r0, r1);
   const int64_t K = w.cols(), N = w.rows();
   const int64_t full = K & ~int64_t{7};
   for (int64_t r = r0; r < r1; r += 4) {
