@@ -22,6 +22,9 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -628,14 +631,173 @@ GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, siz
 
 #endif  // x86
 
+#if defined(__aarch64__)
+// ---- NEON: int8 dots on signed weights, 4 int32 lanes = a quarter chunk ------------------------
+//
+// The activations carry no zero-point term here (z = 0): the weights are made signed in
+// registers, Q8_0 as u ^ 0x80 = u - 128, Q4_0 as each nibble - 8, and the integer block dot is
+// sum(w * xq) directly. A 16-byte vector of a group holds four bytes of each of 4 blocks, so with
+// SDOT (the dot-product extension, FEAT_DotProd: most cores since Cortex-A55/A75, every Apple
+// core) int32 lane i accumulates block i, as VPDPBUSD's lanes do. Cores without it multiply with
+// SMULL (int16 products) and fold adjacent pairs with SADALP, so one block spans two int32 lanes
+// of two accumulators, added pairwise (ADDP) at the end of the quarter.
+
+#define GEMSTAGE_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+
+// `bytes` (<= 16) bytes from p, zero-filled: a quarter chunk of one group, or its short tail.
+inline int8x16_t load_quarter(const uint8_t* p, int bytes) {
+  if (bytes == 16) return vreinterpretq_s8_u8(vld1q_u8(p));
+  uint8_t buf[16] = {};
+  std::memcpy(buf, p, static_cast<size_t>(bytes));
+  return vreinterpretq_s8_u8(vld1q_u8(buf));
+}
+
+// Signed weights of a group's raw bytes: Q8_0 the group itself, Q4_0 its low (plane 0) or high
+// (plane 1) nibbles.
+template <DType T>
+inline int8x16_t signed_weights(int8x16_t packed, [[maybe_unused]] int plane) {
+  if constexpr (T == DType::Q8_0) {
+    return veorq_s8(packed, vdupq_n_s8(static_cast<int8_t>(0x80)));
+  } else {
+    const uint8x16_t u = vreinterpretq_u8_s8(packed);
+    const uint8x16_t nib = plane ? vshrq_n_u8(u, 4) : vandq_u8(u, vdupq_n_u8(0x0f));
+    return vsubq_s8(vreinterpretq_s8_u8(nib), vdupq_n_s8(8));
+  }
+}
+
+// Integer dots of one quarter chunk (L <= 4 blocks, lb = 4 L bytes per group) of NW weight rows
+// with NX activation rows: D[a][w] lane i = block i's sum(w * xq). gs is the chunk's group stride.
+template <DType T, int NX, int NW, bool kDot>
+GEMSTAGE_DOTPROD inline void quarter_dots(const uint8_t* const* wq, const uint8_t* const* xq,
+                                          int64_t gs, int lb, int32x4_t (&D)[NX][NW]) {
+  [[maybe_unused]] int32x4_t lo[NX][NW], hi[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) {
+      D[a][w] = vdupq_n_s32(0);
+      if constexpr (!kDot) lo[a][w] = hi[a][w] = vdupq_n_s32(0);
+    }
+  // Q8_0: 8 weight groups of one plane each; Q4_0: 4 packed groups of two nibble planes.
+  constexpr int kGroups = T == DType::Q8_0 ? 8 : 4, kPlanes = 8 / kGroups;
+  for (int g = 0; g < kGroups; ++g) {
+    int8x16_t packed[NW];
+    for (int w = 0; w < NW; ++w) packed[w] = load_quarter(wq[w] + g * gs, lb);
+    for (int pl = 0; pl < kPlanes; ++pl) {
+      const int j = g * kPlanes + pl;  // the activation group (element plane) it meets
+      int8x16_t wv[NW];
+      for (int w = 0; w < NW; ++w) wv[w] = signed_weights<T>(packed[w], pl);
+      for (int a = 0; a < NX; ++a) {
+        const int8x16_t xv = load_quarter(xq[a] + j * gs, lb);
+        for (int w = 0; w < NW; ++w) {
+          if constexpr (kDot) {
+            D[a][w] = vdotq_s32(D[a][w], wv[w], xv);
+          } else {
+            lo[a][w] = vpadalq_s16(lo[a][w], vmull_s8(vget_low_s8(wv[w]), vget_low_s8(xv)));
+            hi[a][w] = vpadalq_s16(hi[a][w], vmull_high_s8(wv[w], xv));
+          }
+        }
+      }
+    }
+  }
+  if constexpr (!kDot)
+    for (int a = 0; a < NX; ++a)
+      for (int w = 0; w < NW; ++w) D[a][w] = vpaddq_s32(lo[a][w], hi[a][w]);
+}
+
+// out[a * NW + w] = dot(activation row srow[a], weight row wrow[w]) over the whole width.
+template <DType T, int NX, int NW, bool kDot>
+GEMSTAGE_DOTPROD void tile_neon(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                                float* out) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t K = A.K, nb = A.nb;
+  float32x4_t facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = vdupq_n_f32(0);
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
+    for (int64_t qt = 0; qt < 4; ++qt) {
+      const int64_t L = std::min<int64_t>(4, m - 4 * qt);
+      if (L <= 0) break;
+      const int64_t b0 = c * kCB + 4 * qt;
+      const uint8_t* wq[NW];
+      const uint8_t* xq[NX];
+      for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes + 16 * qt;
+      for (int a = 0; a < NX; ++a) xq[a] = A.q.data() + srow[a] * K + c * 512 + 16 * qt;
+      int32x4_t D[NX][NW];
+      quarter_dots<T, NX, NW, kDot>(wq, xq, gs, static_cast<int>(4 * L), D);
+      float32x4_t dw[NW];
+      for (int w = 0; w < NW; ++w) {
+        uint16_t h[4] = {};
+        std::memcpy(h, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
+        dw[w] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)));
+      }
+      for (int a = 0; a < NX; ++a) {
+        float dxs[4] = {};
+        std::memcpy(dxs, A.d.data() + srow[a] * nb + b0, static_cast<size_t>(4 * L));
+        const float32x4_t dx = vld1q_f32(dxs);
+        for (int w = 0; w < NW; ++w)
+          facc[a][w] = vfmaq_f32(facc[a][w], vcvtq_f32_s32(D[a][w]), vmulq_f32(dw[w], dx));
+      }
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = vaddvq_f32(facc[a][w]);
+}
+
+// Decode walks the rows one at a time in address order; prefill keeps a 4 x 4 tile with SDOT
+// (16 int32 accumulators) and 4 x 2 without (each pair of accumulators is one SDOT's worth).
+template <DType T, bool kDot>
+GEMSTAGE_DOTPROD void rows_neon(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                                int64_t N, float* y, int64_t r0, int64_t r1) {
+  if (S == 1) {
+    const int64_t s0 = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+      tile_neon<T, 1, 1, kDot>(A, &s0, &wrow, y + r);
+    }
+    return;
+  }
+  constexpr int NW = kDot ? 4 : 2;
+  float out[4 * NW];
+  for (int64_t r = r0; r < r1; r += NW) {
+    const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+    const uint8_t* wrow[NW];
+    for (int w = 0; w < NW; ++w)
+      wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+    for (int64_t s = 0; s < S;) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, S - s));
+      const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
+      switch (nx) {
+        case 4:
+          tile_neon<T, 4, NW, kDot>(A, srow, wrow, out);
+          break;
+        case 3:
+          tile_neon<T, 3, NW, kDot>(A, srow, wrow, out);
+          break;
+        case 2:
+          tile_neon<T, 2, NW, kDot>(A, srow, wrow, out);
+          break;
+        default:
+          tile_neon<T, 1, NW, kDot>(A, srow, wrow, out);
+          break;
+      }
+      for (int a = 0; a < nx; ++a)
+        for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
+      s += nx;
+    }
+  }
+}
+
+#endif  // aarch64
+
 // The kernel family for S rows under the tier in force.
-enum class Kernel { Scalar, Avx2, Vnni, Amx };
+enum class Kernel { Scalar, Avx2, Vnni, Amx, Neon, NeonDot };
 Kernel kernel_for(int64_t S) {
   const CpuTier tier = cpu_tier();
   const CpuFeatures& f = cpu_features();
   if (tier == CpuTier::Amx && S >= kAmxMinRows) return Kernel::Amx;
   if ((tier == CpuTier::Amx || tier == CpuTier::Avx512) && f.avx512vnni) return Kernel::Vnni;
   if (cpu_tier_at_least(CpuTier::Avx2)) return Kernel::Avx2;
+  if (tier == CpuTier::Neon) return f.neon_dotprod ? Kernel::NeonDot : Kernel::Neon;
   return Kernel::Scalar;
 }
 
@@ -649,6 +811,10 @@ const char* quant_isa(int64_t S) {
       return "avx512vnni";
     case Kernel::Avx2:
       return "avx2";
+    case Kernel::NeonDot:
+      return "neon-dotprod";
+    case Kernel::Neon:
+      return "neon";
     case Kernel::Scalar:
       break;
   }
@@ -691,7 +857,9 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     return;
   }
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
-  const int z = kernel == Kernel::Avx2 && t == DType::Q8_0 ? 0 : zero_point(t);
+  // The NEON kernels make the weights signed in registers: no z term either.
+  const bool neon = kernel == Kernel::Neon || kernel == Kernel::NeonDot;
+  const int z = (kernel == Kernel::Avx2 && t == DType::Q8_0) || neon ? 0 : zero_point(t);
   ActQ A;
   quantize_acts(pool, x, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
                 kernel == Kernel::Vnni, &A);
@@ -703,6 +871,12 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     fn = t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
   else if (kernel == Kernel::Avx2)
     fn = t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+#endif
+#if defined(__aarch64__)
+  if (kernel == Kernel::NeonDot)
+    fn = t == DType::Q8_0 ? rows_neon<DType::Q8_0, true> : rows_neon<DType::Q4_0, true>;
+  else if (kernel == Kernel::Neon)
+    fn = t == DType::Q8_0 ? rows_neon<DType::Q8_0, false> : rows_neon<DType::Q4_0, false>;
 #endif
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {
