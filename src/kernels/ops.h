@@ -1,7 +1,7 @@
 // Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
 // formula it implements; the scalar code in ops.cc is the reference, and gelu_tanh_mul, softcap,
 // softmax_inplace, rmsnorm_rows (and attention.h's dot/axpy and key blocks) dispatch to AVX-512
-// (vec_avx512.h), AVX2 (vec_avx2.h) or NEON (vec_neon.h) twins by the tier in force
+// (x86/vec_avx512.h), AVX2 (x86/vec_avx2.h) or NEON (arm/vec_neon.h) twins by the tier in force
 // (kernels/cpu_features.h), through the tier's table (vec_kernels.h).
 #pragma once
 

@@ -1,9 +1,9 @@
 #include "kernels/vec_kernels.h"
 
+#include "kernels/arm/vec_neon.h"
 #include "kernels/ops.h"
-#include "kernels/vec_avx2.h"
-#include "kernels/vec_avx512.h"
-#include "kernels/vec_neon.h"
+#include "kernels/x86/vec_avx2.h"
+#include "kernels/x86/vec_avx512.h"
 
 namespace gemstage {
 

@@ -1,14 +1,14 @@
 // One tier's SIMD twins of the elementwise and attention kernels of ops.h and attention.h, as a
 // table: ops.cc and attention.cc call through vec_kernels() instead of switching on the tier at
 // every call site, and a tier is one table (vec_kernels.cc) over its own file of twins
-// (vec_avx512.*, vec_avx2.*, vec_neon.*, each compiled only for its architecture).
+// (x86/vec_avx512.*, x86/vec_avx2.*, arm/vec_neon.*, each compiled only for its architecture).
 #pragma once
 
 #include <cstdint>
 
 namespace gemstage {
 
-// attention.h's attend_key_block on raw pointers (see vec_avx512.h); next_k / next_v / next_n
+// attention.h's attend_key_block on raw pointers (see x86/vec_avx512.h); next_k / next_v / next_n
 // are the following block's rows, which a tier may prefetch and the others ignore.
 template <typename T>
 using AttendKeyBlockFn = void (*)(const float* const* q, float* const* out, const int64_t* lo,

@@ -1,6 +1,6 @@
 // NEON (aarch64 Advanced SIMD) twins of the elementwise kernels in ops.h / attention.h, for the
 // neon tier of kernels/cpu_features.h (Apple, Graviton, Raspberry Pi, phones). Same contracts and
-// the same exp / tanh schemes as kernels/vec_avx2.h, four lanes at a time; partial vectors go
+// the same exp / tanh schemes as kernels/x86/vec_avx2.h, four lanes at a time; partial vectors go
 // through zero-padded copies (NEON has no masked loads). tests/kernels_test.cc compares every one
 // against the scalar reference on odd sizes (under qemu-aarch64 on x86 machines: the aarch64
 // preset). Compiled only for aarch64.

@@ -1,4 +1,4 @@
-#include "kernels/vec_neon.h"
+#include "kernels/arm/vec_neon.h"
 
 #if defined(__aarch64__)
 

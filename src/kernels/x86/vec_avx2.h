@@ -1,7 +1,7 @@
 // AVX2 + FMA twins of the elementwise kernels in ops.h / attention.h, for the avx2 tier of
 // kernels/cpu_features.h (most laptops and desktops: Intel client CPUs since Alder Lake and AMD
 // before Zen 4 have no AVX-512). Same contracts and the same exp / tanh schemes as
-// kernels/vec_avx512.h (about 1 ulp / a few ulp); tests/kernels_test.cc compares every one
+// kernels/x86/vec_avx512.h (about 1 ulp / a few ulp); tests/kernels_test.cc compares every one
 // against the scalar reference on odd sizes. Compiled only for x86.
 #pragma once
 
