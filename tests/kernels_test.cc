@@ -74,6 +74,15 @@ TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
     for (size_t i = 0; i < ref.size(); ++i)
       ASSERT_NEAR(got[i], ref[i], tol)
           << cpu_tier_name(tier) << " (" << matmul_isa() << ") at " << i;
+    // Each row alone (the decode GEMV) equals its row of the batch bit for bit: the decoder's
+    // incremental-equals-recompute tests rely on it.
+    std::vector<float> one(static_cast<size_t>(N));
+    for (int64_t s = 0; s < S; ++s) {
+      matmul(pool, x.data() + s * K, 1, w.view, one.data());
+      for (int64_t r = 0; r < N; ++r)
+        ASSERT_EQ(one[static_cast<size_t>(r)], got[static_cast<size_t>(s * N + r)])
+            << cpu_tier_name(tier) << " row " << s << " output " << r;
+    }
   }
 }
 
@@ -405,7 +414,8 @@ TEST_P(VectorOps, DotAndAxpyMatchScalar) {
 // The decode GEMV (one activation row) of each tier against the scalar tier on widths whose
 // last chunk is short (a full half plus a tail, a lone block), many rows on two threads; a zero
 // activation row gives exact zeros and a NaN poisons every output. The integer block dots are
-// exact on every path, so the tiers differ only in f32 summation order.
+// exact on every path, so the tiers differ only in f32 summation order; within a tier the decode
+// GEMV keeps its prefill tile's order.
 TEST_P(VectorOps, QuantGemvMatchesScalar) {
   ThreadPool pool(2);
   for (DType t : {DType::Q8_0, DType::Q4_0})
@@ -422,6 +432,34 @@ TEST_P(VectorOps, QuantGemvMatchesScalar) {
         return y;
       };
       const auto want = scalar(run), got = run();
+      // The decode row equals the same row inside a small prefill bit for bit (the decoder's
+      // incremental-equals-recompute tests rely on it).
+      {
+        std::vector<float> x3(static_cast<size_t>(3 * K)), y3(static_cast<size_t>(3 * N));
+        for (int64_t k = 0; k < K; ++k) {
+          x3[static_cast<size_t>(k)] = -x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(K + k)] = x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(2 * K + k)] = 0.5f * x[static_cast<size_t>(k)];
+        }
+        matmul(pool, x3.data(), 3, w, y3.data());
+        for (int64_t r = 0; r < N; ++r)
+          ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
+      // The decode row equals the same row inside a small prefill bit for bit (the decoder's
+      // incremental-equals-recompute tests rely on it).
+      {
+        std::vector<float> x3(static_cast<size_t>(3 * K)), y3(static_cast<size_t>(3 * N));
+        for (int64_t k = 0; k < K; ++k) {
+          x3[static_cast<size_t>(k)] = -x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(K + k)] = x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(2 * K + k)] = 0.5f * x[static_cast<size_t>(k)];
+        }
+        matmul(pool, x3.data(), 3, w, y3.data());
+        for (int64_t r = 0; r < N; ++r)
+          ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
       for (int64_t r = 0; r < N; ++r) {
         double mag = 0;
         for (int64_t k = 0; k < K; ++k)

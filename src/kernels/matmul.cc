@@ -54,10 +54,6 @@ void rows_scalar(const float* x, int64_t S, const WeightView& w, float* y, int64
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-// The decode GEMVs prefetch into L2 the bytes kDecodePrefetch ahead of their one stream, as the
-// quantized decode GEMV does (kernels/quant_kernels.cc: the hardware prefetchers alone lag it).
-constexpr size_t kDecodePrefetch = 4096;
-
 // ---- AVX-512: 4 weight rows x 4 activation rows per step, 16 accumulators ----------------------
 
 template <DType T>
@@ -101,40 +97,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void block_avx512(const flo
 }
 
 template <DType T>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void gemv_avx512(const float* x,
-                                                                      const WeightView& w, float* y,
-                                                                      int64_t r0, int64_t r1) {
-  const int64_t K = w.cols();
-  constexpr int64_t es = T == DType::F32 ? 4 : 2;
-  const int64_t full64 = K & ~int64_t{63};
-  for (int64_t r = r0; r < r1; ++r) {
-    const char* row = static_cast<const char*>(w.data) + r * K * es;
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                     _mm512_setzero_ps()};
-    int64_t k = 0;
-    for (; k < full64; k += 64) {
-      for (int64_t o = 0; o < 64 * es; o += 64)
-        _mm_prefetch(row + k * es + o + kDecodePrefetch, _MM_HINT_T2);
-      for (int i = 0; i < 4; ++i)
-        acc[i] = _mm512_fmadd_ps(load_w16<T>(w.data, r * K + k + 16 * i, 0xffff),
-                                 _mm512_loadu_ps(x + k + 16 * i), acc[i]);
-    }
-    for (; k < K; k += 16) {
-      const __mmask16 m = K - k >= 16 ? static_cast<__mmask16>(0xffff)
-                                      : static_cast<__mmask16>((1u << (K - k)) - 1u);
-      acc[0] = _mm512_fmadd_ps(load_w16<T>(w.data, r * K + k, m), _mm512_maskz_loadu_ps(m, x + k),
-                               acc[0]);
-    }
-    y[r] = _mm512_reduce_add_ps(
-        _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-  }
-}
-
-template <DType T>
 __attribute__((target("avx512f,avx512bw,avx512vl"))) void rows_avx512(const float* x, int64_t S,
                                                                       const WeightView& w, float* y,
                                                                       int64_t r0, int64_t r1) {
-  if (S == 1) return gemv_avx512<T>(x, w, y, r0, r1);
   const int64_t K = w.cols(), N = w.rows();
   float out[16];
   for (int64_t r = r0; r < r1; r += 4) {
@@ -178,50 +143,29 @@ __attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// Decode (S = 1): one weight row at a time in address order, 32 elements (AVX2) / 64 (AVX-512)
-// and 4 accumulators per step.
-template <DType T>
-__attribute__((target("avx2,fma,f16c"))) void gemv_avx2(const float* x, const WeightView& w,
-                                                        float* y, int64_t r0, int64_t r1) {
-  const int64_t K = w.cols();
-  constexpr int64_t es = T == DType::F32 ? 4 : 2;
-  const int64_t full32 = K & ~int64_t{31}, full8 = K & ~int64_t{7};
-  for (int64_t r = r0; r < r1; ++r) {
-    const char* row = static_cast<const char*>(w.data) + r * K * es;
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                     _mm256_setzero_ps()};
-    int64_t k = 0;
-    for (; k < full32; k += 32) {
-      // Prefetches never fault, so running past the end of the mapping is harmless.
-      for (int64_t o = 0; o < 32 * es; o += 64)
-        _mm_prefetch(row + k * es + o + kDecodePrefetch, _MM_HINT_T2);
-      for (int i = 0; i < 4; ++i)
-        acc[i] = _mm256_fmadd_ps(load_w8<T>(w.data, r * K + k + 8 * i),
-                                 _mm256_loadu_ps(x + k + 8 * i), acc[i]);
-    }
-    for (; k < full8; k += 8)
-      acc[0] = _mm256_fmadd_ps(load_w8<T>(w.data, r * K + k), _mm256_loadu_ps(x + k), acc[0]);
-    float v = hsum256(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (; k < K; ++k) v += x[k] * widen(w.data, T, r * K + k);
-    y[r] = v;
-  }
-}
-
 template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t S,
                                                         const WeightView& w, float* y, int64_t r0,
                                                         int64_t r1) {
-  if (S == 1) return gemv_avx2<T>(x, w, y, r0, r1);
   const int64_t K = w.cols(), N = w.rows();
   const int64_t full = K & ~int64_t{7};
+  constexpr int64_t es = T == DType::F32 ? 4 : 2;
   for (int64_t r = r0; r < r1; r += 4) {
     const int nw = static_cast<int>(std::min<int64_t>(4, r1 - r));
+    const char* next_group = static_cast<const char*>(w.data) + (r + 4) * K * es;
     for (int64_t s = 0; s < S; s += 2) {
       const int nx = static_cast<int>(std::min<int64_t>(2, S - s));
       __m256 acc[2][4];
       for (auto& a : acc)
         for (auto& b : a) b = _mm256_setzero_ps();
       for (int64_t k = 0; k < full; k += 8) {
+        // Decode streams the rows from DRAM: while this group of 4 rows is read, the next
+        // group's bytes are prefetched into L2 at the same pace (4 * 8 elements per step). The
+        // summation order stays the prefill tile's, so a decoded token's outputs are
+        // bit-identical to the same row recomputed in a prefill. Prefetches never fault.
+        if (S == 1)
+          for (int64_t o = 0; o < 32 * es; o += 64)
+            _mm_prefetch(next_group + 4 * k * es + o, _MM_HINT_T2);
         __m256 wv[4];
         for (int b = 0; b < 4; ++b)
           wv[b] = b < nw ? load_w8<T>(w.data, (r + b) * K + k) : _mm256_setzero_ps();
@@ -244,8 +188,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
 #endif  // x86
 
 #if defined(__aarch64__)
-// ---- NEON: decode one row at a time (16 elements, 4 accumulators per step); otherwise 4 weight
-// rows x 2 activation rows per step, as the AVX2 tile ------------------------------------------
+// ---- NEON: 4 weight rows x 2 activation rows per step, as the AVX2 tile -----------------------
 
 template <DType T>
 inline float32x4_t load_w4(const void* base, int64_t i) {
@@ -259,26 +202,7 @@ inline float32x4_t load_w4(const void* base, int64_t i) {
 }
 
 template <DType T>
-void gemv_neon(const float* x, const WeightView& w, float* y, int64_t r0, int64_t r1) {
-  const int64_t K = w.cols();
-  const int64_t full16 = K & ~int64_t{15}, full4 = K & ~int64_t{3};
-  for (int64_t r = r0; r < r1; ++r) {
-    float32x4_t acc[4] = {vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0), vdupq_n_f32(0)};
-    int64_t k = 0;
-    for (; k < full16; k += 16)
-      for (int i = 0; i < 4; ++i)
-        acc[i] = vfmaq_f32(acc[i], load_w4<T>(w.data, r * K + k + 4 * i), vld1q_f32(x + k + 4 * i));
-    for (; k < full4; k += 4)
-      acc[0] = vfmaq_f32(acc[0], load_w4<T>(w.data, r * K + k), vld1q_f32(x + k));
-    float v = vaddvq_f32(vaddq_f32(vaddq_f32(acc[0], acc[1]), vaddq_f32(acc[2], acc[3])));
-    for (; k < K; ++k) v += x[k] * widen(w.data, T, r * K + k);
-    y[r] = v;
-  }
-}
-
-template <DType T>
 void rows_neon(const float* x, int64_t S, const WeightView& w, float* y, int64_t r0, int64_t r1) {
-  if (S == 1) return gemv_neon<T>(x, w, y, r0, r1);
   const int64_t K = w.cols(), N = w.rows();
   const int64_t full = K & ~int64_t{3};
   for (int64_t r = r0; r < r1; r += 4) {

@@ -549,7 +549,9 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
     const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
     const uint8_t* wq = wrow + 2 * nb;
     const char* ahead = reinterpret_cast<const char*>(wrow) + kDecodePrefetch;
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    // One accumulator, the halves in order: the prefill tile's summation order, so a decoded
+    // token's outputs are bit-identical to the same row recomputed in a prefill.
+    __m256 acc = _mm256_setzero_ps();
     for (int64_t c = 0; c < n_chunks; ++c) {
       // Prefetches never fault, so running past the end of the mapping is harmless.
       const size_t lo =
@@ -570,10 +572,10 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0)));
         const __m256 s1 =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0 + 16)));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(dx + b0)),
-                               acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
-                               _mm256_mul_ps(s1, _mm256_loadu_ps(dx + b0 + 8)), acc1);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(dx + b0)),
+                              acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
+                              _mm256_mul_ps(s1, _mm256_loadu_ps(dx + b0 + 8)), acc);
         continue;
       }
       for (int64_t h = 0; h < 2; ++h) {  // the row's short last chunk, half by half
@@ -587,10 +589,10 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
         std::memcpy(hs, wrow + 2 * bh, static_cast<size_t>(2 * L));
         const __m256 sh = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
         const __m256 xs = _mm256_castsi256_ps(load_part(dx + bh, lb));
-        acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, xs), acc0);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, xs), acc);
       }
     }
-    y[r] = hsum8(_mm256_add_ps(acc0, acc1));
+    y[r] = hsum8(acc);
   }
 }
 
