@@ -4,15 +4,18 @@
 //   build/gemstage_bench --benchmark_filter='Gemv/Q8'
 //
 // GEMV (S = 1, decode) and GEMM (S = 128, a prefill chunk) per weight format F32, BF16, Q8_0,
-// Q4_0. "GB/s" is stored weight bytes read per second (the decode roofline); "GFLOP/s" counts
-// 2 * S * out * in. Times are wall-clock (the pool's workers do the work). Weights are random,
-// generated once per (format, shape) and kept only while consecutive benchmarks use them.
+// Q4_0. The GEMVs run once per SIMD tier the CPU supports (Gemv/Q4_0/avx2, .../avx512), so one
+// run gives the tiers' ratios; the GEMMs and the rest run under the tier in force (GEMSTAGE_ISA).
+// "GB/s" is stored weight bytes read per second (the decode roofline); "GFLOP/s" counts 2 * S * out
+// * in. Times are wall-clock (the pool's workers do the work). Weights are random, generated once
+// per (format, shape) and kept only while consecutive benchmarks use them.
 #include <benchmark/benchmark.h>
 
 #include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -20,6 +23,7 @@
 #include "core/thread_pool.h"
 #include "kernels/amx.h"
 #include "kernels/attention.h"
+#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
@@ -98,8 +102,10 @@ std::vector<float> activations(int64_t n) {
   return x;
 }
 
-// args: out, in, S, threads
-void BM_Matmul(benchmark::State& state, DType t) {
+// args: out, in, S, threads. tier: the tier to run under (nullopt: the one in force).
+void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
+  std::optional<ScopedCpuTier> use;
+  if (tier) use.emplace(*tier);
   const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
   const int threads = static_cast<int>(state.range(3));
   const Matrix& m = matrix(t, out, in);
@@ -256,16 +262,24 @@ BENCHMARK(BM_AttentionDecode)
     ->UseRealTime();
 
 const bool registered = [] {
+  std::vector<CpuTier> simd;
+  for (CpuTier t : cpu_supported_tiers())
+    if (t != CpuTier::Scalar) simd.push_back(t);
   for (const Fmt& f : kFormats)
-    gemv_args(benchmark::RegisterBenchmark((std::string("Gemv/") + f.name).c_str(), BM_Matmul, f.t),
-              false);
+    for (CpuTier t : simd)
+      gemv_args(benchmark::RegisterBenchmark(
+                    (std::string("Gemv/") + f.name + "/" + cpu_tier_name(t)).c_str(), BM_Matmul,
+                    f.t, std::optional<CpuTier>(t)),
+                false);
   for (const Fmt& f : kFormats)
-    gemm_args(
-        benchmark::RegisterBenchmark((std::string("Gemm/") + f.name).c_str(), BM_Matmul, f.t));
+    gemm_args(benchmark::RegisterBenchmark((std::string("Gemm/") + f.name).c_str(), BM_Matmul, f.t,
+                                           std::optional<CpuTier>()));
   for (const Fmt& f : kFormats)
-    gemv_args(
-        benchmark::RegisterBenchmark((std::string("GemvLmHead/") + f.name).c_str(), BM_Matmul, f.t),
-        true);
+    for (CpuTier t : simd)
+      gemv_args(benchmark::RegisterBenchmark(
+                    (std::string("GemvLmHead/") + f.name + "/" + cpu_tier_name(t)).c_str(),
+                    BM_Matmul, f.t, std::optional<CpuTier>(t)),
+                true);
   return true;
 }();
 

@@ -12,6 +12,9 @@ DEBIAN_PACKAGES=(
   clang-format librsvg2-bin chromium
   # libFuzzer targets (fuzz/, scripts/fuzz.sh): clang and its runtime (libFuzzer, ASan, UBSan).
   clang libclang-rt-14-dev
+  # The aarch64 preset: cross compiler (with the arm64 libc/libstdc++) and qemu-aarch64 to run
+  # the kernel tests it builds (scripts/test.sh).
+  g++-aarch64-linux-gnu qemu-user
 )
 
 missing=()

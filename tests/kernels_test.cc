@@ -18,6 +18,7 @@
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
+#include "kernels/quant.h"
 
 using namespace gemstage;
 
@@ -73,13 +74,22 @@ TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
     for (size_t i = 0; i < ref.size(); ++i)
       ASSERT_NEAR(got[i], ref[i], tol)
           << cpu_tier_name(tier) << " (" << matmul_isa() << ") at " << i;
+    // Each row alone (the decode GEMV) equals its row of the batch bit for bit: the decoder's
+    // incremental-equals-recompute tests rely on it.
+    std::vector<float> one(static_cast<size_t>(N));
+    for (int64_t s = 0; s < S; ++s) {
+      matmul(pool, x.data() + s * K, 1, w.view, one.data());
+      for (int64_t r = 0; r < N; ++r)
+        ASSERT_EQ(one[static_cast<size_t>(r)], got[static_cast<size_t>(s * N + r)])
+            << cpu_tier_name(tier) << " row " << s << " output " << r;
+    }
   }
 }
 
 INSTANTIATE_TEST_SUITE_P(Sizes, MatmulOdd,
                          ::testing::Combine(::testing::Values(DType::F32, DType::BF16, DType::F16),
                                             ::testing::Values(1, 3, 5, 9),
-                                            ::testing::Values(1, 7, 16, 37, 131),
+                                            ::testing::Values(1, 7, 16, 37, 45, 131),
                                             ::testing::Values(1, 5, 13, 33)));
 
 TEST(Dtype, Bf16RoundsToNearestEven) {
@@ -399,6 +409,69 @@ TEST_P(VectorOps, DotAndAxpyMatchScalar) {
     for (int i = 0; i < n; ++i)
       EXPECT_NEAR(yg[static_cast<size_t>(i)], yw[static_cast<size_t>(i)], 1e-6) << n;
   }
+}
+
+// The decode GEMV (one activation row) of each tier against the scalar tier on widths whose
+// last chunk is short (a full half plus a tail, a lone block), many rows on two threads; a zero
+// activation row gives exact zeros and a NaN poisons every output. The integer block dots are
+// exact on every path, so the tiers differ only in f32 summation order; within a tier the decode
+// GEMV keeps its prefill tile's order.
+TEST_P(VectorOps, QuantGemvMatchesScalar) {
+  ThreadPool pool(2);
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+    for (int64_t K : {32, 288, 1184}) {
+      const int64_t N = 77;
+      const auto wf = randn(static_cast<size_t>(N * K), 80 + static_cast<uint32_t>(K), 0.1f);
+      const auto q = quantize_matrix(t, wf.data(), N, K);
+      const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+      auto x = randn(static_cast<size_t>(K), 81);
+      x[static_cast<size_t>(K / 3)] = 25.0f;
+      auto run = [&] {
+        std::vector<float> y(static_cast<size_t>(N));
+        matmul(pool, x.data(), 1, w, y.data());
+        return y;
+      };
+      const auto want = scalar(run), got = run();
+      // The decode row equals the same row inside a small prefill bit for bit (the decoder's
+      // incremental-equals-recompute tests rely on it).
+      {
+        std::vector<float> x3(static_cast<size_t>(3 * K)), y3(static_cast<size_t>(3 * N));
+        for (int64_t k = 0; k < K; ++k) {
+          x3[static_cast<size_t>(k)] = -x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(K + k)] = x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(2 * K + k)] = 0.5f * x[static_cast<size_t>(k)];
+        }
+        matmul(pool, x3.data(), 3, w, y3.data());
+        for (int64_t r = 0; r < N; ++r)
+          ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
+      // The decode row equals the same row inside a small prefill bit for bit (the decoder's
+      // incremental-equals-recompute tests rely on it).
+      {
+        std::vector<float> x3(static_cast<size_t>(3 * K)), y3(static_cast<size_t>(3 * N));
+        for (int64_t k = 0; k < K; ++k) {
+          x3[static_cast<size_t>(k)] = -x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(K + k)] = x[static_cast<size_t>(k)];
+          x3[static_cast<size_t>(2 * K + k)] = 0.5f * x[static_cast<size_t>(k)];
+        }
+        matmul(pool, x3.data(), 3, w, y3.data());
+        for (int64_t r = 0; r < N; ++r)
+          ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
+      for (int64_t r = 0; r < N; ++r) {
+        double mag = 0;
+        for (int64_t k = 0; k < K; ++k)
+          mag += std::fabs(x[static_cast<size_t>(k)] * wf[static_cast<size_t>(r * K + k)]);
+        ASSERT_NEAR(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)], 3e-5 * mag + 1e-6)
+            << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+      }
+      std::fill(x.begin(), x.end(), 0.0f);
+      for (float v : run()) ASSERT_EQ(v, 0.0f) << dtype_name(t) << " K=" << K;
+      x[static_cast<size_t>(K - 1)] = NAN;
+      for (float v : run()) ASSERT_TRUE(std::isnan(v)) << dtype_name(t) << " K=" << K;
+    }
 }
 
 TEST(ThreadPool, CoversEveryIndexOnce) {

@@ -1,26 +1,17 @@
 #include "kernels/attention.h"
 
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "core/dtype.h"
 #include "kernels/ops.h"
-#include "kernels/vec_avx2.h"
-#include "kernels/vec_avx512.h"
+#include "kernels/vec_kernels.h"
 
 namespace gemstage {
 
 float dot_f32(const float* a, const float* b, int64_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-  switch (vector_ops_path()) {
-    case VecPath::Avx512:
-      return avx512::dot(a, b, n);
-    case VecPath::Avx2:
-      return avx2::dot(a, b, n);
-    case VecPath::Scalar:
-      break;
-  }
-#endif
+  if (const VecKernels* k = vec_kernels()) return k->dot(a, b, n);
   // Four partial sums let the compiler vectorize without -ffast-math.
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   int64_t i = 0;
@@ -35,16 +26,7 @@ float dot_f32(const float* a, const float* b, int64_t n) {
 }
 
 void axpy_f32(float a, const float* x, float* y, int64_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-  switch (vector_ops_path()) {
-    case VecPath::Avx512:
-      return avx512::axpy(a, x, y, n);
-    case VecPath::Avx2:
-      return avx2::axpy(a, x, y, n);
-    case VecPath::Scalar:
-      break;
-  }
-#endif
+  if (const VecKernels* k = vec_kernels()) return k->axpy(a, x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -96,20 +78,18 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
 // One dispatch for both row types: the twin of the tier in force, else the portable loops.
 template <typename T>
 void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<T>& rows,
-                        int64_t nk, [[maybe_unused]] const KeyBlockRows<T>& next,
-                        [[maybe_unused]] int64_t next_nk, int64_t first, AttentionScratch& s) {
-#if defined(__x86_64__) || defined(__i386__)
-  const VecPath path = vector_ops_path();
-  if (path == VecPath::Avx512)
-    return avx512::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(),
-                                    qb.size(), head_dim, rows.keys, rows.values, nk, first,
-                                    s.scores.data(), kKeyBlock, s.max.data(), s.sum.data(),
-                                    next.keys, next.values, next_nk);
-  if (path == VecPath::Avx2)
-    return avx2::attend_key_block(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), qb.size(),
-                                  head_dim, rows.keys, rows.values, nk, first, s.scores.data(),
-                                  kKeyBlock, s.max.data(), s.sum.data());
-#endif
+                        int64_t nk, const KeyBlockRows<T>& next, int64_t next_nk, int64_t first,
+                        AttentionScratch& s) {
+  if (const VecKernels* kt = vec_kernels()) {
+    AttendKeyBlockFn<T> fn;
+    if constexpr (std::is_same_v<T, float>)
+      fn = kt->attend_key_block_f32;
+    else
+      fn = kt->attend_key_block_bf16;
+    return fn(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), qb.size(), head_dim,
+              rows.keys, rows.values, nk, first, s.scores.data(), kKeyBlock, s.max.data(),
+              s.sum.data(), next.keys, next.values, next_nk);
+  }
   portable_key_block(qb, head_dim, rows.keys, rows.values, nk, first, s);  // the reference
 }
 

@@ -8,7 +8,7 @@
 // per query, so its scratch stays in L1 at any depth (a 32k-key score row per query would not),
 // and a block of queries (a chunk's rows times the group's heads during prefill) shares every
 // key and value it loads. Scores come from 4x4 register tiles (4 queries x 4 keys), the value
-// pass from 8-query x 32-column tiles; the AVX-512 twins live in vec_avx512.cc, the portable
+// pass from 8-query x 32-column tiles; the AVX-512 twins live in x86/vec_avx512.cc, the portable
 // loops in attention.cc stay the reference.
 #pragma once
 
@@ -78,7 +78,7 @@ struct AttentionScratch {
 // context the cache streams from DRAM and the hardware prefetchers, following 64 separate rows,
 // do not run far enough ahead: E2B's full layer at 32k bf16 keys ran at 47-71 GFLOP/s on one core
 // without, 70-85 with the block's prefetches issued at once, 90-107 with them spread over the
-// score tiles (vec_avx512.cc: TilePrefetch). The portable reference does not prefetch.
+// score tiles (x86/vec_avx512.cc: TilePrefetch). The portable reference does not prefetch.
 constexpr size_t kPrefetchMinBytes = size_t{1} << 20;
 
 // Why bf16 rows are widened to f32 rather than multiplied as bf16 pairs (VDPBF16PS): measured

@@ -2,11 +2,12 @@
 //
 // A tier is a set of kernel implementations: scalar (the portable reference, every machine),
 // avx2 (AVX2 + FMA + F16C), avx512 (AVX-512 F/BW/VL, with VNNI for the quantized matmuls when
-// the CPU has it), amx (avx512 plus AMX-BF16 tiles for quantized prefill) and neon (aarch64; its
-// kernels are the portable ones compiled for the target until NEON twins exist). The tier in
-// force is the best one the CPU supports unless the environment variable GEMSTAGE_ISA names
-// another (read once, at the first cpu_tier() call), or set_cpu_tier (tests, `bench --isa`) picks
-// one. Asking for a tier the CPU lacks is an error that names what the CPU has.
+// the CPU has it), amx (avx512 plus AMX-BF16 tiles for quantized prefill) and neon (aarch64
+// Advanced SIMD: arm/vec_neon.h, and the NEON matmuls, whose int8 dots use SDOT where the CPU has
+// the dot-product extension). The tier in force is the best one the CPU supports unless the
+// environment variable GEMSTAGE_ISA names another (read once, at the first cpu_tier() call), or
+// set_cpu_tier (tests, `bench --isa`) picks one. Asking for a tier the CPU lacks is an error that
+// names what the CPU has.
 #pragma once
 
 #include <optional>

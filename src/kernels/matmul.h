@@ -29,7 +29,8 @@ void matmul_many(ThreadPool& pool, const float* x, int64_t S,
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y);
 
 // Which implementation matmul() dispatches to under the tier in force (kernels/cpu_features.h:
-// "avx512", "avx2", "scalar") for the float weight dtypes; quant_isa() names the Q8_0/Q4_0 one.
+// "avx512", "avx2", "neon", "scalar") for the float weight dtypes; quant_isa() names the Q8_0/Q4_0
+// one.
 const char* matmul_isa();
 
 }  // namespace gemstage

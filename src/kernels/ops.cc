@@ -4,8 +4,7 @@
 #include <cmath>
 
 #include "kernels/cpu_features.h"
-#include "kernels/vec_avx2.h"
-#include "kernels/vec_avx512.h"
+#include "kernels/vec_kernels.h"
 
 namespace gemstage {
 
@@ -14,49 +13,27 @@ VecPath vector_ops_path() {
   if (cpu_tier_at_least(CpuTier::Avx512)) return VecPath::Avx512;
   if (cpu_tier_at_least(CpuTier::Avx2)) return VecPath::Avx2;
 #endif
+#if defined(__aarch64__)
+  if (cpu_tier() == CpuTier::Neon) return VecPath::Neon;
+#endif
   return VecPath::Scalar;
 }
 
-namespace {
-// The x86 twins of rmsnorm's two passes; never called on other targets (vector_ops_path() is
-// then always Scalar), where they are stubs so the dispatch compiles.
-float x86_dot([[maybe_unused]] bool avx512_path, [[maybe_unused]] const float* x,
-              [[maybe_unused]] int64_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-  return avx512_path ? avx512::dot(x, x, n) : avx2::dot(x, x, n);
-#else
-  return 0.0f;
-#endif
-}
-void x86_scale_row([[maybe_unused]] bool avx512_path, [[maybe_unused]] const float* x,
-                   [[maybe_unused]] float inv, [[maybe_unused]] const float* w,
-                   [[maybe_unused]] int64_t n, [[maybe_unused]] float* y) {
-#if defined(__x86_64__) || defined(__i386__)
-  if (avx512_path)
-    avx512::scale_row(x, inv, w, n, y);
-  else
-    avx2::scale_row(x, inv, w, n, y);
-#endif
-}
-}  // namespace
-
 void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
-  const VecPath path = vector_ops_path();
+  const VecKernels* k = vec_kernels();
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
     float ss = 0.0f;
-    if (path == VecPath::Avx512) {
-      ss = x86_dot(true, xr, n);
-    } else if (path == VecPath::Avx2) {
-      ss = x86_dot(false, xr, n);
+    if (k) {
+      ss = k->dot(xr, xr, n);
     } else {
       for (int64_t i = 0; i < n; ++i) ss += xr[i] * xr[i];
     }
     // HF: pow(mean + eps, -0.5), not rsqrt.
     const float inv = std::pow(ss / static_cast<float>(n) + eps, -0.5f);
-    if (path != VecPath::Scalar) {
-      x86_scale_row(path == VecPath::Avx512, xr, inv, w, n, yr);
+    if (k) {
+      k->scale_row(xr, inv, w, n, yr);
     } else if (w) {
       for (int64_t i = 0; i < n; ++i) yr[i] = xr[i] * inv * w[i];
     } else {
@@ -71,30 +48,12 @@ float gelu_tanh(float x) {
 }
 
 void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
-#if defined(__x86_64__) || defined(__i386__)
-  switch (vector_ops_path()) {
-    case VecPath::Avx512:
-      return avx512::gelu_tanh_mul(gate, up, n, out);
-    case VecPath::Avx2:
-      return avx2::gelu_tanh_mul(gate, up, n, out);
-    case VecPath::Scalar:
-      break;
-  }
-#endif
+  if (const VecKernels* k = vec_kernels()) return k->gelu_tanh_mul(gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
 }
 
 void softcap(float* x, int64_t n, float cap) {
-#if defined(__x86_64__) || defined(__i386__)
-  switch (vector_ops_path()) {
-    case VecPath::Avx512:
-      return avx512::softcap(x, n, cap);
-    case VecPath::Avx2:
-      return avx2::softcap(x, n, cap);
-    case VecPath::Scalar:
-      break;
-  }
-#endif
+  if (const VecKernels* k = vec_kernels()) return k->softcap(x, n, cap);
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
@@ -158,16 +117,7 @@ void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
 }
 
 void softmax_inplace(float* s, int64_t n) {
-#if defined(__x86_64__) || defined(__i386__)
-  switch (vector_ops_path()) {
-    case VecPath::Avx512:
-      return avx512::softmax_inplace(s, n);
-    case VecPath::Avx2:
-      return avx2::softmax_inplace(s, n);
-    case VecPath::Scalar:
-      break;
-  }
-#endif
+  if (const VecKernels* k = vec_kernels()) return k->softmax_inplace(s, n);
   float m = -INFINITY;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
   float sum = 0.0f;

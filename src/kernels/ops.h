@@ -1,7 +1,8 @@
 // Elementwise and row-wise kernels of the Gemma 4 forward pass. Each states the reference
 // formula it implements; the scalar code in ops.cc is the reference, and gelu_tanh_mul, softcap,
 // softmax_inplace, rmsnorm_rows (and attention.h's dot/axpy and key blocks) dispatch to AVX-512
-// (vec_avx512.h) or AVX2 (vec_avx2.h) twins by the tier in force (kernels/cpu_features.h).
+// (x86/vec_avx512.h), AVX2 (x86/vec_avx2.h) or NEON (arm/vec_neon.h) twins by the tier in force
+// (kernels/cpu_features.h), through the tier's table (vec_kernels.h).
 #pragma once
 
 #include <cstdint>
@@ -11,7 +12,7 @@ namespace gemstage {
 
 // Which twins the dispatching kernels take under the tier in force (cpu_tier()); tests switch
 // tiers with ScopedCpuTier to compare each against the scalar reference on one machine.
-enum class VecPath { Scalar, Avx2, Avx512 };
+enum class VecPath { Scalar, Avx2, Avx512, Neon };
 VecPath vector_ops_path();
 
 // Gemma4RMSNorm: y = x * (mean(x^2) + eps)^(-1/2) * w. The weight is used as-is (not 1 + w).

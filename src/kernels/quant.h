@@ -87,9 +87,10 @@ std::vector<uint8_t> quantize_matrix(DType t, const float* src, int64_t rows, in
 
 // The kernels follow the tier in force (kernels/cpu_features.h): amx runs prefill-sized calls
 // (S >= kAmxMinRows, kernels/amx.h) on AMX tiles and the rest as avx512; avx512 uses AVX-512 VNNI
-// when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; scalar and neon the
-// portable integer kernels.
-// The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2", "scalar".
+// when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; neon the NEON kernels (SDOT
+// with the dot-product extension, else SMULL); scalar the portable integer kernels.
+// The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2",
+// "neon-dotprod", "neon", "scalar".
 const char* quant_isa(int64_t S);
 // y[S, out] = x[S, in] * W^T for a Q8_0/Q4_0 view (validated by the caller's shape checks;
 // this checks in % 32 and nbytes).

@@ -11,13 +11,19 @@
 // blocking: decode (S = 1) walks the weight rows one at a time in address order, prefetching
 // ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
 // activation rows, each activation vector by 4 weight rows). The AVX2 tier (VPMADDUBSW, 8
-// lanes = half a chunk) keeps a 4 x 2 tile for prefill and a 1 x 4 tile for decode (tile_avx2).
+// lanes = half a chunk) keeps a 4 x 2 tile for prefill (tile_avx2); its decode GEMV (gemv_avx2)
+// walks the rows one at a time with the same prefetch as the VNNI one. The 1 x 4 tile it
+// replaced read four row streams without prefetch and reached ~45% of the VNNI GEMV's GB/s on
+// the Zen 4 VM; gemv_avx2 measured at or above the VNNI GEMV there (bench/RESULTS.md).
 //
 #if defined(__x86_64__) || defined(__i386__)
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include <algorithm>
@@ -113,11 +119,63 @@ GEMSTAGE_VNNI void quantize_act_row_avx512(const float* x, int64_t K, int z, uin
   }
 }
 
+// The same codes as quantize_act_row, 8 lanes at a time (VCVTPS2DQ rounds like nearbyint).
+__attribute__((target("avx2,fma,f16c"))) void quantize_act_row_avx2(const float* x, int64_t K,
+                                                                    int z, uint8_t* q, float* d,
+                                                                    int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  // packs interleaves the four 8-lane vectors by 128-bit lane; this puts the codes back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kQB + 8 * i);
+    __m256 m =
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q),
+                                                _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q),
+                                                _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    const bool nan = _mm256_movemask_ps(un) != 0;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 p = _mm256_mul_ps(v[i], idv);
+      // A NaN product (a NaN or infinite input) is code 0, as in the scalar twin.
+      const __m256i ci = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(p), lo), hi);
+      c[i] = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)), ci);
+    }
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    nzx[b] = -z * _mm_cvtsi128_si32(s4);
+    const __m256i codes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+    alignas(32) uint8_t bytes[kQB];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), codes);
+    const int64_t ch = b / kCB, i = b % kCB, mb = std::min(kCB, nb - ch * kCB);
+    uint8_t* base = q + ch * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * mb, bytes + 4 * j, 4);
+  }
+}
+
 #endif  // x86
 
 // use_vnni: quantize with the AVX-512 twin (the VNNI kernels' callers only).
 void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
                    [[maybe_unused]] bool use_vnni, ActQ* a) {
+#if defined(__x86_64__) || defined(__i386__)
+  const bool use_avx2 = interleave && !use_vnni && cpu_tier_at_least(CpuTier::Avx2);
+#endif
   a->K = K;
   a->nb = K / kQB;
   a->q.resize(static_cast<size_t>(S * K));
@@ -130,6 +188,11 @@ void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z
       if (interleave && use_vnni) {
         quantize_act_row_avx512(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
                                 a->nzx.data() + si * a->nb);
+        continue;
+      }
+      if (use_avx2) {
+        quantize_act_row_avx2(x + si * K, K, z, a->q.data() + si * K, a->d.data() + si * a->nb,
+                              a->nzx.data() + si * a->nb);
         continue;
       }
 #endif
@@ -428,22 +491,116 @@ GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* 
     for (int w = 0; w < NW; ++w) out[a * NW + w] = hsum8(facc[a][w]);
 }
 
+template <bool kFull>
+GEMSTAGE_AVX2 inline __m256i load_half(const uint8_t* p, int lb) {
+  return kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : load_part(p, lb);
+}
+
+// Integer dots of half a chunk of one weight row with one activation row: int32 lane i is block
+// i of the half (lanes past the half's L blocks are 0 when kFull is false). gs is the chunk's
+// group stride (4 m bytes), lb = 4 L the bytes of the half in each group.
+template <DType T, bool kFull>
+GEMSTAGE_AVX2 inline __m256i half_dot_avx2(const uint8_t* wq, const uint8_t* xq, int64_t gs,
+                                           int lb) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  if constexpr (T == DType::Q4_0) {
+    // A 16-bit lane of VPMADDUBSW holds u0 x0 + u1 x1 with u <= 15, |x| <= 127 (<= 3810), so
+    // the eight products of the block's 32 weights per lane pair sum to <= 30480 < 2^15: the
+    // whole half accumulates in int16 and widens once.
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i pv = load_half<kFull>(wq + g * gs, lb);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(pv, lo4),
+                                                       load_half<kFull>(xq + 2 * g * gs, lb)));
+      s16 = _mm256_add_epi16(s16,
+                             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4),
+                                                  load_half<kFull>(xq + (2 * g + 1) * gs, lb)));
+    }
+    return _mm256_madd_epi16(s16, ones16);
+  } else {
+    // Signed q = u - 128 by the sign trick: |q| as the unsigned operand, x carrying q's sign. A
+    // pair sum reaches 2 * 127 * 127, so each group widens to int32 on its own.
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i s32 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i qs = _mm256_xor_si256(load_half<kFull>(wq + j * gs, lb), bias);
+      const __m256i p = _mm256_maddubs_epi16(
+          _mm256_sign_epi8(qs, qs), _mm256_sign_epi8(load_half<kFull>(xq + j * gs, lb), qs));
+      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones16));
+    }
+    return s32;
+  }
+}
+
+// Decode GEMV: weight rows [r0, r1) against activation row 0, one row at a time in address
+// order, whole chunks per step, prefetching kDecodePrefetch ahead like the VNNI decode tile.
+template <DType T>
+GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_bytes, float* y,
+                             int64_t r0, int64_t r1) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t nb = A.nb, n_chunks = (nb + kCB - 1) / kCB;
+  const uint8_t* xq = A.q.data();
+  const float* dx = A.d.data();
+  const int32_t* nzx = A.nzx.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+    const uint8_t* wq = wrow + 2 * nb;
+    const char* ahead = reinterpret_cast<const char*>(wrow) + kDecodePrefetch;
+    // One accumulator, the halves in order: the prefill tile's summation order, so a decoded
+    // token's outputs are bit-identical to the same row recomputed in a prefill.
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      // Prefetches never fault, so running past the end of the mapping is harmless.
+      const size_t lo =
+          (row_bytes * static_cast<size_t>(c) / static_cast<size_t>(n_chunks)) & ~size_t{63};
+      const size_t hi = row_bytes * static_cast<size_t>(c + 1) / static_cast<size_t>(n_chunks);
+      for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+      const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+      const uint8_t* wc = wq + c * chunk_bytes;
+      const uint8_t* xc = xq + c * 512;
+      if (m == kCB) {
+        const __m256i d0 =
+            _mm256_add_epi32(half_dot_avx2<T, true>(wc, xc, 64, 32),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0)));
+        const __m256i d1 =
+            _mm256_add_epi32(half_dot_avx2<T, true>(wc + 32, xc + 32, 64, 32),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0 + 8)));
+        const __m256 s0 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0)));
+        const __m256 s1 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0 + 16)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(dx + b0)),
+                              acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
+                              _mm256_mul_ps(s1, _mm256_loadu_ps(dx + b0 + 8)), acc);
+        continue;
+      }
+      for (int64_t h = 0; h < 2; ++h) {  // the row's short last chunk, half by half
+        const int64_t L = std::min<int64_t>(8, m - 8 * h);
+        if (L <= 0) break;
+        const int lb = static_cast<int>(4 * L);
+        const int64_t bh = b0 + 8 * h;
+        const __m256i dh = _mm256_add_epi32(
+            half_dot_avx2<T, false>(wc + 32 * h, xc + 32 * h, 4 * m, lb), load_part(nzx + bh, lb));
+        alignas(16) uint16_t hs[8] = {};
+        std::memcpy(hs, wrow + 2 * bh, static_cast<size_t>(2 * L));
+        const __m256 sh = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        const __m256 xs = _mm256_castsi256_ps(load_part(dx + bh, lb));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, xs), acc);
+      }
+    }
+    y[r] = hsum8(acc);
+  }
+}
+
 template <DType T>
 GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
                              int64_t N, float* y, int64_t r0, int64_t r1) {
   float out[16];
-  if (S == 1) {  // decode GEMV: 4 weight rows per step against the one activation row
-    const int64_t s0 = 0;
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int nw = static_cast<int>(std::min<int64_t>(4, r1 - r));
-      const uint8_t* wrow[4];
-      for (int w = 0; w < 4; ++w)
-        wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
-      tile_avx2<T, 1, 4>(A, &s0, wrow, out);
-      for (int w = 0; w < nw; ++w) y[r + w] = out[w];
-    }
-    return;
-  }
+  if (S == 1) return gemv_avx2<T>(A, wdata, row_bytes, y, r0, r1);
   constexpr int NW = 2;
   for (int64_t r = r0; r < r1; r += NW) {
     const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
@@ -476,14 +633,173 @@ GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, siz
 
 #endif  // x86
 
+#if defined(__aarch64__)
+// ---- NEON: int8 dots on signed weights, 4 int32 lanes = a quarter chunk ------------------------
+//
+// The activations carry no zero-point term here (z = 0): the weights are made signed in
+// registers, Q8_0 as u ^ 0x80 = u - 128, Q4_0 as each nibble - 8, and the integer block dot is
+// sum(w * xq) directly. A 16-byte vector of a group holds four bytes of each of 4 blocks, so with
+// SDOT (the dot-product extension, FEAT_DotProd: most cores since Cortex-A55/A75, every Apple
+// core) int32 lane i accumulates block i, as VPDPBUSD's lanes do. Cores without it multiply with
+// SMULL (int16 products) and fold adjacent pairs with SADALP, so one block spans two int32 lanes
+// of two accumulators, added pairwise (ADDP) at the end of the quarter.
+
+#define GEMSTAGE_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+
+// `bytes` (<= 16) bytes from p, zero-filled: a quarter chunk of one group, or its short tail.
+inline int8x16_t load_quarter(const uint8_t* p, int bytes) {
+  if (bytes == 16) return vreinterpretq_s8_u8(vld1q_u8(p));
+  uint8_t buf[16] = {};
+  std::memcpy(buf, p, static_cast<size_t>(bytes));
+  return vreinterpretq_s8_u8(vld1q_u8(buf));
+}
+
+// Signed weights of a group's raw bytes: Q8_0 the group itself, Q4_0 its low (plane 0) or high
+// (plane 1) nibbles.
+template <DType T>
+inline int8x16_t signed_weights(int8x16_t packed, [[maybe_unused]] int plane) {
+  if constexpr (T == DType::Q8_0) {
+    return veorq_s8(packed, vdupq_n_s8(static_cast<int8_t>(0x80)));
+  } else {
+    const uint8x16_t u = vreinterpretq_u8_s8(packed);
+    const uint8x16_t nib = plane ? vshrq_n_u8(u, 4) : vandq_u8(u, vdupq_n_u8(0x0f));
+    return vsubq_s8(vreinterpretq_s8_u8(nib), vdupq_n_s8(8));
+  }
+}
+
+// Integer dots of one quarter chunk (L <= 4 blocks, lb = 4 L bytes per group) of NW weight rows
+// with NX activation rows: D[a][w] lane i = block i's sum(w * xq). gs is the chunk's group stride.
+template <DType T, int NX, int NW, bool kDot>
+GEMSTAGE_DOTPROD inline void quarter_dots(const uint8_t* const* wq, const uint8_t* const* xq,
+                                          int64_t gs, int lb, int32x4_t (&D)[NX][NW]) {
+  [[maybe_unused]] int32x4_t lo[NX][NW], hi[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) {
+      D[a][w] = vdupq_n_s32(0);
+      if constexpr (!kDot) lo[a][w] = hi[a][w] = vdupq_n_s32(0);
+    }
+  // Q8_0: 8 weight groups of one plane each; Q4_0: 4 packed groups of two nibble planes.
+  constexpr int kGroups = T == DType::Q8_0 ? 8 : 4, kPlanes = 8 / kGroups;
+  for (int g = 0; g < kGroups; ++g) {
+    int8x16_t packed[NW];
+    for (int w = 0; w < NW; ++w) packed[w] = load_quarter(wq[w] + g * gs, lb);
+    for (int pl = 0; pl < kPlanes; ++pl) {
+      const int j = g * kPlanes + pl;  // the activation group (element plane) it meets
+      int8x16_t wv[NW];
+      for (int w = 0; w < NW; ++w) wv[w] = signed_weights<T>(packed[w], pl);
+      for (int a = 0; a < NX; ++a) {
+        const int8x16_t xv = load_quarter(xq[a] + j * gs, lb);
+        for (int w = 0; w < NW; ++w) {
+          if constexpr (kDot) {
+            D[a][w] = vdotq_s32(D[a][w], wv[w], xv);
+          } else {
+            lo[a][w] = vpadalq_s16(lo[a][w], vmull_s8(vget_low_s8(wv[w]), vget_low_s8(xv)));
+            hi[a][w] = vpadalq_s16(hi[a][w], vmull_high_s8(wv[w], xv));
+          }
+        }
+      }
+    }
+  }
+  if constexpr (!kDot)
+    for (int a = 0; a < NX; ++a)
+      for (int w = 0; w < NW; ++w) D[a][w] = vpaddq_s32(lo[a][w], hi[a][w]);
+}
+
+// out[a * NW + w] = dot(activation row srow[a], weight row wrow[w]) over the whole width.
+template <DType T, int NX, int NW, bool kDot>
+GEMSTAGE_DOTPROD void tile_neon(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                                float* out) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t K = A.K, nb = A.nb;
+  float32x4_t facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = vdupq_n_f32(0);
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
+    for (int64_t qt = 0; qt < 4; ++qt) {
+      const int64_t L = std::min<int64_t>(4, m - 4 * qt);
+      if (L <= 0) break;
+      const int64_t b0 = c * kCB + 4 * qt;
+      const uint8_t* wq[NW];
+      const uint8_t* xq[NX];
+      for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes + 16 * qt;
+      for (int a = 0; a < NX; ++a) xq[a] = A.q.data() + srow[a] * K + c * 512 + 16 * qt;
+      int32x4_t D[NX][NW];
+      quarter_dots<T, NX, NW, kDot>(wq, xq, gs, static_cast<int>(4 * L), D);
+      float32x4_t dw[NW];
+      for (int w = 0; w < NW; ++w) {
+        uint16_t h[4] = {};
+        std::memcpy(h, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
+        dw[w] = vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h)));
+      }
+      for (int a = 0; a < NX; ++a) {
+        float dxs[4] = {};
+        std::memcpy(dxs, A.d.data() + srow[a] * nb + b0, static_cast<size_t>(4 * L));
+        const float32x4_t dx = vld1q_f32(dxs);
+        for (int w = 0; w < NW; ++w)
+          facc[a][w] = vfmaq_f32(facc[a][w], vcvtq_f32_s32(D[a][w]), vmulq_f32(dw[w], dx));
+      }
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = vaddvq_f32(facc[a][w]);
+}
+
+// Decode walks the rows one at a time in address order; prefill keeps a 4 x 4 tile with SDOT
+// (16 int32 accumulators) and 4 x 2 without (each pair of accumulators is one SDOT's worth).
+template <DType T, bool kDot>
+GEMSTAGE_DOTPROD void rows_neon(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                                int64_t N, float* y, int64_t r0, int64_t r1) {
+  if (S == 1) {
+    const int64_t s0 = 0;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+      tile_neon<T, 1, 1, kDot>(A, &s0, &wrow, y + r);
+    }
+    return;
+  }
+  constexpr int NW = kDot ? 4 : 2;
+  float out[4 * NW];
+  for (int64_t r = r0; r < r1; r += NW) {
+    const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+    const uint8_t* wrow[NW];
+    for (int w = 0; w < NW; ++w)
+      wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+    for (int64_t s = 0; s < S;) {
+      const int nx = static_cast<int>(std::min<int64_t>(4, S - s));
+      const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
+      switch (nx) {
+        case 4:
+          tile_neon<T, 4, NW, kDot>(A, srow, wrow, out);
+          break;
+        case 3:
+          tile_neon<T, 3, NW, kDot>(A, srow, wrow, out);
+          break;
+        case 2:
+          tile_neon<T, 2, NW, kDot>(A, srow, wrow, out);
+          break;
+        default:
+          tile_neon<T, 1, NW, kDot>(A, srow, wrow, out);
+          break;
+      }
+      for (int a = 0; a < nx; ++a)
+        for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
+      s += nx;
+    }
+  }
+}
+
+#endif  // aarch64
+
 // The kernel family for S rows under the tier in force.
-enum class Kernel { Scalar, Avx2, Vnni, Amx };
+enum class Kernel { Scalar, Avx2, Vnni, Amx, Neon, NeonDot };
 Kernel kernel_for(int64_t S) {
   const CpuTier tier = cpu_tier();
   const CpuFeatures& f = cpu_features();
   if (tier == CpuTier::Amx && S >= kAmxMinRows) return Kernel::Amx;
   if ((tier == CpuTier::Amx || tier == CpuTier::Avx512) && f.avx512vnni) return Kernel::Vnni;
   if (cpu_tier_at_least(CpuTier::Avx2)) return Kernel::Avx2;
+  if (tier == CpuTier::Neon) return f.neon_dotprod ? Kernel::NeonDot : Kernel::Neon;
   return Kernel::Scalar;
 }
 
@@ -497,6 +813,10 @@ const char* quant_isa(int64_t S) {
       return "avx512vnni";
     case Kernel::Avx2:
       return "avx2";
+    case Kernel::NeonDot:
+      return "neon-dotprod";
+    case Kernel::Neon:
+      return "neon";
     case Kernel::Scalar:
       break;
   }
@@ -539,7 +859,9 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     return;
   }
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
-  const int z = kernel == Kernel::Avx2 && t == DType::Q8_0 ? 0 : zero_point(t);
+  // The NEON kernels make the weights signed in registers: no z term either.
+  const bool neon = kernel == Kernel::Neon || kernel == Kernel::NeonDot;
+  const int z = (kernel == Kernel::Avx2 && t == DType::Q8_0) || neon ? 0 : zero_point(t);
   ActQ A;
   quantize_acts(pool, x, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
                 kernel == Kernel::Vnni, &A);
@@ -551,6 +873,12 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     fn = t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
   else if (kernel == Kernel::Avx2)
     fn = t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+#endif
+#if defined(__aarch64__)
+  if (kernel == Kernel::NeonDot)
+    fn = t == DType::Q8_0 ? rows_neon<DType::Q8_0, true> : rows_neon<DType::Q4_0, true>;
+  else if (kernel == Kernel::Neon)
+    fn = t == DType::Q8_0 ? rows_neon<DType::Q8_0, false> : rows_neon<DType::Q4_0, false>;
 #endif
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {

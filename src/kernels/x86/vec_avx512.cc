@@ -1,4 +1,4 @@
-#include "kernels/vec_avx512.h"
+#include "kernels/x86/vec_avx512.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 

@@ -1,4 +1,4 @@
-#include "kernels/vec_avx2.h"
+#include "kernels/x86/vec_avx2.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 
