@@ -189,7 +189,7 @@ double Stage::decode_weight_bytes() const {
   double b = 0;
   for (const TensorSpec& s : tensor_table(config_))
     if (s.role == TensorRole::Required && (s.decode_read_in & held.parts) && part_holds(held, s))
-      b += static_cast<double>(weights_->view(s.key).nbytes);
+      b += static_cast<double>(weights_->view(s.key).nbytes) * s.decode_share;
   return b;
 }
 
