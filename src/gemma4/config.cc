@@ -226,6 +226,10 @@ void parse_text(const json& tj, const std::string& where, TextConfig& t,
     fail(where, ".hidden_activation '", act, "' is not supported (Gemma 4 uses gelu_pytorch_tanh)");
   t.enable_moe_block = r.get_bool("enable_moe_block", false);
   if (t.enable_moe_block) {
+    for (const char* k : {"num_experts", "top_k_experts", "moe_intermediate_size"})
+      if (!r.present(k))
+        fail(where, ".enable_moe_block is true but ", k, " is ",
+             tj.contains(k) ? "null" : "missing", " (the MoE block needs it)");
     t.num_experts = r.get_positive("num_experts", 0);
     t.top_k_experts = r.get_positive("top_k_experts", 0);
     t.moe_intermediate_size = r.get_positive("moe_intermediate_size", 0);
