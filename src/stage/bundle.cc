@@ -205,13 +205,17 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
 
   const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
-  const FloatTensor tok = taps.get("ple_token_embeds");
+  // The PLE identity of placeholder rows (models with per-layer embeddings).
   const int64_t LP = int64_t{c.text.num_hidden_layers} * c.text.ple_dim();
+  FloatTensor tok;
   std::vector<float> pad_row(static_cast<size_t>(LP));
-  weight_row_to_f32(pipe->embeddings_model().weights().embed_tokens_per_layer, c.text.pad_token_id,
-                    pad_row.data());
+  if (c.text.has_ple()) {
+    tok = taps.get("ple_token_embeds");
+    weight_row_to_f32(pipe->embeddings_model().weights().embed_tokens_per_layer,
+                      c.text.pad_token_id, pad_row.data());
+  }
   const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
-  for (size_t r = 0; r < ids.size(); ++r) {
+  for (size_t r = 0; r < ids.size() && c.text.has_ple(); ++r) {
     if (ids[r] != c.image_token_id) continue;
     if (ple_ids[r] != c.text.pad_token_id)
       fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
@@ -220,6 +224,22 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
       if (tok.data[static_cast<size_t>(static_cast<int64_t>(r) * LP + k)] !=
           pad_row[static_cast<size_t>(k)] * scale)
         fail("row ", r, ": PLE identity row differs from the PAD row at element ", k);
+  }
+  std::string block_note;
+  if (c.text.bidirectional_vision) {
+    // The image block: the image's rows see each other on sliding layers, so a prefill in chunks
+    // smaller than the image must keep it whole and give the one-pass logits.
+    auto chunked = Sequence::open(dir, ctx);
+    const FloatTensor last = chunked->prefill(pool, ids, &soft, 2, false, nullptr);
+    const int64_t V = last.dim(1);
+    double d = 0;
+    for (int64_t v = 0; v < V; ++v)
+      d = std::max(
+          d, static_cast<double>(std::fabs(last.row(0)[v] - staged.row(staged.dim(0) - 1)[v])));
+    if (d > 1e-3)
+      fail("a prefill in chunks of 2 rows gives logits ", d,
+           " away from the one-pass prefill: the image block was split across chunks");
+    block_note = "; the image block survives chunks of 2 rows (max-abs " + std::to_string(d) + ")";
   }
   // The splice mask the embeddings stage hands on marks exactly the placeholder rows.
   const auto mask = taps.get_ids("image_splice_mask");
@@ -230,7 +250,7 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   std::ostringstream os;
   os << image_note << n_img
      << " placeholder rows carry the PAD identity and the splice mask; logits finite over "
-     << staged.dim(0) << " rows";
+     << staged.dim(0) << " rows" << block_note;
   for (float v : staged.data)
     if (!std::isfinite(v)) fail("the bundle's logits are not finite");
   return os.str();
