@@ -63,6 +63,8 @@ struct Init {
 Init init_for(const std::string& key) {
   if (ends_with(key, "norm.weight")) return {1.0f, 0.05f};
   if (ends_with(key, "layer_scalar")) return {1.0f, 0.0f};
+  // Multipliers around 1: the router's scales and the vision standardization.
+  if (ends_with(key, "scale")) return {1.0f, 0.05f};
   if (ends_with(key, "position_embedding_table")) return {0.0f, 0.1f};
   if (ends_with(key, "input_min") || ends_with(key, "output_min")) return {-8.0f, 0, true};
   if (ends_with(key, "input_max") || ends_with(key, "output_max")) return {8.0f, 0, true};
@@ -196,8 +198,8 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<MakeRandomArgs>();
   auto* sub = app.add_subcommand("make-random",
                                  "Write a random-weight Gemma 4 checkpoint in the hub layout");
-  sub->add_option("--preset", a->preset, "tiny | e2b | e4b")
-      ->check(CLI::IsMember({"tiny", "e2b", "e4b"}))
+  sub->add_option("--preset", a->preset, "tiny | e2b | e4b | 26b-a4b | 31b")
+      ->check(CLI::IsMember({"tiny", "e2b", "e4b", "26b-a4b", "31b"}))
       ->capture_default_str();
   sub->add_option("--seed", a->seed, "random seed")->capture_default_str();
   sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")
