@@ -5,18 +5,29 @@
 // row chose exact, greedy ids exact, on whole-prompt and chunked prefill.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <memory>
+#include <tuple>
 
 #include "core/error.h"
 #include "gemma4/config.h"
 #include "gemma4/multimodal.h"
+#include "gemma4/presets.h"
 #include "gemma4/vision_model.h"
 #include "image/image_decode.h"
 #include "image/image_processor.h"
 #include "io/mapped_file.h"
 #include "io/npy.h"
+#include "kernels/experts.h"
+#include "kernels/quant.h"
+#include "kernels/weight_rows.h"
+#include "stage/bundle.h"
+#include "stage/partition.h"
 #include "stage/sequence.h"
+#include "stage/weights_file.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -238,6 +249,235 @@ TEST(LargeMultimodal, ChunksNeverSplitAnImage) {
   ModelConfig causal = cfg;
   causal.text.bidirectional_vision = false;
   EXPECT_EQ(chunk_end_keeping_images_whole(causal, ids, 0, first + 2), first + 2);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Expert kernels and bundles.
+
+// The grouped experts against a double-precision reference over the same stored weights
+// (dequantized row by row), for every weight format; experts no row chose are never read.
+TEST(Experts, GroupedForwardMatchesReferenceInEveryFormatAndReadsOnlyChosenExperts) {
+  const int64_t E = 6, I = 32, D = 64, S = 9, K = 2;
+  std::vector<float> gu(static_cast<size_t>(E * 2 * I * D)), dn(static_cast<size_t>(E * D * I)),
+      x(static_cast<size_t>(S * D));
+  uint64_t st = 12345;
+  auto rnd = [&] {
+    st = st * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<float>(static_cast<double>(st >> 11) / 9007199254740992.0 - 0.5);
+  };
+  for (float& v : gu) v = rnd() * 0.2f;
+  for (float& v : dn) v = rnd() * 0.2f;
+  for (float& v : x) v = rnd() * 2.0f;
+  // Rows choose experts 0, 2 and 5 only (descending weight order, any id order).
+  const std::vector<int32_t> ids = {2, 0, 5, 2, 0, 5, 2, 5, 0, 2, 5, 0, 2, 0, 5, 2, 0, 5};
+  std::vector<float> w(static_cast<size_t>(S * K));
+  for (float& v : w) v = 0.3f + std::fabs(rnd());
+  for (DType dt : {DType::F32, DType::BF16, DType::Q8_0, DType::Q4_0}) {
+    // Stored bytes of a stacked tensor: rows converted one by one.
+    auto store = [&](const std::vector<float>& src, Shape shape, std::vector<uint8_t>& bytes) {
+      const int64_t cols = shape.back(), rows = shape_numel(shape) / cols;
+      const size_t rb = dtype_is_quantized(dt) ? quant_row_bytes(dt, cols)
+                                               : static_cast<size_t>(cols) * dtype_size(dt);
+      bytes.assign(rb * static_cast<size_t>(rows), 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* row = src.data() + r * cols;
+        uint8_t* o = bytes.data() + rb * static_cast<size_t>(r);
+        if (dtype_is_quantized(dt))
+          quantize_row(dt, row, cols, o);
+        else if (dt == DType::BF16)
+          for (int64_t c = 0; c < cols; ++c) {
+            const uint16_t h = f32_to_bf16(row[c]);
+            std::memcpy(o + 2 * c, &h, 2);
+          }
+        else
+          std::memcpy(o, row, rb);
+      }
+      return WeightView{.name = "experts",
+                        .dtype = dt,
+                        .shape = shape,
+                        .data = bytes.data(),
+                        .nbytes = bytes.size()};
+    };
+    std::vector<uint8_t> gu_bytes, dn_bytes;
+    const WeightView gu_v = store(gu, {E, 2 * I, D}, gu_bytes);
+    const WeightView dn_v = store(dn, {E, D, I}, dn_bytes);
+    // Reference: sum over each row's experts in ascending id of w * down(gelu(gate) * up).
+    std::vector<double> want(static_cast<size_t>(S * D), 0.0);
+    std::vector<float> wrow(static_cast<size_t>(D));
+    for (int64_t r = 0; r < S; ++r) {
+      std::vector<std::pair<int32_t, float>> chosen;
+      for (int64_t j = 0; j < K; ++j)
+        chosen.push_back({ids[static_cast<size_t>(r * K + j)], w[static_cast<size_t>(r * K + j)]});
+      std::sort(chosen.begin(), chosen.end());
+      for (const auto& [e, wt] : chosen) {
+        const WeightView g = expert_slice(gu_v, e), d = expert_slice(dn_v, e);
+        std::vector<double> act(static_cast<size_t>(I));
+        for (int64_t i = 0; i < I; ++i) {
+          double a = 0, b = 0;
+          weight_row_to_f32(g, i, wrow.data());
+          for (int64_t c = 0; c < D; ++c) a += static_cast<double>(wrow[c]) * x[r * D + c];
+          weight_row_to_f32(g, I + i, wrow.data());
+          for (int64_t c = 0; c < D; ++c) b += static_cast<double>(wrow[c]) * x[r * D + c];
+          act[static_cast<size_t>(i)] = gelu_tanh(static_cast<float>(a)) * b;
+        }
+        std::vector<float> drow(static_cast<size_t>(I));
+        for (int64_t o = 0; o < D; ++o) {
+          weight_row_to_f32(d, o, drow.data());
+          double y = 0;
+          for (int64_t i = 0; i < I; ++i) y += static_cast<double>(drow[i]) * act[i];
+          want[static_cast<size_t>(r * D + o)] += y * wt;
+        }
+      }
+    }
+    // Experts 1, 3 and 4 are chosen by no row: poison them, they must not be read.
+    if (dt == DType::F32)
+      for (int64_t e : {1, 3, 4}) {
+        float* g = reinterpret_cast<float*>(gu_bytes.data()) + e * 2 * I * D;
+        float* d = reinterpret_cast<float*>(dn_bytes.data()) + e * D * I;
+        std::fill_n(g, 2 * I * D, std::nanf(""));
+        std::fill_n(d, D * I, std::nanf(""));
+      }
+    ThreadPool pool(2);
+    ExpertsWorkspace ws;
+    std::vector<float> got(static_cast<size_t>(S * D));
+    for (int64_t rows : {S, int64_t{1}}) {  // a prompt chunk, and a decode step (row 0)
+      experts_forward(pool, x.data(), rows, gu_v, dn_v, ids.data(), w.data(), K, got.data(), ws);
+      double err = 0, ref = 0;
+      for (int64_t i = 0; i < rows * D; ++i) {
+        err = std::max(err, std::fabs(got[static_cast<size_t>(i)] - want[static_cast<size_t>(i)]));
+        ref = std::max(ref, std::fabs(want[static_cast<size_t>(i)]));
+      }
+      // Quantized kernels also quantize the activations (8-bit blocks): ~1% of the largest value.
+      const double tol = dtype_is_quantized(dt) ? 0.02 * ref : 1e-5 * std::max(1.0, ref);
+      EXPECT_LE(err, tol) << dtype_name(dt) << " rows " << rows << " (largest " << ref << ")";
+    }
+  }
+  // A choice outside the experts is an error, not an out-of-bounds read.
+  std::vector<uint8_t> b1, b2;
+  const std::vector<int32_t> bad = {7, 0};
+  std::vector<float> out(static_cast<size_t>(D));
+  ThreadPool pool(1);
+  ExpertsWorkspace ws;
+  const WeightView g = {.name = "g",
+                        .dtype = DType::F32,
+                        .shape = {E, 2 * I, D},
+                        .data = gu.data(),
+                        .nbytes = gu.size() * 4};
+  const WeightView d = {.name = "d",
+                        .dtype = DType::F32,
+                        .shape = {E, D, I},
+                        .data = dn.data(),
+                        .nbytes = dn.size() * 4};
+  EXPECT_NE(error_of([&] {
+              experts_forward(pool, x.data(), 1, g, d, bad.data(), w.data(), K, out.data(), ws);
+            }).find("expert 7"),
+            std::string::npos);
+}
+
+std::string export_large(const std::string& set, const std::string& stages,
+                         const std::string& weights) {
+  const std::string out = temp_dir("large_" + set + "_" + weights);
+  ExportOptions opt;
+  opt.stages = stages;
+  opt.weights = weights;
+  opt.max_context = 256;
+  opt.progress = false;
+  export_bundle(large_fixture(set, "model"), out, opt);
+  return out;
+}
+
+// A staged f32 bundle gives the checkpoint's numbers exactly (experts and routing included),
+// passes check, and the MoE layers' cost is balanced by bytes.
+TEST(LargeBundle, F32StagedBundleEqualsCheckpointAndPassesCheck) {
+  for (const char* set : {"gemma4-tiny-moe", "gemma4-tiny-dense"}) {
+    const std::string bundle = export_large(set, "2", "f32");
+    std::ostringstream log;
+    CheckOptions co;
+    co.reference_model = large_fixture(set, "model");
+    EXPECT_EQ(check_bundle(bundle, co, log), 0) << log.str();
+    auto staged = Sequence::open(bundle, 256);
+    ASSERT_EQ(staged->stages().size(), 4u) << set;
+    auto direct = Sequence::open(large_fixture(set, "model"), 256);
+    const std::string dir = large_fixture(set, "long/");
+    const std::vector<int32_t> ids = load_ids(dir + "input_ids.npy");
+    ThreadPool pool(2);
+    TapRecorder ta({"router_topk_ids", "logits"}), tb({"router_topk_ids", "logits"});
+    const FloatTensor a = staged->prefill(pool, ids, nullptr, 16, true, &ta);
+    const FloatTensor b = direct->prefill(pool, ids, nullptr, 16, true, &tb);
+    EXPECT_EQ(max_abs_diff(ta.get("logits").data, tb.get("logits").data), 0.0) << set;
+    expect_close(ta.get("logits"), dir + "logits.npy", 5e-4, std::string(set) + " staged logits");
+    if (ta.has("router_topk_ids")) {
+      EXPECT_EQ(ta.get_ids("router_topk_ids"), load_npy(dir + "router_topk_ids.npy").to_i64());
+    }
+  }
+}
+
+// In a 4-bit bundle each expert is its own block-quantized matrix ([E, 2I, D] stored as E * 2I
+// Q4_0 rows); a decoded token's byte count takes top_k / E of the experts; the bundle checks.
+TEST(LargeBundle, Q4BundleQuantizesExpertsPerExpertAndCountsTheChosenShare) {
+  const std::string bundle = export_large("gemma4-tiny-moe", "0:2,2:5", "q4_0");
+  std::ostringstream log;
+  EXPECT_EQ(check_bundle(bundle, {}, log), 0) << log.str();
+  const BundleManifest m = read_bundle_manifest(bundle);
+  const TextConfig& t = m.config.text;
+  auto model = Model::open(bundle);
+  double experts = 0, other = 0;
+  for (const BundleStage& st : m.stages) {
+    if (st.decl.role != StageRole::TransformerLayers) continue;
+    const WeightsFile wf((std::filesystem::path(bundle) / st.weights_file).string());
+    for (int l = st.decl.layers.begin; l < st.decl.layers.end; ++l) {
+      const std::string p = "model.language_model.layers." + std::to_string(l) + ".";
+      const WeightView gu = wf.view(p + "experts.gate_up_proj");
+      EXPECT_EQ(gu.dtype, DType::Q4_0);
+      EXPECT_EQ(gu.shape, (Shape{t.num_experts, 2 * t.moe_intermediate_size, t.hidden_size}));
+      EXPECT_EQ(expert_slice(gu, 3).nbytes, gu.nbytes / static_cast<size_t>(t.num_experts));
+      EXPECT_EQ(wf.view(p + "experts.down_proj").dtype, DType::Q4_0);
+      EXPECT_EQ(wf.view(p + "router.proj.weight").dtype, DType::F32);  // never quantized
+      experts += static_cast<double>(gu.nbytes + wf.view(p + "experts.down_proj").nbytes);
+      for (const char* name :
+           {"self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.o_proj.weight",
+            "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight"})
+        other += static_cast<double>(wf.view(p + name).nbytes);
+      if (!t.layers[static_cast<size_t>(l)].k_eq_v)
+        other += static_cast<double>(wf.view(p + "self_attn.v_proj.weight").nbytes);
+    }
+  }
+  double head = 0;
+  for (const BundleStage& st : m.stages)
+    if (st.decl.role == StageRole::FinalNormHead)
+      head = static_cast<double>(
+          WeightsFile((std::filesystem::path(bundle) / st.weights_file).string())
+              .view("model.language_model.embed_tokens.weight")
+              .nbytes);
+  EXPECT_DOUBLE_EQ(model->decode_weight_bytes(),
+                   other + head + experts * t.top_k_experts / t.num_experts);
+  // It runs: finite logits, and greedy decoding from the text prompt.
+  Sequence seq(model, 64);
+  ThreadPool pool(2);
+  const FloatTensor l =
+      seq.prefill(pool, load_ids(large_fixture("gemma4-tiny-moe", "text/input_ids.npy")), nullptr,
+                  0, false, nullptr);
+  for (float v : l.data) ASSERT_TRUE(std::isfinite(v));
+}
+
+// --stages N balances weight bytes: the real 26B-A4B splits into 5 stages of 6 layers and the
+// 31B into 6 of 10 (how the seed's staged runtime publishes them), and an MoE layer weighs many
+// dense ones.
+TEST(LargeBundle, StageCountsBalanceTheRealModelsByBytes) {
+  const ModelConfig a = parse_model_config(preset_config("26b-a4b").dump(), "26b-a4b");
+  const ModelConfig b = parse_model_config(preset_config("31b").dump(), "31b");
+  for (const auto& [cfg, n, per] : {std::tuple{&a, "5", 6}, std::tuple{&b, "6", 10}}) {
+    const auto ranges = parse_stage_spec(n, cfg->text);
+    ASSERT_EQ(ranges.size(), static_cast<size_t>(std::stoi(n)));
+    for (const LayerRange& r : ranges) EXPECT_EQ(r.end - r.begin, per) << r.str();
+  }
+  EXPECT_GT(layer_parameters(a.text, 0),
+            10 * (layer_parameters(a.text, 0) -
+                  a.text.num_experts * 3.0 * a.text.moe_intermediate_size * a.text.hidden_size));
+  EXPECT_TRUE(a.text.enable_moe_block && a.text.layers[5].k_eq_v && !a.text.has_ple());
+  EXPECT_EQ(a.vision->hidden_size, 1152);
+  EXPECT_FALSE(b.text.enable_moe_block);
+  EXPECT_EQ(b.text.layers[5].num_kv_heads, 4);
 }
 
 TEST(LargeConfig, ParsesTheMoeAndDenseLargeConfigs) {
