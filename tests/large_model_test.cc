@@ -7,9 +7,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <sstream>
 #include <tuple>
 
 #include "core/error.h"
@@ -478,6 +480,28 @@ TEST(LargeBundle, StageCountsBalanceTheRealModelsByBytes) {
   EXPECT_EQ(a.vision->hidden_size, 1152);
   EXPECT_FALSE(b.text.enable_moe_block);
   EXPECT_EQ(b.text.layers[5].num_kv_heads, 4);
+}
+
+// make-random --bundle writes the bundle that make-random + export would, byte for byte, with no
+// checkpoint on disk in between (the way to a real-size 4-bit 26B-A4B / 31B on a small disk).
+TEST(LargeBundle, MakeRandomStraightIntoABundleEqualsCheckpointThenExport) {
+  const std::string dir = temp_dir("make_random_bundle");
+  auto run = [&](const std::string& args) {
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + dir + "/log 2>&1";
+    return std::system(cmd.c_str());
+  };
+  ASSERT_EQ(run("make-random --preset tiny --seed 3 --out " + dir + "/ckpt"), 0);
+  ASSERT_EQ(run("export -m " + dir + "/ckpt --out " + dir + "/a --weights q4_0 --stages 2"), 0);
+  ASSERT_EQ(run("make-random --preset tiny --seed 3 --bundle q4_0 --stages 2 --out " + dir + "/b"),
+            0);
+  const BundleManifest a = read_bundle_manifest(dir + "/a"), b = read_bundle_manifest(dir + "/b");
+  ASSERT_EQ(a.stages.size(), b.stages.size());
+  for (size_t i = 0; i < a.stages.size(); ++i)
+    EXPECT_EQ(a.stages[i].sha256, b.stages[i].sha256) << a.stages[i].decl.id;
+  std::ostringstream log;
+  EXPECT_EQ(check_bundle(dir + "/b", {}, log), 0) << log.str();
+  EXPECT_NE(b.raw["source_model"].get<std::string>().find("make-random --preset tiny --seed 3"),
+            std::string::npos);
 }
 
 TEST(LargeConfig, ParsesTheMoeAndDenseLargeConfigs) {
