@@ -15,6 +15,7 @@
 #include <tuple>
 
 #include "core/error.h"
+#include "core/host_tensor.h"
 #include "gemma4/config.h"
 #include "gemma4/multimodal.h"
 #include "gemma4/presets.h"
@@ -502,6 +503,54 @@ TEST(LargeBundle, MakeRandomStraightIntoABundleEqualsCheckpointThenExport) {
   EXPECT_EQ(check_bundle(dir + "/b", {}, log), 0) << log.str();
   EXPECT_NE(b.raw["source_model"].get<std::string>().find("make-random --preset tiny --seed 3"),
             std::string::npos);
+}
+
+// The image block crosses stage boundaries as the transformer stages' `vision_groups` input:
+// chaining a bundle's stages by hand with `run-stage` gives the fixture's logits with it, and the
+// known-wrong causal variant without it.
+TEST(LargeBundle, RunStageCarriesTheImageGroups) {
+  const std::string set = "gemma4-tiny-moe";
+  const std::string bundle = export_large(set, "0:2,2:5", "f32");
+  const std::string dir = temp_dir("large_run_stage"), mm = large_fixture(set, "multimodal/");
+  auto run = [&](const std::string& args) {
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + dir + "/log 2>&1";
+    return std::system(cmd.c_str());
+  };
+  const ModelConfig cfg = load_model_config(large_fixture(set, "model"));
+  const std::vector<int32_t> ids = load_ids(mm + "input_ids.npy");
+  const int64_t S = static_cast<int64_t>(ids.size());
+  std::vector<int32_t> pos(ids.size());
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i);
+  save_npy(dir + "/ids.npy", HostTensor({S}, ids));
+  save_npy(dir + "/pos.npy", HostTensor({S}, pos));
+  save_npy(dir + "/groups.npy", HostTensor({S}, vision_groups(cfg, ids)));
+  save_npy(dir + "/pli02.npy", HostTensor({S, 2, 0}, std::vector<float>{}));
+  save_npy(dir + "/pli25.npy", HostTensor({S, 3, 0}, std::vector<float>{}));
+  ASSERT_EQ(run("run-stage " + bundle + " embeddings --in input_ids=" + dir +
+                "/ids.npy --in pixel_values=" + mm + "pixel_values.npy --in image_position_ids=" +
+                mm + "image_position_ids.npy --out " + dir + "/emb"),
+            0);
+  for (const bool groups : {true, false}) {
+    std::string hidden = dir + "/emb/hidden_states.npy";
+    for (const auto& [id, pli] :
+         {std::pair{"layers_0_2", "pli02"}, std::pair{"layers_2_5", "pli25"}}) {
+      const std::string out = dir + "/" + id + (groups ? "_g" : "_c");
+      ASSERT_EQ(run("run-stage " + bundle + " " + id + " --in hidden_states=" + hidden +
+                    " --in per_layer_inputs=" + dir + "/" + pli + ".npy --in positions=" + dir +
+                    "/pos.npy" + (groups ? " --in vision_groups=" + dir + "/groups.npy" : "") +
+                    " --out " + out),
+                0);
+      hidden = out + "/hidden_states.npy";
+    }
+    const std::string head = dir + (groups ? "/head_g" : "/head_c");
+    ASSERT_EQ(run("run-stage " + bundle + " head --in hidden_states=" + hidden + " --out " + head),
+              0);
+    const std::vector<float> got = load_npy(head + "/logits.npy").to_f32();
+    const char* match = groups ? "logits.npy" : "logits_vision_causal.npy";
+    const char* other = groups ? "logits_vision_causal.npy" : "logits.npy";
+    EXPECT_LE(max_abs_diff(got, load_npy(mm + match).to_f32()), 5e-4) << match;
+    EXPECT_GT(max_abs_diff(got, load_npy(mm + other).to_f32()), 0.1) << other;
+  }
 }
 
 TEST(LargeConfig, ParsesTheMoeAndDenseLargeConfigs) {
