@@ -600,6 +600,8 @@ TEST(LargeConfig, BadLargeConfigsAreClearErrors) {
             std::string::npos);
   EXPECT_NE(with("\"num_experts\": 8", "\"num_experts\": null").find("num_experts"),
             std::string::npos);
+  EXPECT_NE(with("\"num_experts\": 8", "\"num_experts\": 100000").find("out of range"),
+            std::string::npos);
 }
 
 }  // namespace

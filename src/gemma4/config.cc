@@ -233,6 +233,10 @@ void parse_text(const json& tj, const std::string& where, TextConfig& t,
     t.num_experts = r.get_positive("num_experts", 0);
     t.top_k_experts = r.get_positive("top_k_experts", 0);
     t.moe_intermediate_size = r.get_positive("moe_intermediate_size", 0);
+    // Bounds before any shape is formed: the stacked experts are [E, 2 I, D].
+    if (t.num_experts > 65536 || t.moe_intermediate_size > (1 << 20))
+      fail(where, ": num_experts ", t.num_experts, " / moe_intermediate_size ",
+           t.moe_intermediate_size, " are out of range (at most 65536 / 1048576)");
     if (t.top_k_experts > t.num_experts)
       fail(where, ".top_k_experts = ", t.top_k_experts, " exceeds num_experts = ", t.num_experts);
   }
