@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
@@ -57,10 +58,39 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
     for (int64_t i = 0; i < S * top_k; ++i)
       ws.assignments[static_cast<size_t>(next[static_cast<size_t>(ids[i])]++)] = i;
   }
-  for (int64_t e = 0; e < E; ++e) {
+  // A decode step (one row): its top-k experts' gate/up matrices all read the same input, so
+  // quantized ones run as one job (one activation quantization, one pool hand-off).
+  const bool one_job = S == 1 && dtype_is_quantized(gate_up.dtype) && cpu_tier() != CpuTier::Scalar;
+  if (one_job) {
+    ws.gate_up.resize(static_cast<size_t>(top_k * 2 * I));
+    std::vector<WeightView> slices;
+    slices.reserve(static_cast<size_t>(top_k));
+    std::vector<QuantTarget> targets;
+    for (int64_t e = 0; e < E; ++e)
+      if (ws.count[static_cast<size_t>(e + 1)] > ws.count[static_cast<size_t>(e)]) {
+        slices.push_back(expert_slice(gate_up, e));
+        targets.push_back(
+            {&slices.back(), ws.gate_up.data() + static_cast<int64_t>(targets.size()) * 2 * I});
+      }
+    quant_matmul_many(pool, x, 1, targets);
+  }
+  for (int64_t e = 0, used = 0; e < E; ++e) {
     const int64_t a0 = ws.count[static_cast<size_t>(e)],
                   n = ws.count[static_cast<size_t>(e + 1)] - a0;
     if (n == 0) continue;  // no row chose it: its weights are not read
+    if (one_job) {
+      // This expert's gate/up rows were computed above, in ascending expert order.
+      const float* g = ws.gate_up.data() + used++ * 2 * I;
+      ws.act.resize(static_cast<size_t>(I));
+      gelu_tanh_mul(g, g + I, I, ws.act.data());
+      ws.y.resize(static_cast<size_t>(D));
+      matmul(pool, ws.act.data(), 1, expert_slice(down, e), ws.y.data());
+      for (int64_t j = 0; j < n; ++j) {  // n > 1 only if the row named this expert twice
+        const float w = weights[ws.assignments[static_cast<size_t>(a0 + j)]];
+        for (int64_t d = 0; d < D; ++d) out[d] += ws.y[static_cast<size_t>(d)] * w;
+      }
+      continue;
+    }
     ws.x.resize(static_cast<size_t>(n * D));
     for (int64_t j = 0; j < n; ++j)
       std::memcpy(ws.x.data() + j * D, x + ws.assignments[static_cast<size_t>(a0 + j)] / top_k * D,
