@@ -47,7 +47,8 @@ TEST(Partition, BalancedStageCountsUseValidCuts) {
   const TextConfig e4b = preset_text(42, 6, 18);
   const auto r = parse_stage_spec("2", e4b);
   ASSERT_EQ(r.size(), 2u);
-  EXPECT_EQ(r[0].end, 21);
+  // By weight bytes: the KV-shared layers 24.. hold no k/v, so the midpoint falls before 21.
+  EXPECT_EQ(r[0].end, 20);
   const auto r3 = parse_stage_spec("3", e4b);
   ASSERT_EQ(r3.size(), 3u);
   EXPECT_LE(r3[1].end, 22);

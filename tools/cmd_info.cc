@@ -130,6 +130,10 @@ int run_info(const InfoArgs& a) {
     const LayerSpec& s = t.layers[i];
     std::string kv = s.kv_shared ? "shared <- layer " + std::to_string(s.kv_donor) : "own";
     if (s.is_donor) kv += " (donor)";
+    if (s.k_eq_v) kv += ", k_eq_v (V = v_norm(raw K))";
+    if (s.moe)
+      kv += ", MoE: " + std::to_string(t.top_k_experts) + " of " + std::to_string(t.num_experts) +
+            " experts x " + std::to_string(t.moe_intermediate_size);
     std::cout << "  " << std::setw(2) << i << "  " << std::left << std::setw(20)
               << layer_type_name(s.type) << std::right << std::setw(8) << s.head_dim << std::setw(9)
               << s.num_kv_heads << std::setw(7) << s.mlp_width << "    " << kv << "\n";

@@ -1,10 +1,13 @@
 // gemstage make-random: a random-weight Gemma 4 checkpoint in the exact hub layout and shapes,
 // streamed to disk tensor by tensor (a 10 GB E2B never sits in memory).
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -12,6 +15,7 @@
 #include "gemma4/presets.h"
 #include "gemma4/registry.h"
 #include "io/progress.h"
+#include "stage/bundle.h"
 #include "tools/commands.h"
 
 namespace gemstage::cli {
@@ -20,6 +24,8 @@ namespace {
 
 struct MakeRandomArgs {
   std::string preset = "tiny", dtype = "bf16", out;
+  // Write a bundle with these weights (f32 | bf16 | q8_0 | q4_0) instead of a checkpoint.
+  std::string bundle_weights, stages = "1";
   uint64_t seed = 1;
   int layers = 0;
   double shard_gb = 0;
@@ -63,10 +69,111 @@ struct Init {
 Init init_for(const std::string& key) {
   if (ends_with(key, "norm.weight")) return {1.0f, 0.05f};
   if (ends_with(key, "layer_scalar")) return {1.0f, 0.0f};
+  // Multipliers around 1: the router's scales and the vision standardization.
+  if (ends_with(key, "scale")) return {1.0f, 0.05f};
   if (ends_with(key, "position_embedding_table")) return {0.0f, 0.1f};
   if (ends_with(key, "input_min") || ends_with(key, "output_min")) return {-8.0f, 0, true};
   if (ends_with(key, "input_max") || ends_with(key, "output_max")) return {8.0f, 0, true};
   return {0.0f, 0.02f};
+}
+
+// The values of one tensor, in order: what the checkpoint stores (before its dtype's rounding).
+struct ValueStream {
+  Init init;
+  Rng rng;
+  bool unit;  // layer_scalar: 1
+  ValueStream(const std::string& key, uint64_t seed)
+      : init(init_for(key)), rng{hash_key(key, seed)}, unit(ends_with(key, "layer_scalar")) {}
+  float next() {
+    const float v = init.constant ? init.mean : init.mean + init.std * rng.normal();
+    return unit ? 1.0f : v;
+  }
+};
+
+// The same tensors as the checkpoint make-random writes (the same values, rounded to the same
+// dtype), generated one tensor at a time when export asks for it: a random model goes straight
+// into a (4-bit) bundle without its 50-60 GB bf16 checkpoint on disk first.
+class RandomSource : public TensorSource {
+ public:
+  RandomSource(const std::vector<TensorSpec>& specs, uint64_t seed, DType dt)
+      : seed_(seed), dt_(dt) {
+    for (const TensorSpec& s : specs) shapes_[s.key] = s.shape;
+  }
+  bool has(const std::string& key) const override { return shapes_.count(key) != 0; }
+  size_t nbytes(const std::string& key) const override {
+    return static_cast<size_t>(shape_numel(shape_of(key))) * dtype_size(dt_);
+  }
+  WeightView view(const std::string& key) const override {
+    const Shape& shape = shape_of(key);
+    if (key != cached_) {  // export reads each tensor once, in order
+      const int64_t n = shape_numel(shape);
+      buf_.resize(static_cast<size_t>(n) * dtype_size(dt_));
+      ValueStream vs(key, seed_);
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = vs.next();
+        if (dt_ == DType::F32) {
+          std::memcpy(&buf_[static_cast<size_t>(i) * 4], &v, 4);
+        } else {
+          const uint16_t h = dt_ == DType::BF16 ? f32_to_bf16(v) : f32_to_f16(v);
+          std::memcpy(&buf_[static_cast<size_t>(i) * 2], &h, 2);
+        }
+      }
+      cached_ = key;
+    }
+    WeightView w;
+    w.name = key;
+    w.dtype = dt_;
+    w.shape = shape;
+    w.data = buf_.data();
+    w.nbytes = buf_.size();
+    return w;
+  }
+  std::string file_of(const std::string&) const override { return "(make-random generator)"; }
+  std::vector<std::string> keys() const override {
+    std::vector<std::string> k;
+    for (const auto& [key, shape] : shapes_) k.push_back(key);
+    return k;
+  }
+
+ private:
+  const Shape& shape_of(const std::string& key) const {
+    auto it = shapes_.find(key);
+    if (it == shapes_.end()) fail("make-random: no tensor ", key, " in the preset");
+    return it->second;
+  }
+  uint64_t seed_;
+  DType dt_;
+  std::map<std::string, Shape> shapes_;
+  mutable std::string cached_;
+  mutable std::vector<char> buf_;
+};
+
+// The small files of a checkpoint (config, generation and processor settings).
+void write_config_files(const std::string& dir, const nlohmann::json& cfg_json,
+                        const std::string& preset) {
+  namespace fs = std::filesystem;
+  std::ofstream(fs::path(dir) / "config.json") << cfg_json.dump(2);
+  const nlohmann::json gen = {{"bos_token_id", 2},  {"eos_token_id", {1, 106, 50}},
+                              {"pad_token_id", 0},  {"do_sample", true},
+                              {"temperature", 1.0}, {"top_k", 64},
+                              {"top_p", 0.95}};
+  std::ofstream(fs::path(dir) / "generation_config.json") << gen.dump(2);
+  const int soft = preset == "tiny" ? 70 : 280;
+  const nlohmann::json pre = {{"image_processor_type", "Gemma4ImageProcessor"},
+                              {"processor_class", "Gemma4Processor"},
+                              {"patch_size", 16},
+                              {"pooling_kernel_size", 3},
+                              {"max_soft_tokens", soft},
+                              {"image_seq_length", soft},
+                              {"do_resize", true},
+                              {"resample", 3},
+                              {"do_rescale", true},
+                              {"rescale_factor", 1.0 / 255.0},
+                              {"do_normalize", false},
+                              {"image_mean", {0.0, 0.0, 0.0}},
+                              {"image_std", {1.0, 1.0, 1.0}},
+                              {"do_convert_rgb", true}};
+  std::ofstream(fs::path(dir) / "preprocessor_config.json") << pre.dump(2);
 }
 
 int run_make_random(const MakeRandomArgs& a) {
@@ -85,6 +192,30 @@ int run_make_random(const MakeRandomArgs& a) {
   std::erase_if(specs, [](const TensorSpec& s) { return s.key == "lm_head.weight"; });
   std::sort(specs.begin(), specs.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
 
+  if (!a.bundle_weights.empty()) {
+    // Straight into a bundle: the config files go to a scratch folder export reads them from.
+    const fs::path assets =
+        fs::temp_directory_path() / ("gemstage_make_random_" + std::to_string(::getpid()));
+    fs::create_directories(assets);
+    write_config_files(assets.string(), cfg_json, a.preset);
+    ExportOptions opt;
+    opt.weights = a.bundle_weights;
+    opt.stages = a.stages;
+    opt.force = a.force;
+    opt.source_description = "make-random --preset " + a.preset + " --seed " +
+                             std::to_string(a.seed) + " --dtype " + a.dtype;
+    try {
+      export_bundle_from(RandomSource(specs, a.seed, dt), assets.string(), a.out, opt);
+    } catch (...) {
+      fs::remove_all(assets);
+      throw;
+    }
+    fs::remove_all(assets);
+    std::cerr << "wrote a random " << a.preset << " bundle (" << a.bundle_weights
+              << ", values as a " << a.dtype << " checkpoint of seed " << a.seed
+              << " holds them) to " << a.out << "\n";
+    return 0;
+  }
   if (fs::exists(a.out) && !fs::is_empty(a.out) && !a.force)
     fail(a.out, " exists and is not empty; pass --force to overwrite");
   fs::create_directories(a.out);
@@ -137,15 +268,13 @@ int run_make_random(const MakeRandomArgs& a) {
     out.write(h.data(), static_cast<std::streamsize>(h.size()));
     for (const TensorSpec* s : shards[si]) {
       const int64_t n = shape_numel(s->shape);
-      const Init init = init_for(s->key);
-      Rng rng{hash_key(s->key, a.seed)};
+      ValueStream vs(s->key, a.seed);
       constexpr int64_t kChunk = 1 << 20;
       for (int64_t b = 0; b < n; b += kChunk) {
         const int64_t m = std::min(kChunk, n - b);
         buf.resize(static_cast<size_t>(m) * dtype_size(dt));
         for (int64_t i = 0; i < m; ++i) {
-          float v = init.constant ? init.mean : init.mean + init.std * rng.normal();
-          if (ends_with(s->key, "layer_scalar")) v = 1.0f;
+          const float v = vs.next();
           if (dt == DType::F32)
             std::memcpy(&buf[static_cast<size_t>(i) * 4], &v, 4);
           else {
@@ -162,28 +291,7 @@ int run_make_random(const MakeRandomArgs& a) {
   progress.finish();
   if (shards.size() > 1)
     std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
-  std::ofstream(fs::path(a.out) / "config.json") << cfg_json.dump(2);
-  const nlohmann::json gen = {{"bos_token_id", 2},  {"eos_token_id", {1, 106, 50}},
-                              {"pad_token_id", 0},  {"do_sample", true},
-                              {"temperature", 1.0}, {"top_k", 64},
-                              {"top_p", 0.95}};
-  std::ofstream(fs::path(a.out) / "generation_config.json") << gen.dump(2);
-  const int soft = a.preset == "tiny" ? 70 : 280;
-  const nlohmann::json pre = {{"image_processor_type", "Gemma4ImageProcessor"},
-                              {"processor_class", "Gemma4Processor"},
-                              {"patch_size", 16},
-                              {"pooling_kernel_size", 3},
-                              {"max_soft_tokens", soft},
-                              {"image_seq_length", soft},
-                              {"do_resize", true},
-                              {"resample", 3},
-                              {"do_rescale", true},
-                              {"rescale_factor", 1.0 / 255.0},
-                              {"do_normalize", false},
-                              {"image_mean", {0.0, 0.0, 0.0}},
-                              {"image_std", {1.0, 1.0, 1.0}},
-                              {"do_convert_rgb", true}};
-  std::ofstream(fs::path(a.out) / "preprocessor_config.json") << pre.dump(2);
+  write_config_files(a.out, cfg_json, a.preset);
   std::cerr << "wrote " << specs.size() << " tensors (" << static_cast<double>(total) / 1e9
             << " GB, " << shards.size() << " file" << (shards.size() > 1 ? "s" : "") << ") to "
             << a.out << "; no tokenizer is written (random weights; use --ids with dump/bench)\n";
@@ -196,8 +304,8 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<MakeRandomArgs>();
   auto* sub = app.add_subcommand("make-random",
                                  "Write a random-weight Gemma 4 checkpoint in the hub layout");
-  sub->add_option("--preset", a->preset, "tiny | e2b | e4b")
-      ->check(CLI::IsMember({"tiny", "e2b", "e4b"}))
+  sub->add_option("--preset", a->preset, "tiny | e2b | e4b | 26b-a4b | 31b")
+      ->check(CLI::IsMember({"tiny", "e2b", "e4b", "26b-a4b", "31b"}))
       ->capture_default_str();
   sub->add_option("--seed", a->seed, "random seed")->capture_default_str();
   sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")
@@ -209,6 +317,12 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   sub->add_option("--shard-gb", a->shard_gb,
                   "split into shards of at most this many GB with model.safetensors.index.json");
   sub->add_flag("--force", a->force, "overwrite a non-empty output directory");
+  sub->add_option("--bundle", a->bundle_weights,
+                  "write a gemstage bundle with these weights instead of a checkpoint (no "
+                  "checkpoint on disk first; the same weights as make-random + export)")
+      ->check(CLI::IsMember({"f32", "bf16", "q8_0", "q4_0"}));
+  sub->add_option("--stages", a->stages, "with --bundle: as export --stages")
+      ->capture_default_str();
   reg.add(sub, [a] { return run_make_random(*a); });
 }
 

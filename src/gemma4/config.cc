@@ -224,19 +224,37 @@ void parse_text(const json& tj, const std::string& where, TextConfig& t,
       r.get_str("hidden_activation", r.get_str("hidden_act", "gelu_pytorch_tanh"));
   if (act != "gelu_pytorch_tanh" && act != "gelu_tanh")
     fail(where, ".hidden_activation '", act, "' is not supported (Gemma 4 uses gelu_pytorch_tanh)");
-  if (r.get_bool("enable_moe_block", false))
-    fail(where,
-         ".enable_moe_block is true: the MoE models (26B-A4B) are not supported yet; gemstage runs "
-         "the E-series (E2B, E4B)");
-  if (t.attention_k_eq_v)
-    fail(where,
-         ".attention_k_eq_v is true: that is the 31B/26B attention, not supported yet; gemstage "
-         "runs the E-series");
-  if (r.present("use_bidirectional_attention"))
-    fail(where, ".use_bidirectional_attention is ", tj["use_bidirectional_attention"].dump(),
-         ": only null (the E-series, causal text attention) is supported");
+  t.enable_moe_block = r.get_bool("enable_moe_block", false);
+  if (t.enable_moe_block) {
+    for (const char* k : {"num_experts", "top_k_experts", "moe_intermediate_size"})
+      if (!r.present(k))
+        fail(where, ".enable_moe_block is true but ", k, " is ",
+             tj.contains(k) ? "null" : "missing", " (the MoE block needs it)");
+    t.num_experts = r.get_positive("num_experts", 0);
+    t.top_k_experts = r.get_positive("top_k_experts", 0);
+    t.moe_intermediate_size = r.get_positive("moe_intermediate_size", 0);
+    // Bounds before any shape is formed: the stacked experts are [E, 2 I, D].
+    if (t.num_experts > 65536 || t.moe_intermediate_size > (1 << 20))
+      fail(where, ": num_experts ", t.num_experts, " / moe_intermediate_size ",
+           t.moe_intermediate_size, " are out of range (at most 65536 / 1048576)");
+    if (t.top_k_experts > t.num_experts)
+      fail(where, ".top_k_experts = ", t.top_k_experts, " exceeds num_experts = ", t.num_experts);
+  }
+  if (t.attention_k_eq_v && t.num_global_key_value_heads <= 0)
+    fail(where, ".attention_k_eq_v is true but num_global_key_value_heads is ",
+         r.present("num_global_key_value_heads") ? tj["num_global_key_value_heads"].dump()
+                                                 : std::string("null"),
+         ": the full layers' K/V head count must be given (transformers fails on null too)");
+  if (r.present("use_bidirectional_attention")) {
+    const std::string bidi = r.get_str("use_bidirectional_attention", "");
+    if (bidi != "vision")
+      fail(where, ".use_bidirectional_attention is '", bidi,
+           "': only null (causal text attention, the E-series) and \"vision\" (the image block "
+           "of 26B-A4B and 31B) are supported");
+    t.bidirectional_vision = true;
+  }
   if (!t.tie_word_embeddings)
-    fail(where, ".tie_word_embeddings is false: Gemma 4 E-series ties the LM head to embed_tokens");
+    fail(where, ".tie_word_embeddings is false: Gemma 4 ties the LM head to embed_tokens");
   if (t.hidden_size_per_layer_input < 0) fail(where, ".hidden_size_per_layer_input must be >= 0");
   if (t.has_ple() && t.vocab_size_per_layer_input <= 0)
     fail(where, ".vocab_size_per_layer_input must be positive when PLE is used");
@@ -246,6 +264,9 @@ void parse_text(const json& tj, const std::string& where, TextConfig& t,
   if (t.num_attention_heads % t.num_key_value_heads != 0)
     fail(where, ": num_attention_heads ", t.num_attention_heads,
          " is not a multiple of num_key_value_heads ", t.num_key_value_heads);
+  if (t.attention_k_eq_v && t.num_attention_heads % t.num_global_key_value_heads != 0)
+    fail(where, ": num_attention_heads ", t.num_attention_heads,
+         " is not a multiple of num_global_key_value_heads ", t.num_global_key_value_heads);
   if (t.pad_token_id < 0 || t.pad_token_id >= t.vocab_size)
     fail(where, ".pad_token_id out of the vocabulary");
 
@@ -353,10 +374,9 @@ void derive_layer_specs(TextConfig& t, const std::string& source) {
     LayerSpec& s = t.layers[static_cast<size_t>(i)];
     s.type = t.layer_types[static_cast<size_t>(i)];
     s.head_dim = s.type == LayerType::Full ? t.global_head_dim : t.head_dim;
-    s.num_kv_heads =
-        (s.type == LayerType::Full && t.attention_k_eq_v && t.num_global_key_value_heads > 0)
-            ? t.num_global_key_value_heads
-            : t.num_key_value_heads;
+    s.k_eq_v = s.type == LayerType::Full && t.attention_k_eq_v;
+    s.num_kv_heads = s.k_eq_v ? t.num_global_key_value_heads : t.num_key_value_heads;
+    s.moe = t.enable_moe_block;
     const bool wide = t.use_double_wide_mlp && first_shared > 0 && i >= first_shared &&
                       t.num_kv_shared_layers > 0;
     s.mlp_width = t.intermediate_size * (wide ? 2 : 1);

@@ -26,6 +26,10 @@ struct LayerSpec {
   bool kv_shared = false;  // reads K/V produced by kv_donor, stores nothing
   int kv_donor = -1;       // for shared layers: the layer whose K/V it reads
   bool is_donor = false;   // some shared layer reads this layer's K/V
+  // attention_k_eq_v on a full layer (26B-A4B, 31B): no v_proj; V = v_norm(raw k_proj output).
+  bool k_eq_v = false;
+  // enable_moe_block (26B-A4B): the dense MLP and the experts side by side (docs: gemma4-large.md).
+  bool moe = false;
 };
 
 struct TextConfig {
@@ -48,6 +52,15 @@ struct TextConfig {
   int num_kv_shared_layers = 0;
   bool use_double_wide_mlp = false;
   bool tie_word_embeddings = true;
+  // Mixture of experts (enable_moe_block): num_experts experts of width moe_intermediate_size,
+  // top_k_experts of them per token, next to the dense MLP of width intermediate_size.
+  bool enable_moe_block = false;
+  int num_experts = 0;
+  int top_k_experts = 0;
+  int moe_intermediate_size = 0;
+  // use_bidirectional_attention "vision": on sliding layers the rows of one image also see the
+  // later rows of the same image (the large models); false: plainly causal (the E-series).
+  bool bidirectional_vision = false;
   int pad_token_id = 0, bos_token_id = 2;
   std::vector<int> eos_token_ids = {1};
   RopeParams rope_sliding{"default", 10000.0, 1.0};

@@ -13,6 +13,44 @@ int64_t count_placeholders(const ModelConfig& c, std::span<const int32_t> input_
   return n;
 }
 
+namespace {
+
+bool is_vision_placeholder(const ModelConfig& c, int32_t id) {
+  return id == c.image_token_id || id == c.video_token_id;
+}
+
+}  // namespace
+
+std::vector<int32_t> vision_groups(const ModelConfig& c, std::span<const int32_t> input_ids,
+                                   int32_t first_group) {
+  std::vector<int32_t> g(input_ids.size(), -1);
+  int32_t next = first_group;
+  for (size_t r = 0; r < input_ids.size(); ++r) {
+    if (!is_vision_placeholder(c, input_ids[r])) continue;
+    if (r > 0 && g[r - 1] >= 0)
+      g[r] = g[r - 1];
+    else
+      g[r] = next++;
+  }
+  return g;
+}
+
+int64_t chunk_end_keeping_images_whole(const ModelConfig& c, std::span<const int32_t> input_ids,
+                                       int64_t begin, int64_t end) {
+  const int64_t S = static_cast<int64_t>(input_ids.size());
+  if (!c.text.bidirectional_vision || end <= begin || end >= S) return std::min(end, S);
+  auto vision = [&](int64_t r) {
+    return is_vision_placeholder(c, input_ids[static_cast<size_t>(r)]);
+  };
+  if (!vision(end) || !vision(end - 1)) return end;  // the boundary is not inside a run
+  int64_t run_begin = end - 1;
+  while (run_begin > begin && vision(run_begin - 1)) --run_begin;
+  if (run_begin > begin) return run_begin;  // end the chunk before the image
+  int64_t run_end = end;                    // the image starts the chunk: take all of it
+  while (run_end < S && vision(run_end)) ++run_end;
+  return run_end;
+}
+
 FloatTensor slice_rows(const FloatTensor& t, int64_t begin, int64_t n) {
   if (t.shape.size() != 2 || begin < 0 || n < 0 || begin + n > t.dim(0))
     fail("slice_rows: rows [", begin, ", ", begin + n, ") are outside a tensor of shape ",
@@ -36,8 +74,10 @@ FloatTensor prefill_chunks(const ModelConfig& c, std::span<const int32_t> input_
   if (chunk <= 0 || chunk > S) chunk = S;
   FloatTensor last;
   int64_t used = 0;  // soft tokens consumed by earlier chunks
-  for (int64_t b = 0; b < S; b += chunk) {
-    const int64_t n = std::min(chunk, S - b);
+  for (int64_t b = 0, n = 0; b < S; b += n) {
+    // On the large models a chunk never splits an image: its rows see each other on sliding
+    // layers, which a cache filled chunk by chunk cannot give.
+    n = chunk_end_keeping_images_whole(c, input_ids, b, std::min(b + chunk, S)) - b;
     const auto ids = input_ids.subspan(static_cast<size_t>(b), static_cast<size_t>(n));
     const int64_t k = count_placeholders(c, ids);
     FloatTensor part;

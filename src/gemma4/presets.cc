@@ -10,14 +10,27 @@ using nlohmann::json;
 
 namespace {
 
-json vision_config(bool tiny) {
+// large: the 26B-A4B / 31B tower (hidden 1152, 27 layers, no clip bounds, standardize).
+json vision_config(bool tiny, bool large) {
   json v = {{"model_type", "gemma4_vision"},
-            {"hidden_size", tiny ? 64 : 768},
-            {"intermediate_size", tiny ? 128 : 3072},
-            {"num_hidden_layers", tiny ? 2 : 16},
-            {"num_attention_heads", tiny ? 2 : 12},
-            {"num_key_value_heads", tiny ? 2 : 12},
-            {"head_dim", tiny ? 32 : 64},
+            {"hidden_size", tiny    ? 64
+                            : large ? 1152
+                                    : 768},
+            {"intermediate_size", tiny    ? 128
+                                  : large ? 4304
+                                          : 3072},
+            {"num_hidden_layers", tiny    ? 2
+                                  : large ? 27
+                                          : 16},
+            {"num_attention_heads", tiny    ? 2
+                                    : large ? 16
+                                            : 12},
+            {"num_key_value_heads", tiny    ? 2
+                                    : large ? 16
+                                            : 12},
+            {"head_dim", tiny    ? 32
+                         : large ? 72
+                                 : 64},
             {"hidden_activation", "gelu_pytorch_tanh"},
             {"rms_norm_eps", 1e-6},
             {"max_position_embeddings", 131072},
@@ -27,8 +40,8 @@ json vision_config(bool tiny) {
             {"pooling_kernel_size", 3},
             {"patch_size", 16},
             {"position_embedding_size", tiny ? 32 : 10240},
-            {"use_clipped_linears", true},
-            {"standardize", false},
+            {"use_clipped_linears", !large},
+            {"standardize", large},
             {"initializer_range", 0.02}};
   if (!tiny) v["default_output_length"] = 280;
   return v;
@@ -40,6 +53,9 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
   struct Dims {
     int D, L, H, Hkv, hd, ghd, I, shared, period, vocab, ple, window;
     bool wide;
+    // The large models (docs: gemma4-large.md): global KV heads with attention_k_eq_v (0: the
+    // E-series, null), experts (0: none), top-k, expert width.
+    int global_kv = 0, experts = 0, top_k = 0, expert_I = 0;
   };
   Dims d{};
   if (preset == "tiny")
@@ -48,8 +64,14 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
     d = {1536, 35, 8, 1, 256, 512, 6144, 20, 5, 262144, 256, 512, true};
   else if (preset == "e4b")
     d = {2560, 42, 8, 2, 256, 512, 10240, 18, 6, 262144, 256, 512, false};
+  else if (preset == "26b-a4b")
+    d = {2816, 30, 16, 8, 256, 512, 2112, 0, 6, 262144, 0, 1024, false, 2, 128, 8, 704};
+  else if (preset == "31b")
+    d = {5376, 60, 32, 16, 256, 512, 21504, 0, 6, 262144, 0, 1024, false, 4};
   else
-    fail("unknown preset '", preset, "' (use tiny, e2b or e4b)");
+    fail("unknown preset '", preset, "' (use tiny, e2b, e4b, 26b-a4b or 31b)");
+  const bool large = d.global_kv > 0;
+  auto or_null = [](int v) { return v > 0 ? json(v) : json(nullptr); };
   const int full_L = d.L;
   if (num_layers > 0) {
     if (num_layers < 2)
@@ -80,7 +102,7 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
             {"num_key_value_heads", d.Hkv},
             {"head_dim", d.hd},
             {"hidden_activation", "gelu_pytorch_tanh"},
-            {"max_position_embeddings", 131072},
+            {"max_position_embeddings", large ? 262144 : 131072},
             {"initializer_range", 0.02},
             {"rms_norm_eps", 1e-6},
             {"use_cache", true},
@@ -99,24 +121,24 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
             {"sliding_window", d.window},
             {"layer_types", types},
             {"final_logit_softcapping", 30.0},
-            {"use_bidirectional_attention", nullptr},
+            {"use_bidirectional_attention", large ? json("vision") : json(nullptr)},
             {"vocab_size_per_layer_input", d.vocab},
             {"hidden_size_per_layer_input", d.ple},
-            {"num_global_key_value_heads", nullptr},
+            {"num_global_key_value_heads", or_null(d.global_kv)},
             {"global_head_dim", d.ghd},
-            {"attention_k_eq_v", false},
+            {"attention_k_eq_v", large},
             {"num_kv_shared_layers", d.shared},
-            {"enable_moe_block", false},
+            {"enable_moe_block", d.experts > 0},
             {"use_double_wide_mlp", d.wide},
-            {"num_experts", nullptr},
-            {"top_k_experts", nullptr},
-            {"moe_intermediate_size", nullptr},
+            {"num_experts", or_null(d.experts)},
+            {"top_k_experts", or_null(d.top_k)},
+            {"moe_intermediate_size", or_null(d.expert_I)},
             {"dtype", dtype}};
   const bool tiny = preset == "tiny";
   json c = {{"architectures", {"Gemma4ForConditionalGeneration"}},
             {"model_type", "gemma4"},
             {"text_config", t},
-            {"vision_config", vision_config(tiny)},
+            {"vision_config", vision_config(tiny, large)},
             {"audio_config", nullptr},
             {"initializer_range", 0.02},
             {"tie_word_embeddings", true},

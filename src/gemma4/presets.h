@@ -1,4 +1,4 @@
-// Architecture presets with the real E2B / E4B dimensions, written as the hub's
+// Architecture presets with the real E2B / E4B / 26B-A4B / 31B dimensions, written as the hub's
 // config.json so random checkpoints load through exactly the same path as real ones.
 #pragma once
 
@@ -7,8 +7,9 @@
 
 namespace gemstage {
 
-// preset: "tiny" (the fixture's shape), "e2b" or "e4b". num_layers > 0 shortens the text stack
-// (keeping the sliding/full pattern and the share of KV-shared layers) for tests.
+// preset: "tiny" (the fixture's shape), "e2b", "e4b", "26b-a4b" (mixture of experts) or "31b".
+// num_layers > 0 shortens the text stack (keeping the sliding/full pattern and the share of
+// KV-shared layers) for tests.
 nlohmann::json preset_config(const std::string& preset, int num_layers = 0,
                              const std::string& dtype = "bfloat16");
 

@@ -26,6 +26,12 @@ struct TextLayerWeights {
   WeightView per_layer_input_gate, per_layer_projection;
   std::vector<float> input_layernorm, post_attention_layernorm, pre_feedforward_layernorm,
       post_feedforward_layernorm, q_norm, k_norm, post_per_layer_input_norm;
+  // The MoE block (LayerSpec::moe): the router, the stacked experts ([E, 2 I, D] gate and up,
+  // [E, D, I] down, each expert's matrix a contiguous slice), and the three extra norms
+  // (_1: after the dense MLP, _2: around the experts).
+  WeightView router_proj, experts_gate_up, experts_down;
+  std::vector<float> router_scale, router_per_expert_scale, pre_feedforward_layernorm_2,
+      post_feedforward_layernorm_1, post_feedforward_layernorm_2;
   float layer_scalar = 1.0f;
   bool bound = false;  // false for layers another stage holds
 };

@@ -13,6 +13,7 @@ constexpr const char* kInfoEmbed = "text: token embedding (tied LM head)";
 constexpr const char* kInfoPleTable = "text: PLE table (gathered, not multiplied)";
 constexpr const char* kInfoPleProjection = "text: PLE projection";
 constexpr const char* kInfoLayers = "text: decoder layers";
+constexpr const char* kInfoExperts = "text: MoE experts (top-k read per token)";
 constexpr const char* kInfoKvUnused = "text: KV-shared layers' unused k/v (ignored)";
 constexpr const char* kInfoFinalNorm = "text: final norm";
 constexpr const char* kInfoVision = "vision tower + embedder";
@@ -165,7 +166,8 @@ std::vector<TensorSpec> text_tensor_specs(const ModelConfig& c, TextWeights* bin
       kv_unused("self_attn.v_proj.weight", {kv * hd, D});
     } else {
       matrix("self_attn.k_proj.weight", {kv * hd, D}, lw.k_proj);
-      matrix("self_attn.v_proj.weight", {kv * hd, D}, lw.v_proj);
+      // attention_k_eq_v: V comes from the raw k_proj output; there is no v_proj.
+      if (!ls.k_eq_v) matrix("self_attn.v_proj.weight", {kv * hd, D}, lw.v_proj);
     }
     matrix("self_attn.o_proj.weight", {D, H * hd}, lw.o_proj);
     vector("self_attn.q_norm.weight", {hd}, floats_slot(lw.q_norm));
@@ -176,6 +178,35 @@ std::vector<TensorSpec> text_tensor_specs(const ModelConfig& c, TextWeights* bin
     matrix("mlp.gate_proj.weight", {I, D}, lw.gate_proj);
     matrix("mlp.up_proj.weight", {I, D}, lw.up_proj);
     matrix("mlp.down_proj.weight", {D, I}, lw.down_proj);
+    if (ls.moe) {
+      const int64_t E = t.num_experts, Im = t.moe_intermediate_size;
+      vector("pre_feedforward_layernorm_2.weight", {D},
+             floats_slot(lw.pre_feedforward_layernorm_2));
+      vector("post_feedforward_layernorm_1.weight", {D},
+             floats_slot(lw.post_feedforward_layernorm_1));
+      vector("post_feedforward_layernorm_2.weight", {D},
+             floats_slot(lw.post_feedforward_layernorm_2));
+      // The router's projection stays float (never quantized): its scores pick the experts, and
+      // a rounding that flips a choice changes the output far more than the bytes it saves.
+      vector("router.proj.weight", {E, D}, view_slot(lw.router_proj));
+      vector("router.scale", {D}, floats_slot(lw.router_scale));
+      vector("router.per_expert_scale", {E}, floats_slot(lw.router_per_expert_scale));
+      // Stacked experts: each expert's matrix is a contiguous slice of whole rows, so it is
+      // quantized and multiplied on its own; a decoded token reads top_k of the E slices.
+      auto experts = [&](const std::string& name, Shape shape, WeightView& slot) {
+        s.push_back({.key = l + name,
+                     .shape = std::move(shape),
+                     .held_by = kPartLayer,
+                     .layer = static_cast<int>(i),
+                     .storage = Matrix,
+                     .decode_read_in = kPartLayer,
+                     .decode_share = static_cast<double>(t.top_k_experts) / t.num_experts,
+                     .info_part = kInfoExperts,
+                     .slot = view_slot(slot)});
+      };
+      experts("experts.gate_up_proj", {E, 2 * Im, D}, lw.experts_gate_up);
+      experts("experts.down_proj", {E, D, Im}, lw.experts_down);
+    }
     if (t.has_ple()) {
       matrix("per_layer_input_gate.weight", {P, D}, lw.per_layer_input_gate);
       matrix("per_layer_projection.weight", {D, P}, lw.per_layer_projection);

@@ -78,6 +78,8 @@ struct TensorSpec {
   // Parts whose stage reads the whole matrix once per decoded token (the decode byte count).
   // embed_tokens counts only as the head: the embeddings part gathers one row of it.
   PartMask decode_read_in = 0;
+  // The share of it one decoded token reads (the MoE experts: top_k / num_experts of the rows).
+  double decode_share = 1.0;
   const char* info_part = "";  // the `info` parameters-by-part label
   TensorSlot slot;
 };

@@ -7,6 +7,7 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "kernels/attention_layer.h"
+#include "kernels/experts.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
 
@@ -170,6 +171,13 @@ struct TextModel::LayerPass {
   std::vector<std::vector<uint16_t>> k16, v16;
   std::vector<float> x, q, attn, branch, gate, up, ple_gate;
   AttentionWorkspace attention;
+  // Per segment, [rows]: the last key each row sees on sliding layers (the image block); empty
+  // when the segment has no image group.
+  std::vector<std::vector<int64_t>> last_key;
+  // The MoE block: router inputs and scores, the chosen experts and weights, expert outputs.
+  std::vector<float> moe_x, router_probs, expert_weights, moe_out;
+  std::vector<int32_t> expert_ids;
+  ExpertsWorkspace experts;
 };
 
 namespace {
@@ -212,9 +220,18 @@ void TextModel::layer_forward(ThreadPool& pool, int li, FloatTensor& hidden,
   const int L = cfg_.num_hidden_layers;
   attention_block(pool, li, hidden, pass);
   if (taps) taps->append_layer("hidden_after_attn", li, L, {D}, hidden.data.data(), S);
-  mlp_block(pool, li, hidden, pass);
+  mlp_block(pool, li, hidden, pass, taps);
   if (taps) taps->append_layer("hidden_after_mlp", li, L, {D}, hidden.data.data(), S);
-  if (cfg_.has_ple()) ple_block(pool, li, hidden, pli, pass);
+  if (cfg_.has_ple()) {
+    ple_block(pool, li, hidden, pli, pass);
+  } else {
+    // Without a per-layer input, layer_scalar (the layer's last op) applies here.
+    const float scalar = w_.layers[static_cast<size_t>(li)].layer_scalar;
+    float* h = hidden.data.data();
+    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+      for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= scalar;
+    });
+  }
   if (taps) taps->append_layer("hidden_states", li, L, {D}, hidden.data.data(), S);
 }
 
@@ -255,7 +272,13 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
       sized(pass.k16[static_cast<size_t>(li)], S * kvw);
       sized(pass.v16[static_cast<size_t>(li)], S * kvw);
     }
-    matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}, {lw.v_proj, v}});
+    if (ls.k_eq_v) {
+      // attention_k_eq_v: V is the raw key projection (v_norm below), taken before k_norm/RoPE.
+      matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}});
+      std::memcpy(v, k, static_cast<size_t>(S * kvw) * sizeof(float));
+    } else {
+      matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}, {lw.v_proj, v}});
+    }
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     float* qr = q.data() + r0 * H * hd;
@@ -283,7 +306,12 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& attn = pass.attn;  // every element is written by attend_layer
   sized(attn, S * H * hd);
   // Each sequence's rows attend to its own cache and its own fresh rows.
-  for (const RowSegment& seg : pass.segments) {
+  for (size_t si = 0; si < pass.segments.size(); ++si) {
+    const RowSegment& seg = pass.segments[si];
+    // The image block: on sliding layers only; full layers stay plainly causal.
+    const int64_t* last_key = ls.type == LayerType::Sliding && !pass.last_key[si].empty()
+                                  ? pass.last_key[si].data()
+                                  : nullptr;
     const LayerKvCache* past = seg.cache->own(src);
     if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
     const void* fk =
@@ -296,7 +324,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
             : cv.data() + seg.row0 * kvw;
     attend_layer(pool,
                  {q.data() + seg.row0 * H * hd, seg.rows, H, Hkv, hd, seg.start, window, past, fk,
-                  fv, attn.data() + seg.row0 * H * hd},
+                  fv, attn.data() + seg.row0 * H * hd, last_key},
                  pass.attention);
   }
   auto& branch = pass.branch;
@@ -307,9 +335,11 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   });
 }
 
-// Pre-feedforward norm, gate/up, GELU(tanh) gating, down projection, post-norm and residual;
-// without per-layer inputs layer_scalar (the layer's last op) applies here.
-void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPass& pass) const {
+// Pre-feedforward norm, gate/up, GELU(tanh) gating, down projection; in an MoE layer its
+// post_feedforward_layernorm_1 plus the experts' branch (moe_experts); then the post-norm and
+// the residual.
+void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPass& pass,
+                          TapRecorder* taps) const {
   const LayerSpec& ls = cfg_.layers[static_cast<size_t>(li)];
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
@@ -333,12 +363,90 @@ void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPa
   auto& branch = pass.branch;
   sized(branch, S * D);
   matmul(pool, gate.data(), S, lw.down_proj, branch.data());
-  const bool ple = cfg_.has_ple();
+  if (ls.moe) {
+    // h1 + h2: the dense MLP after post_feedforward_layernorm_1, plus the experts' branch (both
+    // computed from the residual stream before this block adds to it).
+    moe_experts(pool, li, hidden, pass, taps);
+    const float* moe = pass.moe_out.data();
+    for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+      float* b = branch.data() + r0 * D;
+      rmsnorm_rows(b, r1 - r0, D, lw.post_feedforward_layernorm_1.data(), eps, b);
+      for (int64_t i = r0 * D; i < r1 * D; ++i) branch[static_cast<size_t>(i)] += moe[i];
+    });
+  }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     add_normed(h, branch.data(), r0, r1, D, lw.post_feedforward_layernorm.data(), eps);
-    // Without a per-layer input, layer_scalar (the layer's last op) applies here.
-    if (!ple)
-      for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
+  });
+}
+
+// The router (scale-free RMSNorm of the residual r, times router.scale and D^-1/2, projected to
+// one score per expert, softmax over all experts, top-k by probability with the lower id first
+// on ties, renormalised, times per_expert_scale) and the chosen experts on
+// pre_feedforward_layernorm_2(r), summed and post-normed (docs: gemma4-large.md).
+void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden, LayerPass& pass,
+                            TapRecorder* taps) const {
+  const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
+  const int64_t S = hidden.dim(0), D = cfg_.hidden_size, E = cfg_.num_experts,
+                K = cfg_.top_k_experts;
+  const int L = cfg_.num_hidden_layers;
+  const float eps = static_cast<float>(cfg_.rms_norm_eps);
+  const float* h = hidden.data.data();
+  const float root = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+  auto& xr = pass.moe_x;
+  sized(xr, S * D);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    rmsnorm_rows(h + r0 * D, r1 - r0, D, nullptr, eps, xr.data() + r0 * D);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* xrow = xr.data() + r * D;
+      for (int64_t d = 0; d < D; ++d)
+        xrow[d] = xrow[d] * lw.router_scale[static_cast<size_t>(d)] * root;
+    }
+  });
+  auto& probs = pass.router_probs;
+  sized(probs, S * E);
+  matmul(pool, xr.data(), S, lw.router_proj, probs.data());
+  auto& ids = pass.expert_ids;
+  auto& wts = pass.expert_weights;
+  sized(ids, S * K);
+  sized(wts, S * K);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    std::vector<int32_t> order(static_cast<size_t>(E));
+    for (int64_t r = r0; r < r1; ++r) {
+      float* p = probs.data() + r * E;
+      softmax_inplace(p, E);
+      for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = static_cast<int32_t>(e);
+      std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
+        return p[a] > p[b] || (p[a] == p[b] && a < b);
+      });
+      float sum = 0.0f;
+      for (int64_t j = 0; j < K; ++j) sum += p[order[static_cast<size_t>(j)]];
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t e = order[static_cast<size_t>(j)];
+        ids[static_cast<size_t>(r * K + j)] = e;
+        wts[static_cast<size_t>(r * K + j)] =
+            p[e] / sum * lw.router_per_expert_scale[static_cast<size_t>(e)];
+      }
+    }
+  });
+  if (taps) {
+    taps->append_layer("router_probs", li, L, {E}, probs.data(), S);
+    taps->append_layer("router_topk_weights", li, L, {K}, wts.data(), S);
+    if (taps->wants("router_topk_ids")) {
+      const std::vector<int64_t> ids64(ids.begin(), ids.end());
+      taps->append_layer_ids("router_topk_ids", li, L, {K}, ids64.data(), S);
+    }
+  }
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm_2.data(), eps,
+                 xr.data() + r0 * D);
+  });
+  auto& out = pass.moe_out;
+  sized(out, S * D);
+  experts_forward(pool, xr.data(), S, lw.experts_gate_up, lw.experts_down, ids.data(), wts.data(),
+                  K, out.data(), pass.experts);
+  for_rows(pool, S, [&](int64_t r0, int64_t r1) {
+    rmsnorm_rows(out.data() + r0 * D, r1 - r0, D, lw.post_feedforward_layernorm_2.data(), eps,
+                 out.data() + r0 * D);
   });
 }
 
@@ -423,6 +531,28 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end,
     }
   }
   if (row != S) fail("run_layers: sequence segments cover ", row, " rows of ", S);
+  // The image block's reach: a row of an image group sees up to the last row of its run.
+  pass.last_key.assign(segments.size(), {});
+  for (size_t si = 0; si < segments.size() && cfg_.bidirectional_vision; ++si) {
+    const RowSegment& seg = segments[si];
+    if (!seg.vision_groups) continue;
+    const int32_t* g = seg.vision_groups;
+    bool any = false;
+    for (int64_t r = 0; r < seg.rows; ++r) any = any || g[r] >= 0;
+    if (!any) continue;
+    for (int64_t r = 1; r < seg.rows; ++r)
+      if (g[r] >= 0 && g[r] != g[r - 1])
+        for (int64_t q = 0; q < r - 1; ++q)
+          if (g[q] == g[r])
+            fail("vision group ", g[r], " is not one contiguous run of rows (rows ", q, " and ", r,
+                 ")");
+    auto& last = pass.last_key[si];
+    last.resize(static_cast<size_t>(seg.rows));
+    for (int64_t r = seg.rows - 1; r >= 0; --r)
+      last[static_cast<size_t>(r)] = r + 1 < seg.rows && g[r] >= 0 && g[r + 1] == g[r]
+                                         ? last[static_cast<size_t>(r + 1)]
+                                         : seg.start + r;
+  }
   pass.k.resize(static_cast<size_t>(L));
   pass.v.resize(static_cast<size_t>(L));
   pass.k16.resize(static_cast<size_t>(L));

@@ -66,6 +66,10 @@ KvCache make_kv_cache(const TextConfig& t, int64_t max_context, int begin = 0, i
 struct RowSegment {
   int64_t row0 = 0, rows = 0, start = 0;
   KvCache* cache = nullptr;
+  // Optional, [rows]: each row's image group (the bidirectional image block of the large models,
+  // TextConfig::bidirectional_vision): rows of one image share a group id >= 0 and form one
+  // contiguous run inside this call; -1 elsewhere. Null: every row is causal.
+  const int32_t* vision_groups = nullptr;
 };
 
 class TextModel {
@@ -100,7 +104,12 @@ class TextModel {
   void layer_forward(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
                      LayerPass& pass, TapRecorder* taps) const;
   void attention_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass) const;
-  void mlp_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass) const;
+  void mlp_block(ThreadPool& pool, int layer, FloatTensor& hidden, LayerPass& pass,
+                 TapRecorder* taps) const;
+  // The MoE half of an enable_moe_block layer: router and experts on the residual stream;
+  // leaves post_feedforward_layernorm_2(experts) in pass.moe_out.
+  void moe_experts(ThreadPool& pool, int layer, const FloatTensor& hidden, LayerPass& pass,
+                   TapRecorder* taps) const;
   void ple_block(ThreadPool& pool, int layer, FloatTensor& hidden, const PerLayerInputs& pli,
                  LayerPass& pass) const;
 

@@ -45,6 +45,8 @@ class TensorSource {
   virtual bool has(const std::string& key) const = 0;
   // Throws, naming the key, if absent.
   virtual WeightView view(const std::string& key) const = 0;
+  // view(key).nbytes, for sources where a view costs more than its size (a generator).
+  virtual size_t nbytes(const std::string& key) const { return view(key).nbytes; }
   // The file holding `key`, for messages.
   virtual std::string file_of(const std::string& key) const = 0;
   virtual std::vector<std::string> keys() const = 0;

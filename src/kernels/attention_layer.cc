@@ -40,9 +40,9 @@ void attend_layer(ThreadPool& pool, const LayerAttention& a, AttentionWorkspace&
         queries.clear();
         for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
           const int64_t pos = start + r;
-          // Sliding: keys in (pos - W, pos]; full: [0, pos].
+          // Sliding: keys in (pos - W, pos]; full: [0, pos]; an image row may see further.
           int64_t lo = a.window > 0 ? std::max<int64_t>(0, pos - a.window + 1) : 0;
-          int64_t hi = pos;
+          int64_t hi = a.last_key ? std::max(pos, a.last_key[r]) : pos;
           float* out = a.out;
           if (key_parts > 1) {  // this part's share of the key blocks; may be empty
             const int64_t blocks = (hi - lo + kKeyBlock) / kKeyBlock;

@@ -22,6 +22,10 @@ struct LayerAttention {
   const void* fresh_k = nullptr;
   const void* fresh_v = nullptr;
   float* out = nullptr;  // [rows, heads, head_dim]
+  // Optional, [rows]: the last key position each row sees when that is past its own position
+  // (the bidirectional image block of the large models: an image row on a sliding layer also
+  // sees the later rows of its image, all among the call's fresh rows); null: causal.
+  const int64_t* last_key = nullptr;
 };
 
 // Buffers reused from layer to layer (decode's partial softmax states).

@@ -124,7 +124,8 @@ Shape squeeze_leading(Shape s) {
 }
 
 bool is_layered(const std::string& n) {
-  return n == "hidden_after_attn" || n == "hidden_after_mlp" || n == "hidden_states";
+  return n == "hidden_after_attn" || n == "hidden_after_mlp" || n == "hidden_states" ||
+         n == "router_probs" || n == "router_topk_weights";
 }
 bool is_per_layer_slice(const std::string& n) {
   return n == "per_layer_inputs" || n == "ple_token_embeds";
@@ -244,6 +245,27 @@ json compare_id_tap(const std::vector<int64_t>& ours, const NpyArray& ref_npy) {
   j["count"] = ref.size();
   j["mismatches"] = mism;
   j["first_mismatch"] = first < 0 ? json(nullptr) : json(first);
+  // Layered ids ([L, S, k]: the experts each row chose per layer): rows whose choice differs,
+  // per layer.
+  if (ref_npy.shape.size() == 3 && ref_npy.shape[0] > 0 && ref_npy.shape[1] > 0) {
+    const int64_t nL = ref_npy.shape[0], nS = ref_npy.shape[1], k = ref_npy.shape[2];
+    json lj = json::array();
+    for (int64_t l = 0; l < nL; ++l) {
+      int64_t rows = 0, first_row = -1;
+      for (int64_t r = 0; r < nS; ++r)
+        for (int64_t i = 0; i < k; ++i)
+          if (ours[static_cast<size_t>((l * nS + r) * k + i)] !=
+              ref[static_cast<size_t>((l * nS + r) * k + i)]) {
+            ++rows;
+            if (first_row < 0) first_row = r;
+            break;
+          }
+      lj.push_back({{"layer", l},
+                    {"rows_differing", rows},
+                    {"first_row", first_row < 0 ? json(nullptr) : json(first_row)}});
+    }
+    j["layers"] = lj;
+  }
   j["pass"] = mism == 0;
   return j;
 }

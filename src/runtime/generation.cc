@@ -52,6 +52,10 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   size_t common = 0;
   while (common < held.size() && common + 1 < prompt.size() && held[common] == prompt[common])
     ++common;
+  // On the large models an image's rows see each other: the new part must not start inside one.
+  const auto keep = static_cast<size_t>(
+      chunk_end_keeping_images_whole(seq_.config(), prompt, 0, static_cast<int64_t>(common)));
+  common = keep <= common ? keep : 0;
   if (common < held.size()) {
     // The new prompt diverges inside what is cached (e.g. a reply re-tokenized differently):
     // roll the caches back to the common prefix, or start over if they cannot go that far.

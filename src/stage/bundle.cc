@@ -57,6 +57,7 @@ std::string stage_id(const LayerRange& r) {
 struct PlannedTensor {
   std::string key;
   DType dtype;
+  Shape shape;  // the table's (loading checked the source against it)
 };
 
 // Which checkpoint tensors each stage holds, and in which format: the table's parts and storage
@@ -67,7 +68,7 @@ std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelCon
   const PartSet held = stage_parts(d);
   for (const TensorSpec& s : tensor_table(c))
     if (s.role == TensorRole::Required && part_holds(held, s))
-      out.push_back({s.key, storage_dtype(s.storage, w, ple)});
+      out.push_back({s.key, storage_dtype(s.storage, w, ple), s.shape});
   return out;
 }
 
@@ -205,13 +206,17 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
 
   const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
-  const FloatTensor tok = taps.get("ple_token_embeds");
+  // The PLE identity of placeholder rows (models with per-layer embeddings).
   const int64_t LP = int64_t{c.text.num_hidden_layers} * c.text.ple_dim();
+  FloatTensor tok;
   std::vector<float> pad_row(static_cast<size_t>(LP));
-  weight_row_to_f32(pipe->embeddings_model().weights().embed_tokens_per_layer, c.text.pad_token_id,
-                    pad_row.data());
+  if (c.text.has_ple()) {
+    tok = taps.get("ple_token_embeds");
+    weight_row_to_f32(pipe->embeddings_model().weights().embed_tokens_per_layer,
+                      c.text.pad_token_id, pad_row.data());
+  }
   const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
-  for (size_t r = 0; r < ids.size(); ++r) {
+  for (size_t r = 0; r < ids.size() && c.text.has_ple(); ++r) {
     if (ids[r] != c.image_token_id) continue;
     if (ple_ids[r] != c.text.pad_token_id)
       fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
@@ -220,6 +225,22 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
       if (tok.data[static_cast<size_t>(static_cast<int64_t>(r) * LP + k)] !=
           pad_row[static_cast<size_t>(k)] * scale)
         fail("row ", r, ": PLE identity row differs from the PAD row at element ", k);
+  }
+  std::string block_note;
+  if (c.text.bidirectional_vision) {
+    // The image block: the image's rows see each other on sliding layers, so a prefill in chunks
+    // smaller than the image must keep it whole and give the one-pass logits.
+    auto chunked = Sequence::open(dir, ctx);
+    const FloatTensor last = chunked->prefill(pool, ids, &soft, 2, false, nullptr);
+    const int64_t V = last.dim(1);
+    double d = 0;
+    for (int64_t v = 0; v < V; ++v)
+      d = std::max(
+          d, static_cast<double>(std::fabs(last.row(0)[v] - staged.row(staged.dim(0) - 1)[v])));
+    if (d > 1e-3)
+      fail("a prefill in chunks of 2 rows gives logits ", d,
+           " away from the one-pass prefill: the image block was split across chunks");
+    block_note = "; the image block survives chunks of 2 rows (max-abs " + std::to_string(d) + ")";
   }
   // The splice mask the embeddings stage hands on marks exactly the placeholder rows.
   const auto mask = taps.get_ids("image_splice_mask");
@@ -230,7 +251,7 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   std::ostringstream os;
   os << image_note << n_img
      << " placeholder rows carry the PAD identity and the splice mask; logits finite over "
-     << staged.dim(0) << " rows";
+     << staged.dim(0) << " rows" << block_note;
   for (float v : staged.data)
     if (!std::isfinite(v)) fail("the bundle's logits are not finite");
   return os.str();
@@ -479,6 +500,12 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
   const ModelConfig cfg = load_model_config(hf_dir);
   const TensorStore store = TensorStore::open_dir(hf_dir);
   validate_tensors(tensor_table(cfg), store, cfg);
+  export_bundle_from(store, hf_dir, out_dir, opt);
+}
+
+void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
+                        const std::string& out_dir, const ExportOptions& opt) {
+  const ModelConfig cfg = load_model_config(hf_dir);
   const DType w = weights_dtype(opt.weights);
   DType ple;
   if (opt.ple_weights == "auto")
@@ -522,7 +549,7 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
     uint64_t total = 0;
     for (const StageDecl& d : decls) {
       plans.push_back(plan_stage_tensors(d, cfg, w, ple));
-      for (const PlannedTensor& t : plans.back()) total += store.view(t.key).nbytes;
+      for (const PlannedTensor& t : plans.back()) total += store.nbytes(t.key);
     }
     Progress progress("export", total, opt.progress);
     json stages = json::array();
@@ -533,15 +560,19 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
       const std::string path = partial.add(final_path);
       WeightsFileWriter writer(path);
       for (const PlannedTensor& t : plans[i]) {
-        const WeightView v = store.view(t.key);
-        if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && v.cols() % 32 != 0)
-          fail("tensor ", t.key, " has ", v.cols(),
+        const int64_t cols = t.shape.empty() ? 1 : t.shape.back();
+        if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && cols % 32 != 0)
+          fail("tensor ", t.key, " has ", cols,
                " input columns, not a multiple of the 32-wide quantization block");
-        writer.declare(t.key, t.dtype, v.shape);
+        writer.declare(t.key, t.dtype, t.shape);
       }
       writer.begin_data();
       for (const PlannedTensor& t : plans[i]) {
-        convert_rows(store.view(t.key), t.dtype, writer, progress);
+        const WeightView v = store.view(t.key);
+        if (v.shape != t.shape)
+          fail("tensor ", t.key, " of ", store.file_of(t.key), " has shape ", shape_str(v.shape),
+               ", expected ", shape_str(t.shape));
+        convert_rows(v, t.dtype, writer, progress);
         writer.end_tensor();
       }
       writer.finish();
@@ -573,19 +604,21 @@ void export_bundle(const std::string& hf_dir, const std::string& out_dir,
     }
     const json model_config =
         json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
-    const json manifest = {{"format", "gemstage-bundle"},
-                           {"schema_version", kBundleSchemaVersion},
-                           {"generator", "gemstage export"},
-                           {"source_model", fs::absolute(hf_dir).string()},
-                           {"weights", opt.weights},
-                           {"ple_weights", ple == DType::F32    ? "f32"
-                                           : ple == DType::Q8_0 ? "int8"
-                                                                : "bf16"},
-                           {"max_context", max_context},
-                           {"num_layers", cfg.text.num_hidden_layers},
-                           {"model_config", model_config},
-                           {"copied_files", copied},
-                           {"stages", stages}};
+    const json manifest = {
+        {"format", "gemstage-bundle"},
+        {"schema_version", kBundleSchemaVersion},
+        {"generator", "gemstage export"},
+        {"source_model",
+         opt.source_description.empty() ? fs::absolute(hf_dir).string() : opt.source_description},
+        {"weights", opt.weights},
+        {"ple_weights", ple == DType::F32    ? "f32"
+                        : ple == DType::Q8_0 ? "int8"
+                                             : "bf16"},
+        {"max_context", max_context},
+        {"num_layers", cfg.text.num_hidden_layers},
+        {"model_config", model_config},
+        {"copied_files", copied},
+        {"stages", stages}};
     const std::string manifest_final = (fs::path(out_dir) / "manifest.json").string();
     const std::string manifest_path = partial.add(manifest_final);
     write_file_synced(manifest_path, manifest.dump(2) + "\n");

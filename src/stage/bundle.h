@@ -65,6 +65,8 @@ struct ExportOptions {
   // Write into an output folder that holds files other than a gemstage bundle (they are left
   // alone). Without it such a folder is refused; an existing bundle is always replaced.
   bool force = false;
+  // What the manifest names as the source ("source_model"); empty: the checkpoint's path.
+  std::string source_description;
 };
 
 // Streams tensors from the checkpoint into stage files; never holds a whole model in memory.
@@ -73,6 +75,11 @@ struct ExportOptions {
 // manifest.json and no new final-named file (a failure removes its partial files; an existing
 // bundle in out_dir stays intact until the new one is complete, then is replaced).
 void export_bundle(const std::string& hf_dir, const std::string& out_dir, const ExportOptions& opt);
+// The same from any tensor source that follows the tensor table of config_dir/config.json (e.g.
+// make-random's generator, which writes a random model straight into a 4-bit bundle without a
+// bf16 checkpoint first); config_dir also holds the files copied into the bundle.
+void export_bundle_from(const TensorSource& store, const std::string& config_dir,
+                        const std::string& out_dir, const ExportOptions& opt);
 
 struct CheckOptions {
   std::string reference_model;  // optional HF dir: compare the bundle's logits against it

@@ -105,6 +105,14 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
                           "call's caches; a sequence's rows are contiguous and in position order "
                           "(absent: every row is one sequence's)",
                           true});
+      if (t.bidirectional_vision)
+        k.inputs.push_back({"vision_groups",
+                            {"S"},
+                            "i32",
+                            "the image block of sliding layers: each row's image group (a run of "
+                            "image/video placeholder rows, whole inside this call), -1 elsewhere "
+                            "(absent: every row causal)",
+                            true});
       k.outputs.push_back({"hidden_states",
                            {"S", D},
                            "f32",
@@ -184,6 +192,8 @@ std::vector<TensorDecl> pipeline_inputs(const ModelConfig& c) {
   std::vector<TensorDecl> in = contract_for(StageRole::Embeddings, {}, c).inputs;
   in.push_back({"positions", {"S"}, "i32", "absolute position of each row"});
   in.push_back({"row_sequence", {"S"}, "i32", "each row's sequence in a batch", true});
+  if (c.text.bidirectional_vision)
+    in.push_back({"vision_groups", {"S"}, "i32", "each row's image group, -1 elsewhere", true});
   return in;
 }
 
@@ -263,11 +273,12 @@ void check_contract_chain(const std::vector<StageDecl>& stages, const ModelConfi
             fail(where, " receives token ids ('", in.name,
                  "'): only the embeddings stage may see token ids, so no "
                  "transformer stage can re-derive PLE identity from raw placeholder ids");
+        // vision_groups numbers image runs (no token identity), for the large models' image block.
         if ((in.dtype == "i32" || in.dtype == "i64") && in.name != "positions" &&
-            in.name != "row_sequence")
+            in.name != "row_sequence" && in.name != "vision_groups")
           fail(where, " receives integer tensor '", in.name,
                "'; transformer and head stages take only hidden states, "
-               "their per_layer_inputs slice and positions");
+               "their per_layer_inputs slice, positions and image groups");
       }
       auto it = available.find(in.name);
       if (it == available.end()) {

@@ -67,6 +67,20 @@ void validate_stage_ranges(const std::vector<LayerRange>& ranges, const TextConf
     }
 }
 
+double layer_parameters(const TextConfig& t, int layer) {
+  const LayerSpec& s = t.layers.at(static_cast<size_t>(layer));
+  const double D = t.hidden_size, q = static_cast<double>(t.num_attention_heads) * s.head_dim,
+               kv = static_cast<double>(s.num_kv_heads) * s.head_dim;
+  double p = 2 * q * D;                                // q_proj, o_proj
+  if (!s.kv_shared) p += (s.k_eq_v ? 1 : 2) * kv * D;  // k_proj (and v_proj)
+  p += 3.0 * s.mlp_width * D;                          // gate, up, down
+  if (s.moe)
+    p += static_cast<double>(t.num_experts) *
+         (3.0 * t.moe_intermediate_size * D + D);  // experts, router
+  if (t.has_ple()) p += 2.0 * t.ple_dim() * D;
+  return p;
+}
+
 std::vector<LayerRange> parse_stage_spec(const std::string& spec, const TextConfig& t) {
   const int L = t.num_hidden_layers;
   std::vector<LayerRange> ranges;
@@ -85,18 +99,25 @@ std::vector<LayerRange> parse_stage_spec(const std::string& spec, const TextConf
     if (n - 1 > static_cast<int>(cuts.size()))
       fail("--stages ", n, ": this model has only ", cuts.size(), " valid cut points (",
            cuts_str(cuts), "), so at most ", cuts.size() + 1, " transformer stages");
-    // Balanced by layer count: for each ideal boundary take the nearest unused valid cut.
+    // Balanced by weight bytes: for each ideal boundary (k/n of the layers' parameters) take the
+    // valid cut whose cumulative share is nearest. An MoE layer holds many times a dense
+    // layer's weights, and a full layer more than a sliding one.
+    std::vector<double> before(static_cast<size_t>(L) + 1, 0.0);  // parameters of layers [0, i)
+    for (int i = 0; i < L; ++i)
+      before[static_cast<size_t>(i) + 1] = before[static_cast<size_t>(i)] + layer_parameters(t, i);
     std::vector<int> chosen;
     int prev = 0;
     for (int k = 1; k < n; ++k) {
-      const double ideal = static_cast<double>(L) * k / n;
+      const double ideal = before.back() * k / n;
       int best = -1;
       for (int c : cuts) {
         if (c <= prev) continue;
         const int remaining_cuts =
             static_cast<int>(std::count_if(cuts.begin(), cuts.end(), [&](int x) { return x > c; }));
         if (remaining_cuts < n - 1 - k) continue;
-        if (best < 0 || std::fabs(c - ideal) < std::fabs(best - ideal)) best = c;
+        if (best < 0 || std::fabs(before[static_cast<size_t>(c)] - ideal) <
+                            std::fabs(before[static_cast<size_t>(best)] - ideal))
+          best = c;
       }
       if (best < 0)
         fail("--stages ", n, ": cannot place ", n - 1, " cuts at valid points (", cuts_str(cuts),

@@ -18,8 +18,13 @@ struct LayerRange {
 // Cut points c in (0, L) where splitting [0, c) | [c, L) keeps every shared layer with its donor.
 std::vector<int> valid_cut_points(const TextConfig& t);
 
-// "0:21,21:42" (explicit ranges) or "N" (N balanced stages at valid cuts). Validates coverage of
-// [0, L) exactly once and donor placement; errors name the layers and list the valid cuts.
+// The matrix parameters of one decoder layer (attention, MLP, experts, per-layer input): what
+// balances stages by weight bytes.
+double layer_parameters(const TextConfig& t, int layer);
+
+// "0:21,21:42" (explicit ranges) or "N" (N stages at valid cuts balanced by weight bytes).
+// Validates coverage of [0, L) exactly once and donor placement; errors name the layers and list
+// the valid cuts.
 std::vector<LayerRange> parse_stage_spec(const std::string& spec, const TextConfig& t);
 void validate_stage_ranges(const std::vector<LayerRange>& ranges, const TextConfig& t);
 

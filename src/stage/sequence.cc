@@ -1,5 +1,6 @@
 #include "stage/sequence.h"
 
+#include <algorithm>
 #include <numeric>
 
 #include "core/error.h"
@@ -71,7 +72,8 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
   const Model& model = batch.front().sequence->model();
   const ModelConfig& c = model.config();
   // The call's rows: each entry's ids in turn, with their positions and sequence index.
-  std::vector<int32_t> ids, positions, row_sequence;
+  std::vector<int32_t> ids, positions, row_sequence, groups;
+  bool any_group = false;
   std::vector<float> soft;
   bool any_soft = false;
   for (const BatchEntry& e : batch)
@@ -97,6 +99,15 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
            " placeholder rows but ", n_soft, " soft tokens");
     if (n_soft) soft.insert(soft.end(), e.soft_tokens->data.begin(), e.soft_tokens->data.end());
     ids.insert(ids.end(), e.ids.begin(), e.ids.end());
+    if (c.text.bidirectional_vision) {
+      // Each entry's image runs are its own groups, numbered on from the previous entry's.
+      int32_t next = 0;
+      for (int32_t g : groups) next = std::max(next, g + 1);
+      for (int32_t g : vision_groups(c, e.ids, next)) {
+        groups.push_back(g);
+        any_group = any_group || g >= 0;
+      }
+    }
     for (int64_t r = 0; r < S; ++r) {
       positions.push_back(static_cast<int32_t>(seq.n_past() + r));
       row_sequence.push_back(static_cast<int32_t>(k));
@@ -135,6 +146,7 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
           std::vector<KvCache*> caches;
           for (const BatchEntry& e : batch) caches.push_back(e.sequence->caches_[i].get());
           if (batch.size() > 1) in["row_sequence"] = HostTensor({S}, row_sequence);
+          if (any_group) in["vision_groups"] = HostTensor({S}, groups);
           TensorMap out = st.run(pool, std::move(in), caches, opt, taps);
           flow["hidden_states"] = std::move(out.at("hidden_states"));
           break;

@@ -157,6 +157,18 @@ TensorMap Stage::run_layers(ThreadPool& pool, TensorMap& in, std::span<KvCache* 
            p[static_cast<size_t>(r)]);
     ++seg.rows;
   }
+  // The image block's groups: a group must not straddle two sequences of a batch.
+  std::vector<int32_t> groups;
+  if (in.count("vision_groups")) {
+    const HostTensor g = take(in, "vision_groups");
+    groups.assign(g.values<int32_t>().begin(), g.values<int32_t>().end());
+    for (RowSegment& seg : segments) {
+      seg.vision_groups = groups.data() + seg.row0;
+      const int32_t first = groups[static_cast<size_t>(seg.row0)];
+      if (first >= 0 && seg.row0 > 0 && groups[static_cast<size_t>(seg.row0 - 1)] == first)
+        fail(where, ": vision group ", first, " spans two sequences (row ", seg.row0, ")");
+    }
+  }
   PerLayerInputs pli;
   if (config_.text.has_ple()) {
     pli.rows = S;
@@ -189,7 +201,7 @@ double Stage::decode_weight_bytes() const {
   double b = 0;
   for (const TensorSpec& s : tensor_table(config_))
     if (s.role == TensorRole::Required && (s.decode_read_in & held.parts) && part_holds(held, s))
-      b += static_cast<double>(weights_->view(s.key).nbytes);
+      b += static_cast<double>(weights_->view(s.key).nbytes) * s.decode_share;
   return b;
 }
 

@@ -8,15 +8,32 @@
 namespace gemstage {
 
 const std::vector<std::string>& known_tap_names() {
-  static const std::vector<std::string> k = {
-      "input_ids",           "llm_input_ids",      "ple_ids", "image_splice_mask",
-      "embeds_scaled",       "inputs_embeds",      "ple_token_embeds",
-      "per_layer_inputs",    "hidden_after_attn",  "hidden_after_mlp",
-      "hidden_states",       "final_hidden",       "logits",
-      "decode_ids",          "decode_logits",      "sequence_ids",
-      "decode_top2_margin",  "pixel_values",       "image_position_ids",
-      "vision_patch_embeds", "vision_encoder_out", "vision_pooled",
-      "vision_embedder_out"};
+  static const std::vector<std::string> k = {"input_ids",
+                                             "llm_input_ids",
+                                             "ple_ids",
+                                             "image_splice_mask",
+                                             "embeds_scaled",
+                                             "inputs_embeds",
+                                             "ple_token_embeds",
+                                             "per_layer_inputs",
+                                             "hidden_after_attn",
+                                             "hidden_after_mlp",
+                                             "hidden_states",
+                                             "final_hidden",
+                                             "logits",
+                                             "decode_ids",
+                                             "decode_logits",
+                                             "sequence_ids",
+                                             "decode_top2_margin",
+                                             "pixel_values",
+                                             "image_position_ids",
+                                             "vision_patch_embeds",
+                                             "vision_encoder_out",
+                                             "vision_pooled",
+                                             "vision_embedder_out",
+                                             "router_probs",
+                                             "router_topk_ids",
+                                             "router_topk_weights"};
   return k;
 }
 
@@ -82,6 +99,30 @@ void TapRecorder::append_layer(const std::string& name, int layer, int num_layer
   p.insert(p.end(), data, data + rows * shape_numel(row_shape));
 }
 
+void TapRecorder::append_layer_ids(const std::string& name, int layer, int num_layers,
+                                   const Shape& row_shape, const int64_t* ids, int64_t rows) {
+  if (!wants(name)) return;
+  Tap& t = tap(name, row_shape, num_layers);
+  t.is_ids = true;
+  t.id_layers.resize(static_cast<size_t>(num_layers));
+  auto& p = t.id_layers.at(static_cast<size_t>(layer));
+  p.insert(p.end(), ids, ids + rows * shape_numel(row_shape));
+}
+
+template <typename T>
+std::vector<T> TapRecorder::stack_layers(const std::string& name,
+                                         const std::vector<std::vector<T>>& layers, int64_t& rows,
+                                         int64_t row) {
+  rows = row && !layers.empty() ? static_cast<int64_t>(layers[0].size()) / row : 0;
+  std::vector<T> out;
+  for (const auto& p : layers) {
+    if (static_cast<int64_t>(p.size()) != rows * row)
+      fail("tap ", name, ": layers have different lengths (a layer range was skipped?)");
+    out.insert(out.end(), p.begin(), p.end());
+  }
+  return out;
+}
+
 std::vector<std::string> TapRecorder::recorded() const {
   std::vector<std::string> r;
   for (const auto& [k, v] : taps_) r.push_back(k);
@@ -97,11 +138,9 @@ FloatTensor TapRecorder::get(const std::string& name) const {
   const int64_t row = shape_numel(t.row_shape);
   const int64_t rows = row ? static_cast<int64_t>(t.parts[0].size()) / row : 0;
   if (t.num_layers > 0) {
-    for (const auto& p : t.parts)
-      if (static_cast<int64_t>(p.size()) != rows * row)
-        fail("tap ", name, ": layers have different lengths (a layer range was skipped?)");
-    out.shape = {t.num_layers, rows};
-    for (const auto& p : t.parts) out.data.insert(out.data.end(), p.begin(), p.end());
+    int64_t n = 0;
+    out.data = stack_layers(name, t.parts, n, row);
+    out.shape = {t.num_layers, n};
   } else {
     out.shape = {rows};
     out.data = t.parts[0];
@@ -113,14 +152,24 @@ FloatTensor TapRecorder::get(const std::string& name) const {
 std::vector<int64_t> TapRecorder::get_ids(const std::string& name) const {
   auto it = taps_.find(name);
   if (it == taps_.end() || !it->second.is_ids) fail("id tap ", name, " was not recorded");
-  return it->second.ids;
+  const Tap& t = it->second;
+  if (t.num_layers == 0) return t.ids;
+  int64_t rows = 0;
+  return stack_layers(name, t.id_layers, rows, shape_numel(t.row_shape));
 }
 
 void TapRecorder::write_dir(const std::string& dir) const {
   std::filesystem::create_directories(dir);
   for (const auto& [name, t] : taps_) {
     const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
-    if (t.is_ids) {
+    if (t.is_ids && t.num_layers > 0) {
+      int64_t rows = 0;
+      const std::vector<int64_t> ids =
+          stack_layers(name, t.id_layers, rows, shape_numel(t.row_shape));
+      Shape shape = {t.num_layers, rows};
+      shape.insert(shape.end(), t.row_shape.begin(), t.row_shape.end());
+      save_npy_i64(path, shape, ids);
+    } else if (t.is_ids) {
       Shape shape = {static_cast<int64_t>(t.ids.size()) / shape_numel(t.row_shape)};
       shape.insert(shape.end(), t.row_shape.begin(), t.row_shape.end());
       save_npy_i64(path, shape, t.ids);

@@ -29,6 +29,11 @@ class TapRecorder {
   void append_layer(const std::string& name, int layer, int num_layers, const Shape& row_shape,
                     const float* data, int64_t rows);
 
+  // Appends rows of ids to layer `layer` of a layered id tap ([L, S, ...], e.g. the experts each
+  // row chose per layer).
+  void append_layer_ids(const std::string& name, int layer, int num_layers, const Shape& row_shape,
+                        const int64_t* ids, int64_t rows);
+
   std::vector<std::string> recorded() const;
   // The assembled tensor of one tap (f32 taps), e.g. for in-process comparisons.
   FloatTensor get(const std::string& name) const;
@@ -40,11 +45,17 @@ class TapRecorder {
   struct Tap {
     bool is_ids = false;
     Shape row_shape;
-    int num_layers = 0;                     // 0: sequence tap
-    std::vector<std::vector<float>> parts;  // one per layer (or one)
-    std::vector<int64_t> ids;
+    int num_layers = 0;                           // 0: sequence tap
+    std::vector<std::vector<float>> parts;        // one per layer (or one)
+    std::vector<int64_t> ids;                     // sequence id taps
+    std::vector<std::vector<int64_t>> id_layers;  // layered id taps, one per layer
   };
   Tap& tap(const std::string& name, const Shape& row_shape, int num_layers);
+  // A layered tap's layers stacked to [L, rows, ...], checking they have one length.
+  template <typename T>
+  static std::vector<T> stack_layers(const std::string& name,
+                                     const std::vector<std::vector<T>>& layers, int64_t& rows,
+                                     int64_t row);
 
   bool all_ = false;
   std::set<std::string> names_;
