@@ -459,3 +459,105 @@ TEST(AudioFixture, RawIdDiagnosticShowsTheBugOnlyOnAudioRows) {
       EXPECT_EQ(d, 0.0) << "text row " << r;
   }
 }
+
+// ---------------------------------------------------------------------------------------------
+// bundles and the command line
+
+namespace {
+
+int run_cli(const std::string& args, const std::string& log) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > " + log + " 2>&1";
+  const int rc = std::system(cmd.c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+}  // namespace
+
+TEST(AudioBundle, ExportedTowerRunsInTheEmbeddingsStageAndChecks) {
+  const std::string d = gemstage::testing::temp_dir("audio_bundle"), log = d + "/log.txt";
+  ASSERT_EQ(
+      run_cli("export -m " + afx("model") + " --out " + d + "/b --stages 2 --weights q8_0", log), 0)
+      << read_text(log);
+  ASSERT_EQ(run_cli("check " + d + "/b", log), 0) << read_text(log);
+  EXPECT_NE(read_text(log).find("a synthetic 1 s clip through the audio tower"), std::string::npos)
+      << read_text(log);
+  // The tower stays f32/bf16 in a quantized bundle, so its soft tokens are the checkpoint's.
+  const auto bundle = Model::open(d + "/b");
+  ASSERT_NE(bundle->audio(), nullptr);
+  ThreadPool pool(2);
+  const FloatTensor a = bundle->audio()->encode_all(pool, {fixture_clip()}, nullptr);
+  const FloatTensor b = audio_model()->audio()->encode_all(pool, {fixture_clip()}, nullptr);
+  EXPECT_LE(max_abs_rows(a, b), 2e-2);  // bf16 tower matrices in a q8_0 bundle
+  EXPECT_LE(max_abs_rows(a, load_f32(afx("audio/audio_embedder_out.npy"))), 2e-2);
+}
+
+TEST(AudioCli, DumpWritesTheFixtureTapsAndInfoListsTheTower) {
+  const std::string d = gemstage::testing::temp_dir("audio_cli"), log = d + "/log.txt";
+  const std::string args = "dump -m " + afx("model") + " --ids " + afx("audio/input_ids.npy") +
+                           " --audio " + afx("audio/audio.wav") + " --out " + d +
+                           "/taps --decode 8 --chunk 9 -t 2 --taps all";
+  ASSERT_EQ(run_cli(args, log), 0) << read_text(log);
+  for (const char* tap : {"audio_features", "audio_subsample_out", "audio_encoder_out",
+                          "audio_tower_out", "audio_embedder_out", "audio_layer_out"}) {
+    const FloatTensor got = load_f32(d + "/taps/" + tap + ".npy");
+    const FloatTensor want = load_f32(afx(std::string("audio/") + tap + ".npy"));
+    EXPECT_EQ(got.shape, want.shape) << tap;
+    if (std::string(tap) != "audio_layer_out") {
+      EXPECT_LE(max_abs_rows(got, want, 40), 5e-4) << tap;
+    }
+  }
+  EXPECT_EQ(load_f32(d + "/taps/audio_waveform.npy").data,
+            load_f32(afx("audio/audio_waveform.npy")).data);
+  EXPECT_EQ(load_npy(d + "/taps/decode_ids.npy").to_i64(),
+            load_npy(afx("audio/decode_ids.npy")).to_i64());
+  EXPECT_LE(max_abs_rows(load_f32(d + "/taps/logits.npy"), load_f32(afx("audio/logits.npy"))),
+            2e-4);
+  // audio_splice_mask marks exactly the audio rows; image_splice_mask none of them.
+  const std::vector<int64_t> ids = load_npy(afx("audio/input_ids.npy")).to_i64();
+  const std::vector<int64_t> am = load_npy(d + "/taps/audio_splice_mask.npy").to_i64();
+  const std::vector<int64_t> im = load_npy(d + "/taps/image_splice_mask.npy").to_i64();
+  for (size_t r = 0; r < ids.size(); ++r) {
+    EXPECT_EQ(am[r], ids[r] == 2041 ? 1 : 0) << r;
+    EXPECT_EQ(im[r], 0) << r;
+  }
+  // A prompt whose placeholder count does not match the clip is refused.
+  EXPECT_NE(run_cli("dump -m " + afx("model") + " --ids " + afx("audio/decode_ids.npy") +
+                        " --audio " + afx("audio/audio.wav") + " --out " + d + "/t2",
+                    log),
+            0);
+  EXPECT_NE(read_text(log).find("audio placeholder tokens"), std::string::npos) << read_text(log);
+  ASSERT_EQ(run_cli("info --model " + afx("model"), log), 0) << read_text(log);
+  EXPECT_NE(read_text(log).find("audio        hidden=64 layers=2 heads=4"), std::string::npos)
+      << read_text(log);
+  EXPECT_NE(read_text(log).find("audio tower + embedder"), std::string::npos) << read_text(log);
+}
+
+TEST(AudioCli, GenerateTakesAnAudioFileAndRefusesBadOnes) {
+  const std::string d = gemstage::testing::temp_dir("audio_gen"), log = d + "/log.txt";
+  ASSERT_EQ(run_cli("generate -m " + afx("model") + " --audio " + afx("audio/audio.wav") +
+                        " -p hello -n 4 --temp 0 --json",
+                    log),
+            0)
+      << read_text(log);
+  const std::string out = read_text(log);
+  // <|audio> + 40 × <|audio|> + <audio|> in the prompt.
+  std::string forty;
+  for (int i = 0; i < 40; ++i) forty += "2041,";
+  EXPECT_NE(out.find("2001," + forty + "2043"), std::string::npos) << out;
+  std::ofstream(d + "/bad.mp3") << "not an mp3";
+  EXPECT_NE(run_cli("generate -m " + afx("model") + " --audio " + d + "/bad.mp3 -p x -n 1", log),
+            0);
+  EXPECT_NE(read_text(log).find("bad.mp3: not an audio format"), std::string::npos)
+      << read_text(log);
+  // A model without an audio tower says so.
+  EXPECT_NE(run_cli("generate -m " + std::string(GEMSTAGE_FIXTURES) +
+                        "/gemma4-tiny/model --audio " + afx("audio/audio.wav") + " -p x -n 1",
+                    log),
+            0);
+  EXPECT_NE(read_text(log).find("no audio tower"), std::string::npos) << read_text(log);
+}

@@ -121,8 +121,9 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
             // audio_soft_tokens, image/video rows as image_soft_tokens (the contract names each).
             int64_t n_audio = 0;
             for (int32_t id : ids) n_audio += id == c.audio_token_id ? 1 : 0;
-            if (!c.audio || n_audio == 0 || n != count_placeholders(c, ids)) {
-              in[c.vision || !c.audio ? "image_soft_tokens" : "audio_soft_tokens"] =
+            if (n_audio == 0 || n != count_placeholders(c, ids)) {
+              // No audio rows (or a count the stage will refuse, naming both counts).
+              in[n_audio == 0 || c.vision ? "image_soft_tokens" : "audio_soft_tokens"] =
                   HostTensor({n, D}, std::move(soft));
             } else {
               std::vector<float> vis, aud;

@@ -184,14 +184,7 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
     e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
   out["per_layer_inputs"] = HostTensor(pli_shape, std::move(e.per_layer_inputs.data));
   out["ple_token_ids"] = HostTensor({S}, std::move(e.ple_token_ids));
-  if (config_.audio) {
-    std::vector<uint8_t> audio_mask(static_cast<size_t>(S), 0);
-    for (size_t r = 0; r < audio_mask.size(); ++r) {
-      audio_mask[r] = e.image_splice_mask[r] && audio_row[r];
-      if (audio_mask[r]) e.image_splice_mask[r] = 0;
-    }
-    out["audio_splice_mask"] = HostTensor({S}, std::move(audio_mask));
-  }
+  if (config_.audio) out["audio_splice_mask"] = HostTensor({S}, std::move(e.audio_splice_mask));
   out["image_splice_mask"] = HostTensor({S}, std::move(e.image_splice_mask));
   return out;
 }

@@ -8,15 +8,39 @@
 namespace gemstage {
 
 const std::vector<std::string>& known_tap_names() {
-  static const std::vector<std::string> k = {
-      "input_ids",           "llm_input_ids",      "ple_ids", "image_splice_mask",
-      "embeds_scaled",       "inputs_embeds",      "ple_token_embeds",
-      "per_layer_inputs",    "hidden_after_attn",  "hidden_after_mlp",
-      "hidden_states",       "final_hidden",       "logits",
-      "decode_ids",          "decode_logits",      "sequence_ids",
-      "decode_top2_margin",  "pixel_values",       "image_position_ids",
-      "vision_patch_embeds", "vision_encoder_out", "vision_pooled",
-      "vision_embedder_out"};
+  static const std::vector<std::string> k = {"input_ids",
+                                             "llm_input_ids",
+                                             "ple_ids",
+                                             "image_splice_mask",
+                                             "embeds_scaled",
+                                             "inputs_embeds",
+                                             "ple_token_embeds",
+                                             "per_layer_inputs",
+                                             "hidden_after_attn",
+                                             "hidden_after_mlp",
+                                             "hidden_states",
+                                             "final_hidden",
+                                             "logits",
+                                             "decode_ids",
+                                             "decode_logits",
+                                             "sequence_ids",
+                                             "decode_top2_margin",
+                                             "pixel_values",
+                                             "image_position_ids",
+                                             "vision_patch_embeds",
+                                             "vision_encoder_out",
+                                             "vision_pooled",
+                                             "vision_embedder_out",
+                                             "audio_waveform",
+                                             "audio_features",
+                                             "audio_features_mask",
+                                             "audio_subsample_out",
+                                             "audio_subsample_mask",
+                                             "audio_layer_out",
+                                             "audio_encoder_out",
+                                             "audio_tower_out",
+                                             "audio_embedder_out",
+                                             "audio_splice_mask"};
   return k;
 }
 
