@@ -561,3 +561,30 @@ TEST(AudioCli, GenerateTakesAnAudioFileAndRefusesBadOnes) {
             0);
   EXPECT_NE(read_text(log).find("no audio tower"), std::string::npos) << read_text(log);
 }
+
+TEST(AudioCli, ParityHasAudioRowsAnAudioGateAndShowsTheRawIdBugOnAudioRowsOnly) {
+  const std::string d = gemstage::testing::temp_dir("audio_parity"), log = d + "/log.txt";
+  const std::string base =
+      "parity -m " + afx("model") + " -r " + afx("audio") + " -t 2 --report " + d + "/r.json";
+  ASSERT_EQ(run_cli(base + " --gate 'per_layer_inputs.audio.cos_min>=0.999'" +
+                        " --gate 'audio_gate.step_logits_change>0' --gate 'teacher_forced>=1'" +
+                        " --gate 'audio_encoder_out.max_abs<=1e-4'",
+                    log),
+            0)
+      << read_text(log);
+  EXPECT_NE(read_text(log).find("audio 40"), std::string::npos) << read_text(log);
+  EXPECT_NE(read_text(log).find("audio gate (blank = silence)"), std::string::npos);
+  EXPECT_NE(read_text(log).find("no divergence"), std::string::npos) << read_text(log);
+  // The raw-id diagnostic: text rows stay exact, audio rows diverge (gate fails: exit 3).
+  EXPECT_EQ(run_cli(base + " --ple-identity raw --gate 'per_layer_inputs.text.max_abs<=1e-4'" +
+                        " --gate 'per_layer_inputs.audio.cos_min>=0.999'",
+                    log),
+            3)
+      << read_text(log);
+  EXPECT_NE(read_text(log).find("gate PASS  per_layer_inputs.text.max_abs<=1e-4"),
+            std::string::npos)
+      << read_text(log);
+  EXPECT_NE(read_text(log).find("gate FAIL  per_layer_inputs.audio.cos_min>=0.999"),
+            std::string::npos)
+      << read_text(log);
+}
