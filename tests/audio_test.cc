@@ -4,6 +4,7 @@
 // manifest's tolerances, the embeddings stage's audio contract and the full audio prefill +
 // greedy decode, with the raw-id diagnostic.
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <sndfile.h>
 
 #include <cmath>
@@ -21,11 +22,14 @@
 #include "gemma4/tensor_table.h"
 #include "io/npy.h"
 #include "kernels/weight_rows.h"
+#include "server/api.h"
+#include "server/server.h"
 #include "stage/sequence.h"
 #include "test_util.h"
 #include "tokenizer/chat_format.h"
 
 using namespace gemstage;
+using namespace gemstage::server;
 
 namespace {
 
@@ -165,6 +169,15 @@ TEST(AudioDecode, StereoIsTheMeanOfTheChannelsAndFormatsAgree) {
     EXPECT_EQ(clip.source_channels, 2) << c.name;
     EXPECT_EQ(clip.samples, want) << c.name;
   }
+  // MP3 (the other input_audio format OpenAI defines) goes through libsndfile's mpg123.
+  write_sound(d + "/t.mp3", SF_FORMAT_MPEG | SF_FORMAT_MPEG_LAYER_III, 16000, 1,
+              tone(16000, 1.0, 440, 0.5));
+  const AudioClip mp3 = decode_audio_file(d + "/t.mp3");
+  EXPECT_EQ(mp3.source_channels, 1);
+  EXPECT_NEAR(static_cast<double>(mp3.samples.size()), 16000.0, 2000.0);
+  double peak = 0;
+  for (float v : mp3.samples) peak = std::max(peak, std::abs(static_cast<double>(v)));
+  EXPECT_NEAR(peak, 0.5, 0.1);
   // OGG/Vorbis is lossy: close, not equal.
   const std::vector<float> t = tone(16000, 1.0, 440, 0.5, 2);
   write_sound(d + "/t.ogg", SF_FORMAT_OGG | SF_FORMAT_VORBIS, 16000, 2, t);
@@ -587,4 +600,99 @@ TEST(AudioCli, ParityHasAudioRowsAnAudioGateAndShowsTheRawIdBugOnAudioRowsOnly) 
   EXPECT_NE(read_text(log).find("gate FAIL  per_layer_inputs.audio.cos_min>=0.999"),
             std::string::npos)
       << read_text(log);
+}
+
+// ---------------------------------------------------------------------------------------------
+// serve: OpenAI input_audio content parts
+
+namespace {
+
+std::string wav_base64() {
+  const std::string bytes = read_text(afx("audio/audio.wav"));
+  return encode_base64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
+}
+
+nlohmann::json audio_message(const std::string& data, const std::string& format) {
+  return {{"role", "user"},
+          {"content",
+           nlohmann::json::array(
+               {{{"type", "input_audio"}, {"input_audio", {{"data", data}, {"format", format}}}},
+                {{"type", "text"}, {"text", "hello"}}})}};
+}
+
+// The error of a request the parser refuses: status, param and message.
+std::string api_error(const nlohmann::json& body, std::string* param = nullptr) {
+  try {
+    parse_chat_request(body);
+  } catch (const ApiError& e) {
+    if (param) *param = e.param();
+    return std::to_string(e.status()) + " " + e.what();
+  }
+  return "(accepted)";
+}
+
+}  // namespace
+
+TEST(AudioServe, InputAudioPartsAreDecodedOrRefusedWithA400) {
+  const nlohmann::json ok = {{"messages", {audio_message(wav_base64(), "wav")}}};
+  const ChatRequest r = parse_chat_request(ok);
+  ASSERT_EQ(r.messages[0].parts.size(), 2u);
+  ASSERT_TRUE(r.messages[0].parts[0].audio);
+  EXPECT_EQ(r.messages[0].parts[0].audio->samples, load_f32(afx("audio/audio_waveform.npy")).data);
+  std::string param;
+  std::string e = api_error({{"messages", {audio_message(wav_base64(), "aac")}}}, &param);
+  EXPECT_NE(e.find("400 audio format 'aac' cannot be decoded"), std::string::npos) << e;
+  EXPECT_EQ(param, "messages[0].content[0].input_audio.format");
+  const std::string junk = encode_base64(reinterpret_cast<const uint8_t*>("not audio"), 9);
+  e = api_error({{"messages", {audio_message(junk, "mp3")}}}, &param);
+  EXPECT_NE(e.find("400 the mp3 audio in messages[0].content[0].input_audio.data: not an audio "
+                   "format gemstage can decode"),
+            std::string::npos)
+      << e;
+  e = api_error({{"messages", {audio_message("%%%", "wav")}}});
+  EXPECT_NE(e.find("not valid base64"), std::string::npos) << e;
+  nlohmann::json assistant = audio_message(wav_base64(), "wav");
+  assistant["role"] = "assistant";
+  e = api_error({{"messages", {assistant}}});
+  EXPECT_NE(e.find("audio is only accepted in user messages"), std::string::npos) << e;
+}
+
+TEST(AudioServe, ChatCompletionWithInputAudioEqualsGenerateAudio) {
+  ServerOptions o;
+  o.model_path = afx("model");
+  o.port = 0;
+  o.parallel = 1;
+  o.threads = 2;
+  o.defaults.max_tokens = 4;
+  o.shutdown_grace_seconds = 1;
+  Server s(std::move(o));
+  s.start();
+  ASSERT_TRUE(s.wait_loaded()) << s.load_error();
+  httplib::Client c("127.0.0.1", s.port());
+  c.set_read_timeout(120, 0);
+  const nlohmann::json body = {
+      {"messages", {audio_message(wav_base64(), "wav")}}, {"max_tokens", 4}, {"temperature", 0}};
+  const auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const nlohmann::json j = nlohmann::json::parse(r->body);
+  const std::string d = gemstage::testing::temp_dir("audio_serve"), log = d + "/log.txt";
+  ASSERT_EQ(run_cli("generate -m " + afx("model") + " --audio " + afx("audio/audio.wav") +
+                        " -p hello -n 4 --temp 0 --json -t 2",
+                    log),
+            0)
+      << read_text(log);
+  const std::string out = read_text(log);
+  const nlohmann::json want = nlohmann::json::parse(out.substr(0, out.find('\n')));
+  EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+  // An undecodable clip is a 400 that says so.
+  const auto bad =
+      c.Post("/v1/chat/completions",
+             nlohmann::json({{"messages", {audio_message(wav_base64(), "m4a")}}}).dump(),
+             "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_NE(bad->body.find("audio format 'm4a' cannot be decoded"), std::string::npos) << bad->body;
+  s.shutdown();
 }
