@@ -123,7 +123,7 @@ int run_dump(const DumpArgs& a) {
   const std::vector<VisionInput> images = load_images(a, *model);
   const int64_t n_placeholders = count_placeholders(model->config(), ids);
   FloatTensor soft;
-  double t_vision = 0, t_audio = 0;
+  double t_vision = 0, t_audio = 0, t_features = 0, audio_seconds = 0;
   if (!images.empty()) {
     const double tv = now_seconds();
     soft = model->vision()->encode_all(pool, images, &taps);
@@ -134,18 +134,21 @@ int run_dump(const DumpArgs& a) {
     if (!model->audio())
       fail(a.model,
            ": this checkpoint has no audio tower (no audio_config), so it cannot take --audio");
-    const double ta = now_seconds();
     std::vector<AudioInput> clips;
     for (const std::string& path : a.audios) {
       const AudioClip clip = decode_audio_file(path);
+      audio_seconds += clip.seconds();
       taps.append("audio_waveform", {}, clip.samples.data(),
                   static_cast<int64_t>(clip.samples.size()));
+      const double tf = now_seconds();
       const LogMelFeatures f = log_mel_features(clip.samples, path.c_str());
+      t_features += now_seconds() - tf;
       clips.push_back({f.frames, f.values, f.mask});
     }
+    const double ta = now_seconds();
     const FloatTensor audio_soft = model->audio()->encode_all(pool, clips, &taps);
-    soft = merge_soft_tokens(model->config(), ids, images.empty() ? nullptr : &soft, &audio_soft);
     t_audio = now_seconds() - ta;
+    soft = merge_soft_tokens(model->config(), ids, images.empty() ? nullptr : &soft, &audio_soft);
   }
   const int64_t n_soft = soft.shape.empty() ? 0 : soft.dim(0);
   if (n_soft != n_placeholders)
@@ -200,7 +203,9 @@ int run_dump(const DumpArgs& a) {
     std::cerr << "vision " << images.size() << " image(s), " << soft.dim(0) << " soft tokens in "
               << t_vision << " s; ";
   if (!a.audios.empty())
-    std::cerr << "audio " << a.audios.size() << " clip(s) in " << t_audio << " s; ";
+    std::cerr << "audio " << a.audios.size() << " clip(s), " << audio_seconds << " s: features "
+              << t_features << " s, tower " << t_audio << " s (real-time factor "
+              << (audio_seconds > 0 ? (t_features + t_audio) / audio_seconds : 0.0) << "); ";
   std::cerr << "prefill " << S << " tokens in " << t_prefill << " s ("
             << (t_prefill > 0 ? static_cast<double>(S) / t_prefill : 0.0) << " t/s)";
   if (a.decode > 1)

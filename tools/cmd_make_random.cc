@@ -24,6 +24,7 @@ struct MakeRandomArgs {
   int layers = 0;
   double shard_gb = 0;
   bool force = false;
+  bool audio = false;  // add the E-series audio tower (Gemma4AudioConfig defaults)
 };
 
 // splitmix64: fast, seedable per tensor so output does not depend on write order.
@@ -61,7 +62,8 @@ struct Init {
   bool constant = false;
 };
 Init init_for(const std::string& key) {
-  if (ends_with(key, "norm.weight")) return {1.0f, 0.05f};
+  if (ends_with(key, "norm.weight") || key.find(".norm_") != std::string::npos)
+    return {1.0f, 0.05f};
   if (ends_with(key, "layer_scalar")) return {1.0f, 0.0f};
   if (ends_with(key, "position_embedding_table")) return {0.0f, 0.1f};
   if (ends_with(key, "input_min") || ends_with(key, "output_min")) return {-8.0f, 0, true};
@@ -77,10 +79,14 @@ int run_make_random(const MakeRandomArgs& a) {
                                                 dt == DType::F32   ? "float32"
                                                 : dt == DType::F16 ? "float16"
                                                                    : "bfloat16");
-  const ModelConfig cfg = parse_model_config(cfg_json.dump(), a.preset + " preset");
+  nlohmann::json cfg_out = cfg_json;
+  if (a.audio) cfg_out["audio_config"] = {{"model_type", "gemma4_audio"}};
+  const ModelConfig cfg = parse_model_config(cfg_out.dump(), a.preset + " preset");
   std::vector<TensorSpec> specs = text_tensor_specs(cfg);
   const auto vision = vision_tensor_specs(cfg);
   specs.insert(specs.end(), vision.begin(), vision.end());
+  const auto audio = audio_tensor_specs(cfg);
+  specs.insert(specs.end(), audio.begin(), audio.end());
   // The hub checkpoint does not store the tied lm_head; it does store KV-shared layers' k/v.
   std::erase_if(specs, [](const TensorSpec& s) { return s.key == "lm_head.weight"; });
   std::sort(specs.begin(), specs.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
@@ -162,7 +168,7 @@ int run_make_random(const MakeRandomArgs& a) {
   progress.finish();
   if (shards.size() > 1)
     std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
-  std::ofstream(fs::path(a.out) / "config.json") << cfg_json.dump(2);
+  std::ofstream(fs::path(a.out) / "config.json") << cfg_out.dump(2);
   const nlohmann::json gen = {{"bos_token_id", 2},  {"eos_token_id", {1, 106, 50}},
                               {"pad_token_id", 0},  {"do_sample", true},
                               {"temperature", 1.0}, {"top_k", 64},
@@ -209,6 +215,8 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   sub->add_option("--shard-gb", a->shard_gb,
                   "split into shards of at most this many GB with model.safetensors.index.json");
   sub->add_flag("--force", a->force, "overwrite a non-empty output directory");
+  sub->add_flag("--audio", a->audio,
+                "add the E-series audio tower (audio_config with Gemma4AudioConfig's defaults)");
   reg.add(sub, [a] { return run_make_random(*a); });
 }
 
