@@ -19,6 +19,7 @@
 #include "audio/audio_features.h"
 #include "core/error.h"
 #include "gemma4/audio_model.h"
+#include "gemma4/multimodal.h"
 #include "gemma4/tensor_table.h"
 #include "io/npy.h"
 #include "kernels/weight_rows.h"
@@ -695,4 +696,36 @@ TEST(AudioServe, ChatCompletionWithInputAudioEqualsGenerateAudio) {
   EXPECT_EQ(bad->status, 400);
   EXPECT_NE(bad->body.find("audio format 'm4a' cannot be decoded"), std::string::npos) << bad->body;
   s.shutdown();
+}
+
+TEST(AudioSplice, ImageAndAudioSoftTokensFillTheirOwnRowsInOrder) {
+  const ModelConfig& c = audio_model()->config();
+  const std::vector<int32_t> ids = {2,
+                                    c.boa_token_id,
+                                    c.audio_token_id,
+                                    c.audio_token_id,
+                                    c.eoa_token_id,
+                                    c.boi_token_id,
+                                    c.image_token_id,
+                                    c.eoi_token_id,
+                                    7,
+                                    c.audio_token_id};
+  FloatTensor vis({1, 2}), aud({3, 2});
+  vis.data = {10, 11};
+  aud.data = {20, 21, 30, 31, 40, 41};
+  const FloatTensor m = merge_soft_tokens(c, ids, &vis, &aud);
+  EXPECT_EQ(m.data, (std::vector<float>{20, 21, 30, 31, 10, 11, 40, 41}));
+  FloatTensor two({2, 2});
+  EXPECT_NE(error_of([&] { merge_soft_tokens(c, ids, &vis, &two); }).find("3 audio placeholder"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { merge_soft_tokens(c, ids, nullptr, &aud); }).find("no image was given"),
+            std::string::npos);
+  // More than 30 s of frames is refused before the tower runs.
+  AudioInput huge;
+  huge.frames = 3001;
+  huge.features.assign(3001 * 128, 0.0f);
+  huge.mask.assign(3001, 1);
+  ThreadPool pool(1);
+  EXPECT_NE(error_of([&] { audio_model()->audio()->encode(pool, huge, nullptr); }).find("30 s"),
+            std::string::npos);
 }

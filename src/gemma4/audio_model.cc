@@ -17,6 +17,7 @@ namespace {
 // The FFN blocks and the layer norms use Gemma4RMSNorm's default eps; the light-conv norms the
 // config's rms_norm_eps (gemma4-audio.md "Norms and linears").
 constexpr float kDefaultEps = 1e-6f;
+constexpr int64_t kAudioMaxFrames = 3000;
 
 void clamp_inplace(std::vector<float>& v, float lim) {
   for (float& x : v) x = std::min(std::max(x, -lim), lim);
@@ -268,6 +269,10 @@ void AudioTower::layer_forward(ThreadPool& pool, int li, FloatTensor& x,
 FloatTensor AudioTower::encode(ThreadPool& pool, const AudioInput& clip, TapRecorder* taps) const {
   const int64_t F = clip.frames, H = cfg_.hidden_size, P = cfg_.output_proj_dims;
   if (F <= 0) fail("audio: a clip with no feature frames");
+  // 30 s at 16 kHz is 3000 frames (the processor's max_length); more is not one clip.
+  if (F > kAudioMaxFrames)
+    fail("audio: a clip of ", F, " feature frames; at most ", kAudioMaxFrames,
+         " (30 s) are accepted");
   if (static_cast<int64_t>(clip.features.size()) != F * 128 ||
       static_cast<int64_t>(clip.mask.size()) != F)
     fail("audio: features hold ", clip.features.size(), " values and the mask ", clip.mask.size(),
