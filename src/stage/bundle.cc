@@ -798,8 +798,9 @@ int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& 
   });
   if (!weights_ok || failures) return failures;
 
-  run(std::string("probe: the bundle's stages on a prompt with an image: PLE identity at "
-                  "placeholder rows is the PAD row, the splice mask marks them") +
+  run(std::string("probe: the bundle's stages on a prompt with an image (and a clip, with an "
+                  "audio tower): PLE identity at placeholder rows is the PAD row, the splice "
+                  "masks mark them") +
           (opt.reference_model.empty()
                ? " (the bundle against itself only: give --reference DIR to compare it with the "
                  "source checkpoint)"
