@@ -13,7 +13,7 @@ shift || true
 TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
   TARGETS=(fuzz_safetensors fuzz_weights_file fuzz_config fuzz_npy fuzz_tokenizer
-           fuzz_tokenizer_files fuzz_image fuzz_openai_request fuzz_bundle_manifest)
+           fuzz_tokenizer_files fuzz_image fuzz_openai_request fuzz_bundle_manifest fuzz_audio)
 fi
 
 launcher=()

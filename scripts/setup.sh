@@ -8,6 +8,8 @@ DEBIAN_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   nlohmann-json3-dev libcli11-dev libcpp-httplib-dev libssl-dev
   libpng-dev libjpeg62-turbo-dev zlib1g-dev
+  # audio: decoding (WAV, FLAC, OGG, MP3), resampling to 16 kHz, the log-mel FFT.
+  libsndfile1-dev libsamplerate0-dev libfftw3-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-format librsvg2-bin chromium
   # libFuzzer targets (fuzz/, scripts/fuzz.sh): clang and its runtime (libFuzzer, ASan, UBSan).

@@ -164,7 +164,7 @@ TEST(ParityReference, ReadsTheToleranceLinesHfDumpWrites) {
 TEST(ParityRows, TokenClassesFollowTheConfig) {
   const ModelConfig c = load_model_config(fixture("model"));
   EXPECT_EQ(classify_token(c, c.image_token_id), RowClass::Image);
-  EXPECT_EQ(classify_token(c, c.audio_token_id), RowClass::Image);
+  EXPECT_EQ(classify_token(c, c.audio_token_id), RowClass::Audio);
   EXPECT_EQ(classify_token(c, c.boi_token_id), RowClass::Special);
   EXPECT_EQ(classify_token(c, c.eoi_token_id), RowClass::Special);
   EXPECT_EQ(classify_token(c, c.text.bos_token_id), RowClass::Special);

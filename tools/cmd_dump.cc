@@ -4,6 +4,8 @@
 #include <filesystem>
 #include <iostream>
 
+#include "audio/audio_decode.h"
+#include "audio/audio_features.h"
 #include "core/error.h"
 #include "gemma4/multimodal.h"
 #include "image/image_decode.h"
@@ -27,6 +29,7 @@ struct DumpArgs {
   std::string ple_identity = "pad", embed_scale = "f32";
   std::vector<std::string> pixel_values, image_position_ids;  // preprocessed images, in order
   std::vector<std::string> images;                            // image files, preprocessed here
+  std::vector<std::string> audios;                            // audio files, in prompt order
   bool verbose = false;
 };
 
@@ -120,17 +123,39 @@ int run_dump(const DumpArgs& a) {
   const std::vector<VisionInput> images = load_images(a, *model);
   const int64_t n_placeholders = count_placeholders(model->config(), ids);
   FloatTensor soft;
-  double t_vision = 0;
+  double t_vision = 0, t_audio = 0, t_features = 0, audio_seconds = 0;
   if (!images.empty()) {
     const double tv = now_seconds();
     soft = model->vision()->encode_all(pool, images, &taps);
     t_vision = now_seconds() - tv;
   }
+  // --audio FILE: decoded, featurized (Gemma4AudioFeatureExtractor) and run through the tower.
+  if (!a.audios.empty()) {
+    if (!model->audio())
+      fail(a.model,
+           ": this checkpoint has no audio tower (no audio_config), so it cannot take --audio");
+    std::vector<AudioInput> clips;
+    for (const std::string& path : a.audios) {
+      const AudioClip clip = decode_audio_file(path);
+      audio_seconds += clip.seconds();
+      taps.append("audio_waveform", {}, clip.samples.data(),
+                  static_cast<int64_t>(clip.samples.size()));
+      const double tf = now_seconds();
+      const LogMelFeatures f = log_mel_features(clip.samples, path.c_str());
+      t_features += now_seconds() - tf;
+      clips.push_back({f.frames, f.values, f.mask});
+    }
+    const double ta = now_seconds();
+    const FloatTensor audio_soft = model->audio()->encode_all(pool, clips, &taps);
+    t_audio = now_seconds() - ta;
+    soft = merge_soft_tokens(model->config(), ids, images.empty() ? nullptr : &soft, &audio_soft);
+  }
   const int64_t n_soft = soft.shape.empty() ? 0 : soft.dim(0);
   if (n_soft != n_placeholders)
     fail(a.ids, ": the prompt has ", n_placeholders,
-         " image/audio/video placeholder tokens but the ", images.size(), " image(s) yield ",
-         n_soft, " soft tokens; the processor must write exactly one placeholder per soft token");
+         " image/audio/video placeholder tokens but the ", images.size(), " image(s)",
+         a.audios.empty() ? "" : " and the audio clip(s)", " yield ", n_soft,
+         " soft tokens; the processor must write exactly one placeholder per soft token");
   const int64_t S = static_cast<int64_t>(ids.size());
   if (a.ctx <= 0)
     model->reset(std::min<int64_t>(model->max_context(), S + std::max(0, a.decode) + 1));
@@ -139,7 +164,7 @@ int run_dump(const DumpArgs& a) {
 
   const double t1 = now_seconds();
   FloatTensor last =
-      model->prefill(pool, ids, images.empty() ? nullptr : &soft, chunk, all_logits, &taps, opt);
+      model->prefill(pool, ids, n_soft ? &soft : nullptr, chunk, all_logits, &taps, opt);
   const double t_prefill = now_seconds() - t1;
 
   const int64_t V = tc.vocab_size;
@@ -177,6 +202,10 @@ int run_dump(const DumpArgs& a) {
   if (!images.empty())
     std::cerr << "vision " << images.size() << " image(s), " << soft.dim(0) << " soft tokens in "
               << t_vision << " s; ";
+  if (!a.audios.empty())
+    std::cerr << "audio " << a.audios.size() << " clip(s), " << audio_seconds << " s: features "
+              << t_features << " s, tower " << t_audio << " s (real-time factor "
+              << (audio_seconds > 0 ? (t_features + t_audio) / audio_seconds : 0.0) << "); ";
   std::cerr << "prefill " << S << " tokens in " << t_prefill << " s ("
             << (t_prefill > 0 ? static_cast<double>(S) / t_prefill : 0.0) << " t/s)";
   if (a.decode > 1)
@@ -226,8 +255,12 @@ void add_dump_command(CLI::App& app, Registry& reg) {
                   "(repeatable, one per --pixel-values, same order)")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  // --image FILE (decoded and preprocessed by src/image/) is added here at the image merge; see
-  // load_images().
+  sub->add_option(
+      "--audio", a->audios,
+      "audio file (WAV, FLAC, OGG, MP3; resampled to 16 kHz, at most 30 s), through the "
+      "feature extractor and the audio tower (repeatable, in prompt order; taps "
+      "audio_waveform, audio_features, audio_subsample_out, audio_encoder_out, "
+      "audio_tower_out, audio_embedder_out, ...)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a] { return run_dump(*a); });
 }

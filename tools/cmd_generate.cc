@@ -31,7 +31,7 @@ void print_stats(const GenerationResult& r) {
 
 struct GenerateArgs : CommonArgs {
   std::string prompt, system;
-  std::vector<std::string> images;
+  std::vector<std::string> images, audios;
   bool raw = false, json = false;
 };
 
@@ -41,14 +41,16 @@ int run_generate(const GenerateArgs& a) {
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   PreparedPrompt p;
   if (a.raw) {
-    if (!a.images.empty())
-      fail("--raw prompts cannot take --image (images need the chat format's markers)");
+    if (!a.images.empty() || !a.audios.empty())
+      fail("--raw prompts cannot take --image or --audio (they need the chat format's markers)");
     p = as->prepare_raw(a.prompt);
   } else {
     std::vector<ChatInput> msgs;
     if (!a.system.empty()) msgs.push_back({"system", {{a.system, std::nullopt}}});
     ChatInput user{"user", {}};
     for (const std::string& f : a.images) user.parts.push_back({"", decode_image_file(f)});
+    for (const std::string& f : a.audios)
+      user.parts.push_back({"", std::nullopt, decode_audio_file(f)});
     user.parts.push_back({a.prompt, std::nullopt});
     msgs.push_back(std::move(user));
     p = as->prepare_chat(pool, msgs, {true, a.think});
@@ -56,11 +58,11 @@ int run_generate(const GenerateArgs& a) {
   auto sequence = as->new_sequence();
   GenerationSession session(*sequence, as->tokenizer());
   const GenerationOptions opt = generation_options(a, *as);
-  const GenerationResult r = session.generate(pool, p.ids, p.images ? &p.soft_tokens : nullptr, opt,
-                                              [&](std::string_view piece) {
-                                                if (!a.json) std::cout << piece << std::flush;
-                                                return true;
-                                              });
+  const GenerationResult r =
+      session.generate(pool, p.ids, p.soft(), opt, [&](std::string_view piece) {
+        if (!a.json) std::cout << piece << std::flush;
+        return true;
+      });
   if (a.json) {
     const nlohmann::json j = {{"text", r.text},
                               {"tokens", r.tokens},
@@ -76,7 +78,11 @@ int run_generate(const GenerateArgs& a) {
   return 0;
 }
 
-int run_chat(const CommonArgs& a) {
+struct ChatArgs : CommonArgs {
+  std::vector<std::string> audios;  // attached to the first message
+};
+
+int run_chat(const ChatArgs& a) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
   print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
@@ -86,8 +92,11 @@ int run_chat(const CommonArgs& a) {
   const bool tty = isatty(0);
   std::vector<ChatInput> history;
   std::vector<RgbImage> pending_images;
+  std::vector<AudioClip> pending_audio;
+  for (const std::string& f : a.audios) pending_audio.push_back(decode_audio_file(f));
   if (tty)
-    std::cerr << "gemstage chat: /image FILE attaches an image to the next message, /system TEXT "
+    std::cerr << "gemstage chat: /image FILE and /audio FILE attach an image or a recording to the "
+                 "next message, /system TEXT "
                  "sets the system "
                  "prompt, /reset starts over, /exit quits\n";
   std::string line;
@@ -108,6 +117,12 @@ int run_chat(const CommonArgs& a) {
         std::cerr << "(image attached to the next message)\n";
         continue;
       }
+      if (line.rfind("/audio ", 0) == 0) {
+        pending_audio.push_back(decode_audio_file(line.substr(7)));
+        std::cerr << "(audio attached to the next message: " << pending_audio.back().seconds()
+                  << " s)\n";
+        continue;
+      }
       if (line.rfind("/system ", 0) == 0) {
         history.erase(std::remove_if(history.begin(), history.end(),
                                      [](const ChatInput& m) { return m.role == "system"; }),
@@ -118,14 +133,17 @@ int run_chat(const CommonArgs& a) {
       ChatInput user{"user", {}};
       for (RgbImage& img : pending_images) user.parts.push_back({"", std::move(img)});
       pending_images.clear();
+      for (AudioClip& clip : pending_audio)
+        user.parts.push_back({"", std::nullopt, std::move(clip)});
+      pending_audio.clear();
       user.parts.push_back({line, std::nullopt});
       history.push_back(std::move(user));
       const PreparedPrompt p = as->prepare_chat(pool, history, {true, a.think});
-      const GenerationResult r = session.generate(pool, p.ids, p.images ? &p.soft_tokens : nullptr,
-                                                  opt, [](std::string_view piece) {
-                                                    std::cout << piece << std::flush;
-                                                    return true;
-                                                  });
+      const GenerationResult r =
+          session.generate(pool, p.ids, p.soft(), opt, [](std::string_view piece) {
+            std::cout << piece << std::flush;
+            return true;
+          });
       std::cout << "\n" << std::flush;
       print_stats(r);
       history.push_back({"model", {{strip_thinking(r.text), std::nullopt}}});
@@ -148,6 +166,9 @@ void add_generate_command(CLI::App& app, Registry& reg) {
   sub->add_option("--system", a->system, "system prompt");
   sub->add_option("--image", a->images,
                   "image file (PNG/JPEG) placed before the prompt text (repeatable)");
+  sub->add_option("--audio", a->audios,
+                  "audio file (WAV, FLAC, OGG, MP3; at most 30 s) placed before the prompt text, "
+                  "after any images (repeatable)");
   sub->add_flag("--raw", a->raw, "no chat format: <bos> + the prompt text");
   sub->add_flag("--json", a->json,
                 "print one JSON object (text, tokens, finish_reason, usage) instead of streaming");
@@ -155,10 +176,12 @@ void add_generate_command(CLI::App& app, Registry& reg) {
 }
 
 void add_chat_command(CLI::App& app, Registry& reg) {
-  auto a = std::make_shared<CommonArgs>();
+  auto a = std::make_shared<ChatArgs>();
   auto* sub = app.add_subcommand(
       "chat", "Interactive multi-turn chat that keeps the KV cache between turns");
   add_common(sub, *a);
+  sub->add_option("--audio", a->audios,
+                  "audio file attached to the first message (as /audio FILE; repeatable)");
   reg.add(sub, [a] { return run_chat(*a); });
 }
 

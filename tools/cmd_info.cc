@@ -99,8 +99,19 @@ int run_info(const InfoArgs& a) {
               << " heads=" << c.vision->num_attention_heads << " patch=" << c.vision->patch_size
               << " pool=" << c.vision->pooling_kernel_size
               << (c.vision->use_clipped_linears ? " clipped-linears" : "") << "\n";
-  std::cout << "audio        "
-            << (c.has_audio ? "present in the checkpoint (not run by gemstage)" : "none") << "\n\n";
+  if (c.audio)
+    std::cout << "audio        hidden=" << c.audio->hidden_size
+              << " layers=" << c.audio->num_hidden_layers
+              << " heads=" << c.audio->num_attention_heads << " subsampling=["
+              << c.audio->subsampling_channels[0] << ", " << c.audio->subsampling_channels[1]
+              << "] conv_kernel=" << c.audio->conv_kernel_size
+              << " chunk=" << c.audio->attention_chunk_size
+              << " context_left=" << c.audio->attention_context_left
+              << " output=" << c.audio->output_proj_dims
+              << (c.audio->use_clipped_linears ? " clipped-linears" : "")
+              << " (16 kHz log-mel, 25 soft tokens per second, at most 750 per clip)\n\n";
+  else
+    std::cout << "audio        none\n\n";
 
   std::cout << "parameters by part\n";
   double total_p = 0, total_b = 0;

@@ -30,6 +30,7 @@ struct MakeRandomArgs {
   int layers = 0;
   double shard_gb = 0;
   bool force = false;
+  bool audio = false;  // add the E-series audio tower (Gemma4AudioConfig defaults)
 };
 
 // splitmix64: fast, seedable per tensor so output does not depend on write order.
@@ -67,7 +68,8 @@ struct Init {
   bool constant = false;
 };
 Init init_for(const std::string& key) {
-  if (ends_with(key, "norm.weight")) return {1.0f, 0.05f};
+  if (ends_with(key, "norm.weight") || key.find(".norm_") != std::string::npos)
+    return {1.0f, 0.05f};
   if (ends_with(key, "layer_scalar")) return {1.0f, 0.0f};
   // Multipliers around 1: the router's scales and the vision standardization.
   if (ends_with(key, "scale")) return {1.0f, 0.05f};
@@ -184,10 +186,14 @@ int run_make_random(const MakeRandomArgs& a) {
                                                 dt == DType::F32   ? "float32"
                                                 : dt == DType::F16 ? "float16"
                                                                    : "bfloat16");
-  const ModelConfig cfg = parse_model_config(cfg_json.dump(), a.preset + " preset");
+  nlohmann::json cfg_out = cfg_json;
+  if (a.audio) cfg_out["audio_config"] = {{"model_type", "gemma4_audio"}};
+  const ModelConfig cfg = parse_model_config(cfg_out.dump(), a.preset + " preset");
   std::vector<TensorSpec> specs = text_tensor_specs(cfg);
   const auto vision = vision_tensor_specs(cfg);
   specs.insert(specs.end(), vision.begin(), vision.end());
+  const auto audio = audio_tensor_specs(cfg);
+  specs.insert(specs.end(), audio.begin(), audio.end());
   // The hub checkpoint does not store the tied lm_head; it does store KV-shared layers' k/v.
   std::erase_if(specs, [](const TensorSpec& s) { return s.key == "lm_head.weight"; });
   std::sort(specs.begin(), specs.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
@@ -197,7 +203,7 @@ int run_make_random(const MakeRandomArgs& a) {
     const fs::path assets =
         fs::temp_directory_path() / ("gemstage_make_random_" + std::to_string(::getpid()));
     fs::create_directories(assets);
-    write_config_files(assets.string(), cfg_json, a.preset);
+    write_config_files(assets.string(), cfg_out, a.preset);
     ExportOptions opt;
     opt.weights = a.bundle_weights;
     opt.stages = a.stages;
@@ -291,7 +297,7 @@ int run_make_random(const MakeRandomArgs& a) {
   progress.finish();
   if (shards.size() > 1)
     std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
-  write_config_files(a.out, cfg_json, a.preset);
+  write_config_files(a.out, cfg_out, a.preset);
   std::cerr << "wrote " << specs.size() << " tensors (" << static_cast<double>(total) / 1e9
             << " GB, " << shards.size() << " file" << (shards.size() > 1 ? "s" : "") << ") to "
             << a.out << "; no tokenizer is written (random weights; use --ids with dump/bench)\n";
@@ -323,6 +329,8 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
       ->check(CLI::IsMember({"f32", "bf16", "q8_0", "q4_0"}));
   sub->add_option("--stages", a->stages, "with --bundle: as export --stages")
       ->capture_default_str();
+  sub->add_flag("--audio", a->audio,
+                "add the E-series audio tower (audio_config with Gemma4AudioConfig's defaults)");
   reg.add(sub, [a] { return run_make_random(*a); });
 }
 

@@ -18,9 +18,9 @@ namespace {
 
 struct ParityArgs {
   std::string model, reference, report, plot, ple_identity = "pad";
-  std::vector<std::string> images, gates;
+  std::vector<std::string> images, audios, gates;
   double tie_tol = 0.02, diverge_cos = 0.999;
-  bool no_image_gate = false, verbose = false, quiet = false;
+  bool no_image_gate = false, no_audio_gate = false, verbose = false, quiet = false;
   int threads = 0;
   std::string cache_type = "auto";
 };
@@ -47,11 +47,14 @@ int run_parity_cmd(const ParityArgs& a) {
   opt.tie_tol = a.tie_tol;
   opt.diverge_cos = a.diverge_cos;
   opt.image_gate = !a.no_image_gate;
+  opt.audios = a.audios;
+  opt.audio_gate = !a.no_audio_gate;
   if (a.ple_identity == "raw") {
     opt.ple_identity = PleIdentity::Raw;
-    std::cerr << "warning: --ple-identity raw is a DIAGNOSTIC that reproduces the known "
-                 "staged-export bug (raw placeholder ids feed the PLE lookup); expect image-row "
-                 "divergence\n";
+    std::cerr
+        << "warning: --ple-identity raw is a DIAGNOSTIC that reproduces the known "
+           "staged-export bug (raw placeholder ids feed the PLE lookup); expect image/audio-row "
+           "divergence\n";
   }
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   nlohmann::json report = run_parity(*model, ref, opt, pool);
@@ -94,7 +97,7 @@ void add_parity_command(CLI::App& app, Registry& reg) {
   auto* sub = app.add_subcommand(
       "parity",
       "Compare a model or bundle against a reference tap dump: per-tap and per-layer errors, "
-      "teacher-forced top-1, image gate, first divergence");
+      "teacher-forced top-1, image and audio gates, first divergence");
   sub->add_option("-m,--model", a->model, "Hugging Face checkpoint directory or gemstage bundle")
       ->required();
   sub->add_option("-r,--reference", a->reference,
@@ -104,6 +107,9 @@ void add_parity_command(CLI::App& app, Registry& reg) {
   sub->add_option("--image", a->images,
                   "image file (PNG/JPEG) for the prompt's placeholders (default: the reference's "
                   "image.png, else its pixel_values.npy + image_position_ids.npy)");
+  sub->add_option("--audio", a->audios,
+                  "audio file for the prompt's audio placeholders (default: the reference "
+                  "manifest's inputs.wav)");
   sub->add_option("--report", a->report, "write the JSON report here");
   sub->add_option("--plot", a->plot, "write an SVG plot of per-layer cosine and max-abs here");
   sub->add_option("--gate", a->gates,
@@ -123,6 +129,8 @@ void add_parity_command(CLI::App& app, Registry& reg) {
       ->capture_default_str();
   sub->add_flag("--no-image-gate", a->no_image_gate,
                 "skip the second run with the image replaced by a blank one");
+  sub->add_flag("--no-audio-gate", a->no_audio_gate,
+                "skip the second run with the audio replaced by silence");
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
   add_cache_type(sub, a->cache_type);
   sub->add_flag("-q,--quiet", a->quiet, "no table (gate lines only)");

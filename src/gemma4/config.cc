@@ -118,6 +118,29 @@ const std::set<std::string> kKnownTopFields = {
     "image_token_index",   "boi_token_index",
     "eoi_token_index"};
 
+const std::set<std::string> kKnownAudioFields = {"model_type",
+                                                 "hidden_act",
+                                                 "residual_weight",
+                                                 "attention_logit_cap",
+                                                 "attention_invalid_logits_value",
+                                                 "use_clipped_linears",
+                                                 "rms_norm_eps",
+                                                 "gradient_clipping",
+                                                 "initializer_range",
+                                                 "dtype",
+                                                 "torch_dtype",
+                                                 "hidden_size",
+                                                 "num_hidden_layers",
+                                                 "num_attention_heads",
+                                                 "subsampling_conv_channels",
+                                                 "conv_kernel_size",
+                                                 "attention_chunk_size",
+                                                 "attention_context_left",
+                                                 "attention_context_right",
+                                                 "output_proj_dims",
+                                                 "transformers_version",
+                                                 "_name_or_path"};
+
 struct Reader {
   const json& j;
   std::string where;  // "config.json: text_config"
@@ -364,6 +387,54 @@ void parse_vision(const json& vj, const std::string& where, VisionConfig& v,
   if (v.head_dim % 4 != 0) fail(where, ".head_dim must be a multiple of 4 for the 2D RoPE");
 }
 
+void parse_audio(const json& aj, const std::string& where, AudioConfig& a,
+                 std::vector<std::string>& warnings) {
+  if (!aj.is_object()) fail(where, " must be an object");
+  Reader r{aj, where};
+  r.warn_unknown(kKnownAudioFields, warnings);
+  const std::string mt = r.get_str("model_type", "gemma4_audio");
+  if (mt != "gemma4_audio") fail(where, ".model_type is '", mt, "', expected 'gemma4_audio'");
+  const std::string act = r.get_str("hidden_act", "silu");
+  if (act != "silu") fail(where, ".hidden_act is '", act, "'; the audio tower runs silu only");
+  a.hidden_size = r.get_positive("hidden_size", a.hidden_size);
+  a.num_hidden_layers = r.get_positive("num_hidden_layers", a.num_hidden_layers);
+  a.num_attention_heads = r.get_positive("num_attention_heads", a.num_attention_heads);
+  a.conv_kernel_size = r.get_positive("conv_kernel_size", a.conv_kernel_size);
+  a.attention_chunk_size = r.get_positive("attention_chunk_size", a.attention_chunk_size);
+  a.attention_context_left = r.get_positive("attention_context_left", a.attention_context_left);
+  a.attention_context_right = r.get_int("attention_context_right", a.attention_context_right);
+  a.attention_logit_cap = r.get_num("attention_logit_cap", a.attention_logit_cap);
+  a.attention_invalid_logits_value =
+      r.get_num("attention_invalid_logits_value", a.attention_invalid_logits_value);
+  a.residual_weight = r.get_num("residual_weight", a.residual_weight);
+  a.rms_norm_eps = r.get_num("rms_norm_eps", a.rms_norm_eps);
+  a.gradient_clipping = r.get_num("gradient_clipping", a.gradient_clipping);
+  a.use_clipped_linears = r.get_bool("use_clipped_linears", a.use_clipped_linears);
+  a.output_proj_dims = r.get_positive("output_proj_dims", a.output_proj_dims);
+  if (r.present("subsampling_conv_channels")) {
+    const json& ch = aj["subsampling_conv_channels"];
+    if (!ch.is_array() || ch.size() != 2 || !ch[0].is_number_integer() ||
+        !ch[1].is_number_integer() || ch[0].get<int64_t>() <= 0 || ch[1].get<int64_t>() <= 0 ||
+        ch[0].get<int64_t>() > 65536 || ch[1].get<int64_t>() > 65536)
+      fail(where, ".subsampling_conv_channels must be two positive integers, found ", ch.dump());
+    a.subsampling_channels[0] = ch[0].get<int>();
+    a.subsampling_channels[1] = ch[1].get<int>();
+  }
+  if (a.hidden_size % a.num_attention_heads != 0)
+    fail(where, ".hidden_size ", a.hidden_size, " is not a multiple of num_attention_heads ",
+         a.num_attention_heads);
+  // input_proj_linear takes (C0 // 4) * C1 columns but the flattened features have 32 * C1: the
+  // two agree only for C0 = 128 (the 128 mel bins), as in every released checkpoint.
+  if (a.subsampling_channels[0] != 128)
+    fail(where, ".subsampling_conv_channels[0] is ", a.subsampling_channels[0],
+         "; the audio tower's input_proj_linear needs it to be 128 (the mel bins)");
+  if (a.attention_context_right != 0)
+    fail(where, ".attention_context_right is ", a.attention_context_right,
+         "; gemstage runs the released audio tower's causal attention (0) only");
+  if (a.attention_context_left < 2)
+    fail(where, ".attention_context_left must be at least 2, found ", a.attention_context_left);
+}
+
 }  // namespace
 
 void derive_layer_specs(TextConfig& t, const std::string& source) {
@@ -427,6 +498,10 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
       parse_vision(j["vision_config"], source + ": vision_config", *c.vision, c.warnings);
     }
     c.has_audio = top.present("audio_config");
+    if (c.has_audio) {
+      c.audio = AudioConfig{};
+      parse_audio(j["audio_config"], source + ": audio_config", *c.audio, c.warnings);
+    }
     c.image_token_id = top.get_int("image_token_id", c.image_token_id);
     c.video_token_id = top.get_int("video_token_id", c.video_token_id);
     c.audio_token_id = top.get_int("audio_token_id", c.audio_token_id);

@@ -90,13 +90,38 @@ struct VisionConfig {
   int default_output_length = 280;
 };
 
+// Gemma4AudioConfig (E-series audio tower; shared/docs/gemma4-audio.md). Defaults are the class
+// defaults, which E2B/E4B use.
+struct AudioConfig {
+  int hidden_size = 1024;
+  int num_hidden_layers = 12;
+  int num_attention_heads = 8;
+  int subsampling_channels[2] = {128, 32};
+  int conv_kernel_size = 5;
+  int attention_chunk_size = 12;
+  int attention_context_left = 13;
+  int attention_context_right = 0;
+  double attention_logit_cap = 50.0;
+  double attention_invalid_logits_value = -1e9;
+  double residual_weight = 0.5;
+  double rms_norm_eps = 1e-6;
+  double gradient_clipping = 1e10;
+  bool use_clipped_linears = true;
+  int output_proj_dims = 1536;
+
+  int head_dim() const { return hidden_size / num_attention_heads; }
+  // input_proj_linear's in-dim: (C0 // 4) * C1.
+  int subsample_out_dim() const { return subsampling_channels[0] / 4 * subsampling_channels[1]; }
+};
+
 struct ModelConfig {
   std::string source;        // path of config.json, for messages
   std::string architecture;  // Gemma4ForConditionalGeneration / Gemma4ForCausalLM
   bool multimodal = true;    // text weights under model.language_model. (else model.)
   TextConfig text;
   std::optional<VisionConfig> vision;
-  bool has_audio = false;
+  bool has_audio = false;  // audio_config present (then `audio` is set)
+  std::optional<AudioConfig> audio;
   int image_token_id = 258880, video_token_id = 258884, audio_token_id = 258881;
   int boi_token_id = 255999, eoi_token_id = 258882, boa_token_id = 256000, eoa_token_id = 258883;
   std::vector<std::string> warnings;  // unknown fields and the like, for the CLI to print

@@ -51,6 +51,36 @@ int64_t chunk_end_keeping_images_whole(const ModelConfig& c, std::span<const int
   return run_end;
 }
 
+FloatTensor merge_soft_tokens(const ModelConfig& c, std::span<const int32_t> input_ids,
+                              const FloatTensor* vision_soft, const FloatTensor* audio_soft) {
+  if (!vision_soft && !audio_soft) return {};
+  if (!audio_soft) return *vision_soft;
+  int64_t n_audio = 0, n_vision = 0;
+  for (int32_t id : input_ids) {
+    if (id == c.audio_token_id) ++n_audio;
+    if (id == c.image_token_id || id == c.video_token_id) ++n_vision;
+  }
+  const int64_t nv = vision_soft ? vision_soft->dim(0) : 0, na = audio_soft->dim(0);
+  if (na != n_audio)
+    fail("the prompt has ", n_audio, " audio placeholder tokens (audio_token_id ", c.audio_token_id,
+         ") but the audio yields ", na, " soft tokens");
+  if (vision_soft && nv != n_vision)
+    fail("the prompt has ", n_vision, " image/video placeholder tokens but the images yield ", nv,
+         " soft tokens");
+  if (!vision_soft && n_vision)
+    fail("the prompt has ", n_vision, " image/video placeholder tokens but no image was given");
+  const int64_t D = audio_soft->dim(1);
+  FloatTensor out({nv + na, D});
+  int64_t vi = 0, ai = 0, k = 0;
+  for (int32_t id : input_ids) {
+    if (id == c.audio_token_id)
+      std::copy_n(audio_soft->row(ai++), D, out.row(k++));
+    else if (id == c.image_token_id || id == c.video_token_id)
+      std::copy_n(vision_soft->row(vi++), D, out.row(k++));
+  }
+  return out;
+}
+
 FloatTensor slice_rows(const FloatTensor& t, int64_t begin, int64_t n) {
   if (t.shape.size() != 2 || begin < 0 || n < 0 || begin + n > t.dim(0))
     fail("slice_rows: rows [", begin, ", ", begin + n, ") are outside a tensor of shape ",

@@ -28,6 +28,13 @@ std::vector<int32_t> vision_groups(const ModelConfig& c, std::span<const int32_t
 int64_t chunk_end_keeping_images_whole(const ModelConfig& c, std::span<const int32_t> input_ids,
                                        int64_t begin, int64_t end);
 
+// One soft-token list for the prompt's placeholder rows in row order: image/video rows take the
+// vision soft tokens in order, audio rows the audio ones (HF splices each modality into its own
+// rows with masked_scatter). Either may be null; each given list must match its rows' count
+// exactly. Returns an empty tensor when neither is given.
+FloatTensor merge_soft_tokens(const ModelConfig& c, std::span<const int32_t> input_ids,
+                              const FloatTensor* vision_soft, const FloatTensor* audio_soft);
+
 // Rows [begin, begin + n) of a [N, D] tensor.
 FloatTensor slice_rows(const FloatTensor& t, int64_t begin, int64_t n);
 

@@ -1,5 +1,6 @@
 #include "gemma4/tensor_table.h"
 
+#include "gemma4/audio_model.h"
 #include "gemma4/registry.h"
 #include "gemma4/vision_model.h"
 #include "kernels/weight_rows.h"
@@ -17,6 +18,7 @@ constexpr const char* kInfoExperts = "text: MoE experts (top-k read per token)";
 constexpr const char* kInfoKvUnused = "text: KV-shared layers' unused k/v (ignored)";
 constexpr const char* kInfoFinalNorm = "text: final norm";
 constexpr const char* kInfoVision = "vision tower + embedder";
+constexpr const char* kInfoAudio = "audio tower + embedder";
 // lm_head.weight sits outside the text prefix and has always been counted as "other".
 constexpr const char* kInfoOther = "other";
 
@@ -286,10 +288,82 @@ std::vector<TensorSpec> vision_tensor_specs(const ModelConfig& c, VisionWeights*
   return s;
 }
 
+std::vector<TensorSpec> audio_tensor_specs(const ModelConfig& c, AudioWeights* bind) {
+  using enum TensorStorage;
+  std::vector<TensorSpec> s;
+  if (!c.audio) return s;
+  const AudioConfig& a = *c.audio;
+  AudioWeights scratch;
+  AudioWeights& w = bind ? *bind : scratch;
+  w.layers.resize(static_cast<size_t>(a.num_hidden_layers));
+  const std::string p = "model.audio_tower.";
+  const int64_t H = a.hidden_size, c0 = a.subsampling_channels[0], c1 = a.subsampling_channels[1];
+  auto add = [&](std::string key, Shape shape, TensorStorage storage, TensorSlot slot) {
+    s.push_back({.key = std::move(key),
+                 .shape = std::move(shape),
+                 .held_by = kPartAudio,
+                 .storage = storage,
+                 .info_part = kInfoAudio,
+                 .slot = slot});
+  };
+  const std::string sc = p + "subsample_conv_projection.";
+  add(sc + "layer0.conv.weight", {c0, 1, 3, 3}, VisionVector, floats_slot(w.conv0));
+  add(sc + "layer0.norm.weight", {c0}, VisionVector, floats_slot(w.norm0));
+  add(sc + "layer1.conv.weight", {c1, c0, 3, 3}, VisionVector, floats_slot(w.conv1));
+  add(sc + "layer1.norm.weight", {c1}, VisionVector, floats_slot(w.norm1));
+  add(sc + "input_proj_linear.weight", {H, a.subsample_out_dim()}, VisionMatrix,
+      view_slot(w.input_proj));
+  for (int64_t i = 0; i < a.num_hidden_layers; ++i) {
+    AudioLayerWeights& lw = w.layers[static_cast<size_t>(i)];
+    const std::string l = p + "layers." + std::to_string(i) + ".";
+    // Gemma4ClippableLinear: the weight, then (with use_clipped_linears) its four f32 bounds.
+    auto linear = [&](const std::string& name, Shape shape, ClippableLinear& cl) {
+      add(l + name + ".linear.weight", std::move(shape), VisionMatrix, view_slot(cl.weight));
+      if (!a.use_clipped_linears) return;
+      add(l + name + ".input_min", {}, VisionVector, scalar_slot(cl.input_min));
+      add(l + name + ".input_max", {}, VisionVector, scalar_slot(cl.input_max));
+      add(l + name + ".output_min", {}, VisionVector, scalar_slot(cl.output_min));
+      add(l + name + ".output_max", {}, VisionVector, scalar_slot(cl.output_max));
+    };
+    for (int f = 1; f <= 2; ++f) {
+      AudioFfnWeights& fw = f == 1 ? lw.feed_forward1 : lw.feed_forward2;
+      const std::string ff = "feed_forward" + std::to_string(f);
+      linear(ff + ".ffw_layer_1", {4 * H, H}, fw.ffw_layer_1);
+      linear(ff + ".ffw_layer_2", {H, 4 * H}, fw.ffw_layer_2);
+      add(l + ff + ".pre_layer_norm.weight", {H}, VisionVector, floats_slot(fw.pre_layer_norm));
+      add(l + ff + ".post_layer_norm.weight", {H}, VisionVector, floats_slot(fw.post_layer_norm));
+    }
+    linear("self_attn.q_proj", {H, H}, lw.q_proj);
+    linear("self_attn.k_proj", {H, H}, lw.k_proj);
+    linear("self_attn.v_proj", {H, H}, lw.v_proj);
+    linear("self_attn.post", {H, H}, lw.post);
+    add(l + "self_attn.relative_k_proj.weight", {H, H}, VisionMatrix,
+        view_slot(lw.relative_k_proj));
+    add(l + "self_attn.per_dim_scale", {a.head_dim()}, VisionVector, floats_slot(lw.per_dim_scale));
+    linear("lconv1d.linear_start", {2 * H, H}, lw.linear_start);
+    linear("lconv1d.linear_end", {H, H}, lw.linear_end);
+    add(l + "lconv1d.depthwise_conv1d.weight", {H, 1, a.conv_kernel_size}, VisionVector,
+        floats_slot(lw.depthwise_conv));
+    add(l + "lconv1d.pre_layer_norm.weight", {H}, VisionVector, floats_slot(lw.lconv_pre_norm));
+    add(l + "lconv1d.conv_norm.weight", {H}, VisionVector, floats_slot(lw.conv_norm));
+    add(l + "norm_pre_attn.weight", {H}, VisionVector, floats_slot(lw.norm_pre_attn));
+    add(l + "norm_post_attn.weight", {H}, VisionVector, floats_slot(lw.norm_post_attn));
+    add(l + "norm_out.weight", {H}, VisionVector, floats_slot(lw.norm_out));
+  }
+  add(p + "output_proj.weight", {a.output_proj_dims, H}, VisionMatrix, view_slot(w.output_proj));
+  add(p + "output_proj.bias", {a.output_proj_dims}, VisionVector, floats_slot(w.output_proj_bias));
+  add("model.embed_audio.embedding_projection.weight", {c.text.hidden_size, a.output_proj_dims},
+      VisionMatrix, view_slot(w.embedding_projection));
+  if (!bind) drop_slots(s);
+  return s;
+}
+
 std::vector<TensorSpec> tensor_table(const ModelConfig& c) {
   std::vector<TensorSpec> s = text_tensor_specs(c);
   std::vector<TensorSpec> v = vision_tensor_specs(c);
   s.insert(s.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
+  std::vector<TensorSpec> a = audio_tensor_specs(c);
+  s.insert(s.end(), std::make_move_iterator(a.begin()), std::make_move_iterator(a.end()));
   return s;
 }
 

@@ -24,6 +24,7 @@ namespace gemstage {
 
 struct TextWeights;    // gemma4/registry.h
 struct VisionWeights;  // gemma4/vision_model.h
+struct AudioWeights;   // gemma4/audio_model.h
 
 enum class TensorRole {
   Required,  // must be present with this shape
@@ -38,6 +39,7 @@ enum TensorPart : uint8_t {
   kPartLayer = 2,       // one decoder layer (TensorSpec::layer says which)
   kPartHead = 4,        // final norm and the tied LM head
   kPartVision = 8,      // vision tower and its embedder into the text width
+  kPartAudio = 16,      // audio tower and its embedder into the text width
 };
 using PartMask = uint8_t;
 
@@ -89,7 +91,10 @@ struct TensorSpec {
 std::vector<TensorSpec> text_tensor_specs(const ModelConfig& c, TextWeights* bind = nullptr);
 // The vision tower's and embedder's tensors (none without a vision_config).
 std::vector<TensorSpec> vision_tensor_specs(const ModelConfig& c, VisionWeights* bind = nullptr);
-// Both, text first: the whole table in export order.
+// The audio tower's and embedder's tensors (none without an audio_config). Stored like the
+// vision tower's: matrices f32/bf16 (VisionMatrix), everything else f32 (VisionVector).
+std::vector<TensorSpec> audio_tensor_specs(const ModelConfig& c, AudioWeights* bind = nullptr);
+// Text, vision, audio: the whole table in export order.
 std::vector<TensorSpec> tensor_table(const ModelConfig& c);
 
 // True when a source holding `held` holds tensor s.

@@ -96,6 +96,7 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   EmbeddingsOutput out;
   out.ple_token_ids = ident.ple_ids;
   out.image_splice_mask.assign(static_cast<size_t>(S), 0);
+  out.audio_splice_mask.assign(static_cast<size_t>(S), 0);
   // Gemma4TextScaledWordEmbedding casts its f32 scale to the compute dtype before multiplying.
   float scale = std::sqrt(static_cast<float>(D));
   if (opt.embed_scale == EmbedScaleMode::BF16) scale = round_to_bf16(scale);
@@ -121,12 +122,18 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
       if (ident.is_placeholder[static_cast<size_t>(r)]) {
         std::memcpy(out.hidden_states.row(r), soft_tokens->row(k++),
                     static_cast<size_t>(D) * sizeof(float));
-        out.image_splice_mask[static_cast<size_t>(r)] = 1;
+        // Audio rows get their own mask on models with an audio tower (see EmbeddingsOutput).
+        const bool audio_row =
+            model_cfg_.audio && input_ids[static_cast<size_t>(r)] == model_cfg_.audio_token_id;
+        (audio_row ? out.audio_splice_mask : out.image_splice_mask)[static_cast<size_t>(r)] = 1;
       }
   }
   if (taps) {
     taps->append_ids("image_splice_mask", std::vector<int64_t>(out.image_splice_mask.begin(),
                                                                out.image_splice_mask.end()));
+    if (model_cfg_.audio)
+      taps->append_ids("audio_splice_mask", std::vector<int64_t>(out.audio_splice_mask.begin(),
+                                                                 out.audio_splice_mask.end()));
     taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);
   }
 

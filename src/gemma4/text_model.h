@@ -52,6 +52,9 @@ struct EmbeddingsOutput {
   PerLayerInputs per_layer_inputs;
   std::vector<int32_t> ple_token_ids;      // [S] the PLE lookup's ids: pad at placeholder rows
   std::vector<uint8_t> image_splice_mask;  // [S] 1 where a soft token was spliced in
+  // [S] 1 where an audio soft token was spliced in; on models with an audio tower those rows are
+  // marked here and not in image_splice_mask, so each mask names the tower that filled a row.
+  std::vector<uint8_t> audio_splice_mask;
 };
 
 // The caches layers [begin, end) keep (end -1: all layers); KV-shared layers keep none and read

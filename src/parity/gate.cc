@@ -94,6 +94,13 @@ std::map<std::string, double> gate_metrics(const json& r) {
     if (g.contains("delta_all")) m["image_gate.delta_all"] = g["delta_all"].get<double>();
     m["image_gate.step_logits_change"] = g["step_logits_change_max_abs"].get<double>();
   }
+  if (r.contains("audio_gate") && r["audio_gate"].is_object()) {
+    const json& g = r["audio_gate"];
+    m["audio_gate.on"] = g["on"]["rate"].get<double>();
+    m["audio_gate.off"] = g["off"]["rate"].get<double>();
+    m["audio_gate.delta"] = g["delta"].get<double>();
+    m["audio_gate.step_logits_change"] = g["step_logits_change_max_abs"].get<double>();
+  }
   if (r.contains("first_divergence"))
     m["first_divergence.found"] = r["first_divergence"].value("found", false) ? 1.0 : 0.0;
   return m;

@@ -9,6 +9,8 @@
 #include <set>
 #include <sstream>
 
+#include "audio/audio_decode.h"
+#include "audio/audio_features.h"
 #include "core/error.h"
 #include "gemma4/multimodal.h"
 #include "image/image_decode.h"
@@ -27,11 +29,14 @@ const char* row_class_name(RowClass c) {
       return "image";
     case RowClass::Special:
       return "special";
+    case RowClass::Audio:
+      return "audio";
   }
   return "?";
 }
 
 RowClass classify_token(const ModelConfig& c, int64_t id) {
+  if (id == c.audio_token_id) return RowClass::Audio;
   for (int p : c.placeholder_token_ids())
     if (id == p) return RowClass::Image;
   const TextConfig& t = c.text;
@@ -45,7 +50,8 @@ RowClass classify_token(const ModelConfig& c, int64_t id) {
 
 namespace {
 
-constexpr RowClass kClasses[] = {RowClass::Text, RowClass::Image, RowClass::Special};
+constexpr RowClass kClasses[] = {RowClass::Text, RowClass::Image, RowClass::Audio,
+                                 RowClass::Special};
 
 // JSON has no infinity: a non-finite error is reported as the largest double.
 double finite_or_max(double v) {
@@ -133,12 +139,18 @@ bool is_per_layer_slice(const std::string& n) {
 bool is_patch_tap(const std::string& n) {
   return n == "vision_patch_embeds" || n == "vision_encoder_out";
 }
+// Audio tower taps whose rows are encoder rows; only the valid ones are compared (manifest).
+bool is_audio_row_tap(const std::string& n) {
+  return n == "audio_subsample_out" || n == "audio_encoder_out" || n == "audio_tower_out";
+}
 
 // Compares one float tap. token_class: class per prompt row (for taps whose rows are prompt rows);
-// patch_valid: the real (non-padding) patch rows of vision patch taps.
+// patch_valid: the real (non-padding) patch rows of vision patch taps; audio_valid: the valid
+// encoder rows of audio tower taps.
 json compare_float_tap(const std::string& name, const FloatTensor& ours, const NpyArray& ref_npy,
                        std::optional<double> tol, const std::vector<RowClass>& token_class,
-                       const std::vector<uint8_t>& patch_valid) {
+                       const std::vector<uint8_t>& patch_valid,
+                       const std::vector<uint8_t>& audio_valid) {
   json j;
   const Shape rs = squeeze_leading(ref_npy.shape), os = squeeze_leading(ours.shape);
   j["shape"] = ref_npy.shape;
@@ -165,14 +177,24 @@ json compare_float_tap(const std::string& name, const FloatTensor& ours, const N
     kind = "vision_patches";
   } else if (name.rfind("vision_", 0) == 0 || name == "pixel_values") {
     kind = "vision";
+  } else if (name == "audio_layer_out" && rs.size() >= 2) {
+    kind = "audio_rows";
+    nL = rs[0];
+    nS = rs[1];
+  } else if (is_audio_row_tap(name)) {
+    kind = "audio_rows";
+  } else if (name.rfind("audio_", 0) == 0) {
+    kind = "audio";
   }
   const int64_t total = shape_numel(rs);
   const int64_t W = nL * nS != 0 ? total / (nL * nS) : 0;
   const bool by_token = nS == S_prompt && kind != "vision" && kind != "vision_patches" &&
-                        name.rfind("decode_", 0) != 0;
+                        kind.rfind("audio", 0) != 0 && name.rfind("decode_", 0) != 0;
   const bool by_layer = kind == "layered" || kind == "per_layer";
   const bool mask_patches =
-      kind == "vision_patches" && static_cast<int64_t>(patch_valid.size()) == nS;
+      (kind == "vision_patches" && static_cast<int64_t>(patch_valid.size()) == nS) ||
+      (kind == "audio_rows" && static_cast<int64_t>(audio_valid.size()) == nS);
+  const std::vector<uint8_t>& row_valid = kind == "audio_rows" ? audio_valid : patch_valid;
   j["kind"] = kind;
 
   Acc all;
@@ -182,7 +204,7 @@ json compare_float_tap(const std::string& name, const FloatTensor& ours, const N
   int64_t skipped = 0;
   for (int64_t l = 0; l < nL; ++l)
     for (int64_t s = 0; s < nS; ++s) {
-      if (mask_patches && !patch_valid[static_cast<size_t>(s)]) {
+      if (mask_patches && !row_valid[static_cast<size_t>(s)]) {
         if (l == 0) ++skipped;
         continue;
       }
@@ -360,6 +382,33 @@ ImageSet load_images(const Sequence& model, const ReferenceDump& ref, const Pari
   return s;
 }
 
+// The prompt's audio clips (the reference's, or --audio files) and, for the audio gate, the
+// same-length silence through the same feature extractor and tower.
+struct AudioSet {
+  std::vector<AudioInput> clips, blanks;
+  std::string source;
+};
+
+AudioSet load_audio(const Sequence& model, const ReferenceDump& ref, const ParityOptions& opt) {
+  AudioSet s;
+  std::vector<std::string> files = opt.audios;
+  if (files.empty() && !ref.audio_file.empty()) files.push_back(ref.audio_file);
+  if (files.empty()) return s;
+  if (!model.audio())
+    fail(model.path(),
+         ": this model has no audio tower (no audio_config), so it cannot take audio");
+  for (const std::string& f : files) {
+    const AudioClip clip = decode_audio_file(f);
+    const LogMelFeatures on = log_mel_features(clip.samples, f.c_str());
+    s.clips.push_back({on.frames, on.values, on.mask});
+    const std::vector<float> silence(clip.samples.size(), 0.0f);
+    const LogMelFeatures off = log_mel_features(silence, f.c_str());
+    s.blanks.push_back({off.frames, off.values, off.mask});
+    s.source += (s.source.empty() ? "" : ", ") + f;
+  }
+  return s;
+}
+
 struct Run {
   FloatTensor prompt_logits;       // [S, V]
   std::vector<float> step_logits;  // [N, V]: row 0 = last prompt row, row i after feeding ref i-1
@@ -367,16 +416,20 @@ struct Run {
 
 Run teacher_force(Sequence& model, ThreadPool& pool, const std::vector<int32_t>& prompt,
                   const std::vector<int32_t>& fed, int64_t n_steps,
-                  const std::vector<VisionInput>& images, const TextRunOptions& topt,
-                  TapRecorder* taps) {
+                  const std::vector<VisionInput>& images, const std::vector<AudioInput>& clips,
+                  const TextRunOptions& topt, TapRecorder* taps) {
   const int64_t S = static_cast<int64_t>(prompt.size());
   const int64_t V = model.config().text.vocab_size;
   model.reset(S + std::max<int64_t>(n_steps, 1) + 1);
-  FloatTensor soft;
+  FloatTensor soft, audio_soft;
   if (!images.empty()) soft = model.vision()->encode_all(pool, images, taps);
+  if (!clips.empty()) {
+    audio_soft = model.audio()->encode_all(pool, clips, taps);
+    soft = merge_soft_tokens(model.config(), prompt, images.empty() ? nullptr : &soft, &audio_soft);
+  }
   Run r;
   r.prompt_logits =
-      model.prefill(pool, prompt, images.empty() ? nullptr : &soft, S, true, taps, topt);
+      model.prefill(pool, prompt, soft.numel() ? &soft : nullptr, S, true, taps, topt);
   if (n_steps > 0) {
     const float* last = r.prompt_logits.row(r.prompt_logits.dim(0) - 1);
     r.step_logits.assign(last, last + V);
@@ -402,6 +455,9 @@ std::vector<float> all_positions(const FloatTensor& prompt, const std::vector<fl
 const std::vector<std::string> kVisionOrder = {"pixel_values", "vision_patch_embeds",
                                                "vision_encoder_out", "vision_pooled",
                                                "vision_embedder_out"};
+const std::vector<std::string> kAudioOrder = {"audio_features", "audio_subsample_out",
+                                              "audio_encoder_out", "audio_tower_out",
+                                              "audio_embedder_out"};
 const std::vector<std::string> kEmbedOrder = {"embeds_scaled", "inputs_embeds", "ple_token_embeds",
                                               "per_layer_inputs"};
 const std::vector<std::string> kLayerOrder = {"hidden_after_attn", "hidden_after_mlp",
@@ -444,10 +500,12 @@ json find_first_divergence(const json& taps, double diverge_cos) {
     j["max_abs"] = s.value("max_abs", 0.0);
     j["cos"] = s.value("cos", 1.0);
     j["reason"] = why;
-    j["text"] = (layer >= 0 ? "first diverging at layer " + std::to_string(layer)
-                            : "first diverging in the " +
-                                  (stage == "vision" ? std::string("vision tower") : stage)) +
-                " (" + tap + ": " + why + ")";
+    j["text"] =
+        (layer >= 0 ? "first diverging at layer " + std::to_string(layer)
+                    : "first diverging in the " + (stage == "vision"  ? std::string("vision tower")
+                                                   : stage == "audio" ? std::string("audio tower")
+                                                                      : stage)) +
+        " (" + tap + ": " + why + ")";
     return j;
   };
   auto usable = [&](const std::string& n) {
@@ -456,7 +514,7 @@ json find_first_divergence(const json& taps, double diverge_cos) {
   std::string why;
   for (const auto& [stage, order] :
        std::vector<std::pair<std::string, const std::vector<std::string>*>>{
-           {"vision", &kVisionOrder}, {"embeddings", &kEmbedOrder}})
+           {"vision", &kVisionOrder}, {"audio", &kAudioOrder}, {"embeddings", &kEmbedOrder}})
     for (const std::string& n : *order)
       if (usable(n) && check(taps[n], taps[n]["tolerance"], why))
         return found(stage, -1, n, taps[n], why);
@@ -512,14 +570,16 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
   }
 
   std::vector<RowClass> classes;
-  json row_counts = {{"text", 0}, {"image", 0}, {"special", 0}};
+  json row_counts = {{"text", 0}, {"image", 0}, {"audio", 0}, {"special", 0}};
   for (int32_t id : prompt) {
     classes.push_back(classify_token(cfg, id));
     row_counts[row_class_name(classes.back())] =
         row_counts[row_class_name(classes.back())].get<int64_t>() + 1;
   }
 
-  const int64_t n_placeholders = count_placeholders(cfg, prompt);
+  int64_t n_audio_rows = 0;
+  for (int32_t id : prompt) n_audio_rows += id == cfg.audio_token_id ? 1 : 0;
+  const int64_t n_placeholders = count_placeholders(cfg, prompt) - n_audio_rows;
   ImageSet imgs;
   if (n_placeholders > 0) {
     imgs = load_images(model, ref, opt);
@@ -528,11 +588,20 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
            " image placeholder tokens but no image was found (no image.png or pixel_values.npy "
            "in the reference); give --image FILE");
   }
+  AudioSet auds;
+  if (n_audio_rows > 0) {
+    auds = load_audio(model, ref, opt);
+    if (auds.clips.empty())
+      fail(ref.dir, ": the reference prompt has ", n_audio_rows,
+           " audio placeholder tokens but no clip was found (no inputs.wav in the reference "
+           "manifest); give --audio FILE");
+  }
 
   TextRunOptions topt;
   topt.ple_identity = opt.ple_identity;
   TapRecorder taps({"all"});
-  const Run on = teacher_force(model, pool, prompt, cont, n_steps, imgs.images, topt, &taps);
+  const Run on =
+      teacher_force(model, pool, prompt, cont, n_steps, imgs.images, auds.clips, topt, &taps);
 
   json report;
   report["schema"] = "gemstage-parity";
@@ -552,6 +621,8 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
                       {"n_steps", n_steps},
                       {"images", imgs.images.size()},
                       {"image_source", imgs.source},
+                      {"audios", auds.clips.size()},
+                      {"audio_source", auds.source},
                       {"rows", row_counts}};
 
   // Our taps: the recorded prefill taps plus the teacher-forced step logits.
@@ -590,13 +661,17 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
     for (int64_t i = 0; i < rows; ++i) patch_valid.push_back(i < ref.num_patches ? 1 : 0);
   }
 
+  std::vector<uint8_t> audio_valid;
+  if (ours_i.count("audio_subsample_mask"))
+    for (int64_t v : ours_i["audio_subsample_mask"]) audio_valid.push_back(v ? 1 : 0);
+
   json tj = json::object();
   json skipped = json::array();
   for (const auto& [name, path] : ref.taps) {
     if (ours_f.count(name)) {
       const NpyArray r = load_npy(path);
-      tj[name] =
-          compare_float_tap(name, ours_f[name], r, ref.tolerance(name), classes, patch_valid);
+      tj[name] = compare_float_tap(name, ours_f[name], r, ref.tolerance(name), classes, patch_valid,
+                                   audio_valid);
     } else if (ours_i.count(name)) {
       tj[name] = compare_id_tap(ours_i[name], load_npy(path));
     } else {
@@ -632,7 +707,8 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
 
   // The image gate: the same teacher forcing with a blank image of the same size.
   if (!imgs.images.empty() && opt.image_gate && n_steps > 0) {
-    const Run off = teacher_force(model, pool, prompt, cont, n_steps, imgs.blanks, topt, nullptr);
+    const Run off =
+        teacher_force(model, pool, prompt, cont, n_steps, imgs.blanks, auds.clips, topt, nullptr);
     json g;
     g["blank"] =
         "mid-gray RGB (128,128,128) of the same size, through the same preprocessing "
@@ -661,6 +737,28 @@ json run_parity(Sequence& model, const ReferenceDump& ref, const ParityOptions& 
     report["image_gate"] = g;
   } else {
     report["image_gate"] = nullptr;
+  }
+
+  // The audio gate: the same teacher forcing with each clip replaced by silence of its length.
+  if (!auds.clips.empty() && opt.audio_gate && n_steps > 0) {
+    const Run off =
+        teacher_force(model, pool, prompt, cont, n_steps, imgs.images, auds.blanks, topt, nullptr);
+    json g;
+    g["blank"] = "digital silence of the same length, through the same feature extractor and tower";
+    g["on"] =
+        agreement(on.step_logits, ref_steps, n_steps, V, opt.tie_tol, 0, "first_divergent_step");
+    g["off"] =
+        agreement(off.step_logits, ref_steps, n_steps, V, opt.tie_tol, 0, "first_divergent_step");
+    g["delta"] = g["on"]["rate"].get<double>() - g["off"]["rate"].get<double>();
+    double change = 0;
+    for (size_t i = 0; i < on.step_logits.size(); ++i)
+      change = std::max(change, std::fabs(static_cast<double>(on.step_logits[i]) -
+                                          static_cast<double>(off.step_logits[i])));
+    g["step_logits_change_max_abs"] = change;
+    g["audio_ignored"] = change == 0.0;
+    report["audio_gate"] = g;
+  } else {
+    report["audio_gate"] = nullptr;
   }
 
   report["first_divergence"] = find_first_divergence(tj, opt.diverge_cos);
@@ -702,17 +800,22 @@ void print_parity_table(const json& r, std::ostream& os) {
      << r["reference"].get<std::string>() << "\n";
   const json& in = r["inputs"];
   os << "inputs: " << in["n_prompt"] << " prompt rows (text " << in["rows"]["text"] << ", image "
-     << in["rows"]["image"] << ", special " << in["rows"]["special"] << "), " << in["n_steps"]
-     << " reference steps, " << in["images"] << " image(s)"
+     << in["rows"]["image"] << ", "
+     << (in["rows"].contains("audio") ? "audio " + in["rows"]["audio"].dump() + ", " : "")
+     << "special " << in["rows"]["special"] << "), " << in["n_steps"] << " reference steps, "
+     << in["images"] << " image(s)"
      << (in["image_source"].get<std::string>().empty()
              ? ""
              : " from " + in["image_source"].get<std::string>())
+     << (in.value("audios", 0) > 0 ? ", " + in["audios"].dump() + " audio clip(s) from " +
+                                         in["audio_source"].get<std::string>()
+                                   : "")
      << "; ple-identity " << r["options"]["ple_identity"].get<std::string>() << "\n\n";
   os << pad("tap", 34) << lpad("rows", 6) << lpad("max_abs", 12) << lpad("max_rel", 12)
      << lpad("cos", 11) << lpad("cos_min", 11) << lpad("atol", 10) << lpad("", 6) << "\n";
   os << std::string(102, '-') << "\n";
   std::vector<std::string> order;
-  for (const auto* v : {&kVisionOrder, &kEmbedOrder, &kLayerOrder, &kHeadOrder})
+  for (const auto* v : {&kVisionOrder, &kAudioOrder, &kEmbedOrder, &kLayerOrder, &kHeadOrder})
     order.insert(order.end(), v->begin(), v->end());
   for (const auto& [n, t] : r["taps"].items())
     if (std::find(order.begin(), order.end(), n) == order.end()) order.push_back(n);
@@ -743,7 +846,7 @@ void print_parity_table(const json& r, std::ostream& os) {
         std::string label = "  L" + std::to_string(l["layer"].get<int64_t>());
         if (l.contains("classes") && class_taps.count(n)) {
           label += "  cos_min";
-          for (const char* c : {"text", "image"})
+          for (const char* c : {"text", "image", "audio"})
             if (l["classes"].contains(c))
               label += std::string(" ") + c[0] + "=" + fixed(l["classes"][c]["cos_min"], 4);
         }
@@ -777,6 +880,12 @@ void print_parity_table(const json& r, std::ostream& os) {
       os << "; every position " << agree_str(g["on_all"]) << " vs " << agree_str(g["off_all"])
          << ", delta " << fixed(g["delta_all"], 3);
     os << (g["image_ignored"].get<bool>() ? "  -- THE IMAGE IS IGNORED" : "") << "\n";
+  }
+  if (r.contains("audio_gate") && r["audio_gate"].is_object()) {
+    const json& g = r["audio_gate"];
+    os << "audio gate (blank = silence): steps with audio " << agree_str(g["on"]) << ", without "
+       << agree_str(g["off"]) << ", delta " << fixed(g["delta"], 3)
+       << (g["audio_ignored"].get<bool>() ? "  -- THE AUDIO IS IGNORED" : "") << "\n";
   }
   os << r["first_divergence"]["text"].get<std::string>() << "\n";
 }

@@ -131,6 +131,9 @@ ReferenceDump load_reference(const std::string& dir) {
       r.image_position_ids = path_field(dir, inputs["image_position_ids"].get<std::string>());
     if (inputs.contains("image") && inputs["image"].is_string())
       r.image_file = path_field(dir, inputs["image"].get<std::string>());
+    for (const char* key : {"wav", "audio"})
+      if (r.audio_file.empty() && inputs.contains(key) && inputs[key].is_string())
+        r.audio_file = path_field(dir, inputs[key].get<std::string>());
   }
   if (r.has("pixel_values")) r.pixel_values = r.taps["pixel_values"];
   if (r.has("image_position_ids")) r.image_position_ids = r.taps["image_position_ids"];

@@ -24,6 +24,7 @@ struct ReferenceDump {
   std::map<std::string, double> atol;
   // Image sources, in the order the tool prefers them (empty when absent).
   std::string image_file;                        // image.png (or image.jpg)
+  std::string audio_file;                        // the clip (manifest inputs.wav / inputs.audio)
   std::string pixel_values, image_position_ids;  // preprocessed arrays
   int64_t num_patches = -1;                      // inputs.num_patches (-1: not stated)
 

@@ -2,7 +2,9 @@
 
 #include <filesystem>
 
+#include "audio/audio_features.h"
 #include "core/error.h"
+#include "gemma4/multimodal.h"
 
 namespace gemstage {
 
@@ -44,9 +46,22 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
                                        const ChatOptions& options) const {
   std::vector<ChatMessage> rendered;
   std::vector<VisionInput> images;
+  std::vector<AudioInput> clips;
   for (const ChatInput& m : messages) {
     ChatMessage cm{m.role, {}};
     for (const ChatInputPart& p : m.parts) {
+      if (p.audio) {
+        if (!model_->audio())
+          fail(model_->path(),
+               ": this model has no audio tower (no audio_config), so it cannot "
+               "take audio");
+        const LogMelFeatures f = log_mel_features(
+            p.audio->samples, ("audio clip " + std::to_string(clips.size() + 1)).c_str());
+        clips.push_back({f.frames, f.values, f.mask});
+        cm.parts.push_back(ChatPart::Audio(
+            static_cast<int32_t>(model_->audio()->num_soft_tokens(clips.back().mask))));
+        continue;
+      }
       if (!p.image) {
         cm.parts.push_back(ChatPart::Text(p.text));
         continue;
@@ -62,7 +77,13 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
   PreparedPrompt out;
   out.ids = render_chat(tok_, chat_ids_, rendered, options).ids;
   out.images = static_cast<int>(images.size());
-  if (!images.empty()) out.soft_tokens = model_->embeddings().encode_images(pool, images, nullptr);
+  out.audios = static_cast<int>(clips.size());
+  FloatTensor image_soft, audio_soft;
+  if (!images.empty()) image_soft = model_->embeddings().encode_images(pool, images, nullptr);
+  if (!clips.empty()) audio_soft = model_->embeddings().encode_audio(pool, clips, nullptr);
+  out.soft_tokens =
+      merge_soft_tokens(model_->config(), out.ids, images.empty() ? nullptr : &image_soft,
+                        clips.empty() ? nullptr : &audio_soft);
   return out;
 }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "audio/audio_decode.h"
 #include "image/image_decode.h"
 #include "image/image_processor.h"
 #include "stage/sequence.h"
@@ -20,7 +21,8 @@ namespace gemstage {
 
 struct ChatInputPart {
   std::string text;
-  std::optional<RgbImage> image;  // set for an image part
+  std::optional<RgbImage> image;   // set for an image part
+  std::optional<AudioClip> audio;  // set for an audio part (mono 16 kHz)
 };
 
 struct ChatInput {
@@ -30,8 +32,11 @@ struct ChatInput {
 
 struct PreparedPrompt {
   std::vector<int32_t> ids;
-  FloatTensor soft_tokens;  // [N, D] for the prompt's placeholder rows (empty without images)
+  FloatTensor soft_tokens;  // [N, D] for the prompt's placeholder rows (empty without media)
   int images = 0;
+  int audios = 0;  // audio clips
+  // The soft tokens to splice, or null for a prompt without images or audio.
+  const FloatTensor* soft() const { return soft_tokens.numel() ? &soft_tokens : nullptr; }
 };
 
 class Assistant {
@@ -49,7 +54,8 @@ class Assistant {
   const std::vector<int32_t>& stop_ids() const { return stop_ids_; }
   const std::string& model_name() const { return name_; }
 
-  // Renders the Gemma 4 chat format (images decoded into soft tokens by the vision tower).
+  // Renders the Gemma 4 chat format (images decoded into soft tokens by the vision tower, audio
+  // clips by the audio tower, each spliced at its own placeholder rows).
   PreparedPrompt prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
                               const ChatOptions& options) const;
   // A raw prompt: <bos> (unless add_bos is false) + the tokenized text, no chat markers.

@@ -5,7 +5,7 @@ namespace gemstage::server {
 namespace {
 
 // Kept as one literal so the binary serves the page with no files beside it. Element ids are
-// stable (#messages, #input, #send, #stop, #image, #new-chat, #system, #max-tokens,
+// stable (#messages, #input, #send, #stop, #image, #audio, #new-chat, #system, #max-tokens,
 // #temperature, #api-key, #status, #model): the browser test drives the page through them.
 // Replies are written with textContent, never innerHTML, so model output cannot inject markup.
 constexpr std::string_view kPage = R"PAGE(<!doctype html>
@@ -58,7 +58,9 @@ constexpr std::string_view kPage = R"PAGE(<!doctype html>
   #input { flex: 1; resize: none; font: inherit; padding: 8px; border: 1px solid var(--line);
            border-radius: 8px; min-height: 42px; max-height: 200px; }
   #attach { position: relative; overflow: hidden; }
-  #image { position: absolute; inset: 0; opacity: 0; cursor: pointer; }
+  #image, #audio { position: absolute; inset: 0; opacity: 0; cursor: pointer; }
+  #attach-audio { position: relative; overflow: hidden; }
+  #audio-attachment { display: none; align-items: center; gap: 6px; font-size: 12px; }
   #attachment { display: none; align-items: center; gap: 6px; font-size: 12px;
                 color: var(--muted); }
   #attachment img { height: 36px; border-radius: 4px; }
@@ -87,6 +89,10 @@ constexpr std::string_view kPage = R"PAGE(<!doctype html>
     <button id="clear-image" type="button" title="remove the image">&times;</button></span>
   <button id="attach" type="button" title="attach a PNG or JPEG image">Image
     <input id="image" type="file" accept="image/png,image/jpeg"></button>
+  <span id="audio-attachment"><span id="audio-name"></span>
+    <button id="clear-audio" type="button" title="remove the recording">&times;</button></span>
+  <button id="attach-audio" type="button" title="attach a recording (WAV, MP3, FLAC, OGG; at most 30 s)">Audio
+    <input id="audio" type="file" accept=".wav,.mp3,.flac,.ogg,audio/wav,audio/mpeg,audio/flac,audio/ogg"></button>
   <textarea id="input" rows="1" placeholder="Message (Enter sends, Shift+Enter for a new line)"></textarea>
   <button id="send" class="primary" type="submit">Send</button>
   <button id="stop" type="button" disabled>Stop</button>
@@ -97,6 +103,7 @@ constexpr std::string_view kPage = R"PAGE(<!doctype html>
 const $ = (id) => document.getElementById(id);
 const conversation = [];  // OpenAI-style messages sent with every request
 let attached = null;       // data URL of the image for the next message
+let attachedAudio = null;  // {data: base64, format, url} of the recording for the next message
 let controller = null;     // aborts the reply in flight
 
 const apiKey = $("api-key");
@@ -111,7 +118,7 @@ function headers() {
 
 function status(text) { $("status").textContent = text; }
 
-function addMessage(role, text, image) {
+function addMessage(role, text, image, audio) {
   const div = document.createElement("div");
   div.className = "msg " + role;
   const label = document.createElement("div");
@@ -123,6 +130,12 @@ function addMessage(role, text, image) {
     img.src = image;
     img.alt = "attached image";
     div.appendChild(img);
+  }
+  if (audio) {
+    const player = document.createElement("audio");
+    player.controls = true;
+    player.src = audio;
+    div.appendChild(player);
   }
   const content = document.createElement("div");
   content.className = "content";
@@ -170,10 +183,14 @@ async function readEvents(body, onChunk) {
 async function send(text) {
   const content = [];
   if (attached) content.push({ type: "image_url", image_url: { url: attached } });
+  if (attachedAudio)
+    content.push({ type: "input_audio",
+                   input_audio: { data: attachedAudio.data, format: attachedAudio.format } });
   content.push({ type: "text", text });
-  const user = { role: "user", content: attached ? content : text };
-  addMessage("user", text, attached);
+  const user = { role: "user", content: attached || attachedAudio ? content : text };
+  addMessage("user", text, attached, attachedAudio && attachedAudio.url);
   clearImage();
+  clearAudio();
   conversation.push(user);
 
   const messages = [];
@@ -263,10 +280,35 @@ $("image").addEventListener("change", () => {
   reader.readAsDataURL(file);
 });
 $("clear-image").addEventListener("click", clearImage);
+function clearAudio() {
+  attachedAudio = null;
+  $("audio").value = "";
+  $("audio-attachment").style.display = "none";
+}
+$("audio").addEventListener("change", () => {
+  const file = $("audio").files[0];
+  if (!file) return;
+  // input_audio names the format; the server decodes wav, mp3, flac and ogg.
+  const ext = (file.name.split(".").pop() || "").toLowerCase();
+  const format = { wav: "wav", mp3: "mp3", flac: "flac", ogg: "ogg", oga: "ogg" }[ext] ||
+      { "audio/wav": "wav", "audio/x-wav": "wav", "audio/mpeg": "mp3", "audio/flac": "flac",
+        "audio/ogg": "ogg" }[file.type];
+  if (!format) { status(file.name + ": send WAV, MP3, FLAC or OGG audio"); clearAudio(); return; }
+  const reader = new FileReader();
+  reader.onload = () => {
+    const url = reader.result;
+    attachedAudio = { data: url.slice(url.indexOf(",") + 1), format, url };
+    $("audio-name").textContent = file.name;
+    $("audio-attachment").style.display = "inline-flex";
+  };
+  reader.onerror = () => status("could not read " + file.name);
+  reader.readAsDataURL(file);
+});
+$("clear-audio").addEventListener("click", clearAudio);
 $("composer").addEventListener("submit", (e) => {
   e.preventDefault();
   const text = $("input").value;
-  if (controller || (!text.trim() && !attached)) return;
+  if (controller || (!text.trim() && !attached && !attachedAudio)) return;
   $("input").value = "";
   send(text);
 });
@@ -282,6 +324,7 @@ $("new-chat").addEventListener("click", () => {
   conversation.length = 0;
   $("messages").textContent = "";
   clearImage();
+  clearAudio();
   status("");
 });
 loadModel();

@@ -350,8 +350,8 @@ void Server::Impl::run(Slot& s, Job& job) {
     }
     job.cv.notify_all();
     generating = true;
-    const GenerationResult r = s.session->generate(
-        *s.pool, p.ids, p.images ? &p.soft_tokens : nullptr, g, [&](std::string_view piece) {
+    const GenerationResult r =
+        s.session->generate(*s.pool, p.ids, p.soft(), g, [&](std::string_view piece) {
           {
             std::lock_guard<std::mutex> lk(job.mu);
             job.pending.append(piece);

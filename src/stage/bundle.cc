@@ -11,7 +11,9 @@
 #include <set>
 #include <sstream>
 
+#include "audio/audio_features.h"
 #include "core/error.h"
+#include "gemma4/multimodal.h"
 #include "gemma4/registry.h"
 #include "image/image_processor.h"
 #include "io/file_writer.h"
@@ -187,6 +189,8 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     soft = vision->encode_all(pool, {VisionInput{pi.max_patches, pi.pixel_values, pi.position_ids}},
                               nullptr);
     image_note = "a synthetic 144x96 image through the vision tower: ";
+  } else if (pipe->audio()) {
+    soft = FloatTensor({0, c.text.hidden_size});  // no vision tower: the probe's span is audio
   } else {
     soft = FloatTensor({9, c.text.hidden_size});
     std::mt19937 frng(7);
@@ -202,8 +206,26 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   for (int64_t i = 0; i < n_img; ++i) ids.push_back(c.image_token_id);
   ids.push_back(c.eoi_token_id);
   for (int i = 0; i < 4; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
-  TapRecorder taps({"ple_ids", "ple_token_embeds", "image_splice_mask"});
-  const FloatTensor staged = pipe->forward(pool, ids, &soft, true, &taps);
+  // With an audio tower: a synthetic 1 s clip through the feature extractor and the tower.
+  FloatTensor audio_soft;
+  if (const AudioTower* audio = pipe->audio()) {
+    std::vector<float> wave(16000);
+    for (size_t i = 0; i < wave.size(); ++i)
+      wave[i] = 0.3f * std::sin(0.07f * static_cast<float>(i)) +
+                0.1f * std::sin(0.9f * static_cast<float>(i % 977));
+    const LogMelFeatures f = log_mel_features(wave, "probe clip");
+    audio_soft = audio->encode_all(pool, {AudioInput{f.frames, f.values, f.mask}}, nullptr);
+    ids.push_back(c.boa_token_id);
+    for (int64_t i = 0; i < audio_soft.dim(0); ++i) ids.push_back(c.audio_token_id);
+    ids.push_back(c.eoa_token_id);
+    image_note += "a synthetic 1 s clip through the audio tower: ";
+  }
+  const int64_t n_audio = audio_soft.numel() ? audio_soft.dim(0) : 0;
+  const FloatTensor all_soft =
+      merge_soft_tokens(c, ids, n_img ? &soft : nullptr, n_audio ? &audio_soft : nullptr);
+  TapRecorder taps({"ple_ids", "ple_token_embeds", "image_splice_mask", "audio_splice_mask"});
+  const FloatTensor staged =
+      pipe->forward(pool, ids, all_soft.numel() ? &all_soft : nullptr, true, &taps);
 
   const std::vector<int64_t> ple_ids = taps.get_ids("ple_ids");
   // The PLE identity of placeholder rows (models with per-layer embeddings).
@@ -217,9 +239,9 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   }
   const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
   for (size_t r = 0; r < ids.size() && c.text.has_ple(); ++r) {
-    if (ids[r] != c.image_token_id) continue;
+    if (ids[r] != c.image_token_id && ids[r] != c.audio_token_id) continue;
     if (ple_ids[r] != c.text.pad_token_id)
-      fail("row ", r, " is an image placeholder but its PLE identity id is ", ple_ids[r],
+      fail("row ", r, " is an image/audio placeholder but its PLE identity id is ", ple_ids[r],
            ", not pad ", c.text.pad_token_id);
     for (int64_t k = 0; k < LP; ++k)
       if (tok.data[static_cast<size_t>(static_cast<int64_t>(r) * LP + k)] !=
@@ -248,8 +270,15 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     if ((mask[r] != 0) != (ids[r] == c.image_token_id))
       fail("row ", r, ": image_splice_mask is ", mask[r], " but the row ",
            ids[r] == c.image_token_id ? "is" : "is not", " an image placeholder");
+  if (c.audio) {
+    const auto amask = taps.get_ids("audio_splice_mask");
+    for (size_t r = 0; r < ids.size(); ++r)
+      if ((amask[r] != 0) != (ids[r] == c.audio_token_id))
+        fail("row ", r, ": audio_splice_mask is ", amask[r], " but the row ",
+             ids[r] == c.audio_token_id ? "is" : "is not", " an audio placeholder");
+  }
   std::ostringstream os;
-  os << image_note << n_img
+  os << image_note << n_img + n_audio
      << " placeholder rows carry the PAD identity and the splice mask; logits finite over "
      << staged.dim(0) << " rows" << block_note;
   for (float v : staged.data)
@@ -802,8 +831,9 @@ int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& 
   });
   if (!weights_ok || failures) return failures;
 
-  run(std::string("probe: the bundle's stages on a prompt with an image: PLE identity at "
-                  "placeholder rows is the PAD row, the splice mask marks them") +
+  run(std::string("probe: the bundle's stages on a prompt with an image (and a clip, with an "
+                  "audio tower): PLE identity at placeholder rows is the PAD row, the splice "
+                  "masks mark them") +
           (opt.reference_model.empty()
                ? " (the bundle against itself only: give --reference DIR to compare it with the "
                  "source checkpoint)"

@@ -10,7 +10,7 @@ namespace gemstage {
 PartSet stage_parts(const StageDecl& d) {
   switch (d.role) {
     case StageRole::Embeddings:
-      return {kPartEmbeddings | kPartVision, 0, 0};
+      return {kPartEmbeddings | kPartVision | kPartAudio, 0, 0};
     case StageRole::TransformerLayers:
       return {kPartLayer, d.layers.begin, d.layers.end};
     case StageRole::FinalNormHead:
@@ -66,6 +66,26 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
                             "instead of pixel_values when one prompt's images span several calls",
                             true});
       }
+      if (c.audio) {
+        k.inputs.push_back({"audio_features",
+                            {"N_aud", "F_mel", "128"},
+                            "f32",
+                            "log-mel features of each clip (Gemma4AudioFeatureExtractor), invalid "
+                            "frames zero; the audio tower runs inside this stage",
+                            true});
+        k.inputs.push_back({"audio_features_mask",
+                            {"N_aud", "F_mel"},
+                            "u8",
+                            "1 for each valid feature frame (a prefix of each clip's frames)",
+                            true});
+        k.inputs.push_back({"audio_soft_tokens",
+                            {"N_asoft", D},
+                            "f32",
+                            "audio tower + embedder output for this call's audio placeholder rows, "
+                            "in order: given instead of audio_features when one prompt's audio "
+                            "spans several calls",
+                            true});
+      }
       k.outputs.push_back({"hidden_states",
                            {"S", D},
                            "f32",
@@ -81,8 +101,22 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
            {"S"},
            "i32",
            "token identity used for the PLE lookup: pad_token_id at every placeholder row"});
-      k.outputs.push_back(
-          {"image_splice_mask", {"S"}, "u8", "1 where a tower soft token was spliced in"});
+      if (c.audio) {
+        // Audio models say which tower filled a row; the vision-only contract is unchanged, so
+        // bundles exported before audio existed still check.
+        k.outputs.push_back(
+            {"image_splice_mask",
+             {"S"},
+             "u8",
+             "1 where a vision tower soft token was spliced in (image/video rows)"});
+        k.outputs.push_back({"audio_splice_mask",
+                             {"S"},
+                             "u8",
+                             "1 where an audio tower soft token was spliced in (audio rows)"});
+      } else {
+        k.outputs.push_back(
+            {"image_splice_mask", {"S"}, "u8", "1 where a tower soft token was spliced in"});
+      }
       break;
     }
     case StageRole::TransformerLayers: {

@@ -49,6 +49,8 @@ class Model {
   double decode_weight_bytes() const;
   // The embeddings stage's vision tower; null for checkpoints without vision_config.
   const VisionTower* vision() const { return embeddings().vision(); }
+  // The embeddings stage's audio tower; null for checkpoints without audio_config.
+  const AudioTower* audio() const { return embeddings().audio(); }
   const TextModel& embeddings_model() const { return embeddings().text(); }
 
  private:

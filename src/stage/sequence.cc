@@ -127,7 +127,28 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
           in["input_ids"] = HostTensor({S}, ids);
           if (!soft.empty()) {
             const int64_t D = c.text.hidden_size, n = static_cast<int64_t>(soft.size()) / D;
-            in["image_soft_tokens"] = HostTensor({n, D}, std::move(soft));
+            // The soft tokens fill the placeholder rows in order; audio rows travel as
+            // audio_soft_tokens, image/video rows as image_soft_tokens (the contract names each).
+            int64_t n_audio = 0;
+            for (int32_t id : ids) n_audio += id == c.audio_token_id ? 1 : 0;
+            if (n_audio == 0 || n != count_placeholders(c, ids)) {
+              // No audio rows (or a count the stage will refuse, naming both counts).
+              in[n_audio == 0 || c.vision ? "image_soft_tokens" : "audio_soft_tokens"] =
+                  HostTensor({n, D}, std::move(soft));
+            } else {
+              std::vector<float> vis, aud;
+              const std::vector<int> ph = c.placeholder_token_ids();
+              int64_t k = 0;
+              for (int32_t id : ids) {
+                if (std::find(ph.begin(), ph.end(), id) == ph.end()) continue;
+                auto& dst = id == c.audio_token_id ? aud : vis;
+                dst.insert(dst.end(), soft.begin() + k * D, soft.begin() + (k + 1) * D);
+                ++k;
+              }
+              const int64_t n_vis = static_cast<int64_t>(vis.size()) / D;
+              if (n_vis) in["image_soft_tokens"] = HostTensor({n_vis, D}, std::move(vis));
+              in["audio_soft_tokens"] = HostTensor({n_audio, D}, std::move(aud));
+            }
           }
           flow = st.run(pool, std::move(in), nullptr, opt, taps);
           break;

@@ -48,6 +48,7 @@ class Sequence {
   const std::vector<std::string>& notes() const { return model_->notes(); }
   const std::string& assets_dir() const { return model_->assets_dir(); }
   const VisionTower* vision() const { return model_->vision(); }
+  const AudioTower* audio() const { return model_->audio(); }
   const TextModel& embeddings_model() const { return model_->embeddings_model(); }
   double decode_weight_bytes() const { return model_->decode_weight_bytes(); }
 

@@ -1,5 +1,6 @@
 #include "stage/stage.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
@@ -25,6 +26,8 @@ Stage::Stage(const ModelConfig& config, StageDecl decl, std::shared_ptr<TensorSo
                                       bind_text_weights(config_, *weights_, stage_parts(decl_)));
   if (decl_.role == StageRole::Embeddings && config_.vision)
     vision_ = std::make_unique<VisionTower>(config_, bind_vision_weights(config_, *weights_));
+  if (decl_.role == StageRole::Embeddings && config_.audio)
+    audio_ = std::make_unique<AudioTower>(config_, bind_audio_weights(config_, *weights_));
 }
 
 Stage::~Stage() = default;
@@ -59,6 +62,12 @@ FloatTensor Stage::encode_images(ThreadPool& pool, const std::vector<VisionInput
                                  TapRecorder* taps) const {
   if (!vision_) fail("stage '", decl_.id, "' has no vision tower (the model has no vision_config)");
   return vision_->encode_all(pool, images, taps);
+}
+
+FloatTensor Stage::encode_audio(ThreadPool& pool, const std::vector<AudioInput>& clips,
+                                TapRecorder* taps) const {
+  if (!audio_) fail("stage '", decl_.id, "' has no audio tower (the model has no audio_config)");
+  return audio_->encode_all(pool, clips, taps);
 }
 
 TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOptions& opt,
@@ -97,6 +106,69 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
     soft = take(in, "image_soft_tokens").take_float();
   }
   const auto id_values = ids.values<int32_t>();
+  FloatTensor audio_soft;
+  const bool feats = in.count("audio_features") != 0, fmask = in.count("audio_features_mask") != 0;
+  if (feats != fmask)
+    fail(where, ": audio_features and audio_features_mask come together; got only ",
+         feats ? "audio_features" : "audio_features_mask");
+  if (feats && in.count("audio_soft_tokens"))
+    fail(where,
+         ": give either audio_features (the tower runs here) or audio_soft_tokens (already "
+         "encoded), not both");
+  if (feats) {
+    const HostTensor f = take(in, "audio_features");
+    const HostTensor m = take(in, "audio_features_mask");
+    const int64_t n_clip = f.shape()[0], frames = f.shape()[1];
+    std::vector<AudioInput> clips(static_cast<size_t>(n_clip));
+    const auto fv = f.values<float>();
+    const auto mv = m.values<uint8_t>();
+    for (int64_t b = 0; b < n_clip; ++b) {
+      AudioInput& a = clips[static_cast<size_t>(b)];
+      a.frames = frames;
+      a.features.assign(fv.begin() + b * frames * 128, fv.begin() + (b + 1) * frames * 128);
+      a.mask.assign(mv.begin() + b * frames, mv.begin() + (b + 1) * frames);
+      try {
+        audio_->num_soft_tokens(a.mask);  // validates the mask
+      } catch (const Error& e) {
+        fail(where, ": audio clip ", b, ": ", e.what());
+      }
+    }
+    audio_soft = encode_audio(pool, clips, taps);
+  } else if (in.count("audio_soft_tokens")) {
+    audio_soft = take(in, "audio_soft_tokens").take_float();
+  }
+  // Image/video rows take the vision soft tokens in order, audio rows the audio ones (HF's
+  // masked_scatter per modality); the text model splices one list in row order.
+  std::vector<uint8_t> audio_row(static_cast<size_t>(ids.numel()), 0);
+  for (size_t r = 0; r < audio_row.size(); ++r)
+    audio_row[r] = id_values[r] == config_.audio_token_id ? 1 : 0;
+  if (!audio_soft.data.empty()) {
+    int64_t n_audio_rows = 0;
+    for (uint8_t a : audio_row) n_audio_rows += a;
+    if (n_audio_rows != audio_soft.dim(0))
+      fail(where, ": the call has ", n_audio_rows, " audio placeholder rows (audio_token_id ",
+           config_.audio_token_id, ") but the audio yields ", audio_soft.dim(0),
+           " soft tokens; each clip needs exactly as many placeholders as it yields soft tokens");
+    const int64_t D = config_.text.hidden_size;
+    const int64_t n_vis = soft.data.empty() ? 0 : soft.dim(0);
+    FloatTensor merged({n_vis + audio_soft.dim(0), D});
+    int64_t vi = 0, ai = 0, k = 0;
+    const std::vector<int> ph = config_.placeholder_token_ids();
+    for (size_t r = 0; r < audio_row.size(); ++r) {
+      if (std::find(ph.begin(), ph.end(), id_values[r]) == ph.end()) continue;
+      if (audio_row[r]) {
+        std::copy_n(audio_soft.row(ai++), D, merged.row(k++));
+      } else {
+        if (vi >= n_vis)
+          fail(where, ": image/video placeholder row ", r,
+               " has no vision soft token (the call gives ", n_vis, ")");
+        std::copy_n(soft.row(vi++), D, merged.row(k++));
+      }
+    }
+    if (vi != n_vis)
+      fail(where, ": ", n_vis, " vision soft tokens but ", vi, " image/video placeholder rows");
+    soft = std::move(merged);
+  }
   EmbeddingsOutput e;
   try {
     e = text_->embed(pool, id_values, soft.data.empty() ? nullptr : &soft, opt, taps);
@@ -112,6 +184,7 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
     e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
   out["per_layer_inputs"] = HostTensor(pli_shape, std::move(e.per_layer_inputs.data));
   out["ple_token_ids"] = HostTensor({S}, std::move(e.ple_token_ids));
+  if (config_.audio) out["audio_splice_mask"] = HostTensor({S}, std::move(e.audio_splice_mask));
   out["image_splice_mask"] = HostTensor({S}, std::move(e.image_splice_mask));
   return out;
 }

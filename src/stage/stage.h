@@ -4,8 +4,9 @@
 // what travels between stages, in one process or (later) between processes.
 //
 //   embeddings          input_ids [+ pixel_values, image_position_ids | image_soft_tokens]
+//                       [+ audio_features, audio_features_mask | audio_soft_tokens]
 //                       -> hidden_states, per_layer_inputs, ple_token_ids, image_splice_mask
-//                       (the vision tower runs inside this stage)
+//                       [, audio_splice_mask] (the vision and audio towers run inside this stage)
 //   transformer_layers  hidden_states, per_layer_inputs (its own layers' slice), positions
 //                       -> hidden_states; reads and extends the sequence's KV cache group
 //   final_norm_head     hidden_states -> logits
@@ -19,6 +20,7 @@
 #include "cache/kv_cache.h"
 #include "core/host_tensor.h"
 #include "core/thread_pool.h"
+#include "gemma4/audio_model.h"
 #include "gemma4/text_model.h"
 #include "gemma4/vision_model.h"
 #include "io/safetensors.h"
@@ -61,6 +63,11 @@ class Stage {
                             TapRecorder* taps) const;
   // The vision tower (embeddings stage of a model with vision_config), else null.
   const VisionTower* vision() const { return vision_.get(); }
+  // Embeddings stage: the audio tower's soft tokens for whole clips (as encode_images).
+  FloatTensor encode_audio(ThreadPool& pool, const std::vector<AudioInput>& clips,
+                           TapRecorder* taps) const;
+  // The audio tower (embeddings stage of a model with audio_config), else null.
+  const AudioTower* audio() const { return audio_.get(); }
   const TextModel& text() const { return *text_; }
 
   // Bytes of every matrix this stage reads for one decoded token.
@@ -78,6 +85,7 @@ class Stage {
   std::shared_ptr<TensorSource> weights_;
   std::unique_ptr<TextModel> text_;
   std::unique_ptr<VisionTower> vision_;
+  std::unique_ptr<AudioTower> audio_;
 };
 
 }  // namespace gemstage

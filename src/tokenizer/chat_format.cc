@@ -21,12 +21,15 @@ constexpr std::string_view kThinkText = "<|think|>";
 constexpr std::string_view kImageOpenText = "<|image>";
 constexpr std::string_view kImageSoftText = "<|image|>";
 constexpr std::string_view kImageCloseText = "<image|>";
+constexpr std::string_view kAudioOpenText = "<|audio>";
+constexpr std::string_view kAudioSoftText = "<|audio|>";
+constexpr std::string_view kAudioCloseText = "<audio|>";
 constexpr std::string_view kChannelOpenText = "<|channel>";
 constexpr std::string_view kChannelCloseText = "<channel|>";
 
 // One step of the rendered prompt: literal text, or a marker that is a single token.
 struct Piece {
-  enum class Kind { kText, kBos, kTurnOpen, kTurnClose, kThink, kImage } kind;
+  enum class Kind { kText, kBos, kTurnOpen, kTurnClose, kThink, kImage, kAudio } kind;
   std::string text;
   int32_t image_tokens = 0;
 };
@@ -83,6 +86,15 @@ void render_content(PieceList& out, const ChatMessage& m, TurnRole role, size_t 
         out.text(strip_thinking(part.text));
       else
         out.text(utf8::trim(part.text));
+      continue;
+    }
+    if (part.kind == ChatPart::Kind::kAudio) {
+      if (role != TurnRole::kUser)
+        fail("chat message ", index, " (", m.role, "): audio is only supported in user messages");
+      if (part.audio_tokens <= 0)
+        fail("chat message ", index, ": audio part has ", part.audio_tokens,
+             " soft tokens; pass the count the clip yields (> 0)");
+      out.marker(Piece::Kind::kAudio, part.audio_tokens);
       continue;
     }
     if (role != TurnRole::kUser)
@@ -206,6 +218,11 @@ std::string render_chat_text(std::span<const ChatMessage> messages, const ChatOp
         for (int32_t i = 0; i < p.image_tokens; ++i) out += kImageSoftText;
         out += kImageCloseText;
         break;
+      case Piece::Kind::kAudio:
+        out += kAudioOpenText;
+        for (int32_t i = 0; i < p.image_tokens; ++i) out += kAudioSoftText;
+        out += kAudioCloseText;
+        break;
     }
   }
   return out;
@@ -221,6 +238,9 @@ ChatTokenIds resolve_chat_token_ids(const Tokenizer& tokenizer,
   ids.image_open = tokenizer.token_to_id(kImageOpenText);
   ids.image_soft = tokenizer.token_to_id(kImageSoftText);
   ids.image_close = tokenizer.token_to_id(kImageCloseText);
+  ids.audio_open = tokenizer.token_to_id(kAudioOpenText);
+  ids.audio_soft = tokenizer.token_to_id(kAudioSoftText);
+  ids.audio_close = tokenizer.token_to_id(kAudioCloseText);
   if (config_json_path.empty()) return ids;
   const json config = read_json(config_json_path);
   if (!config.is_object()) fail(config_json_path, ": top level is not a JSON object");
@@ -239,6 +259,10 @@ ChatTokenIds resolve_chat_token_ids(const Tokenizer& tokenizer,
   take("boi_token_id", kImageOpenText, ids.image_open);
   take("image_token_id", kImageSoftText, ids.image_soft);
   take("eoi_token_id", kImageCloseText, ids.image_close);
+  take("boa_token_id", kAudioOpenText, ids.audio_open);
+  take("audio_token_id", kAudioSoftText, ids.audio_soft);
+  take("eoa_token_index", kAudioCloseText, ids.audio_close);
+  take("eoa_token_id", kAudioCloseText, ids.audio_close);
   return ids;
 }
 
@@ -278,6 +302,15 @@ ChatPrompt render_chat(const Tokenizer& tokenizer, const ChatTokenIds& ids,
         prompt.images.push_back({prompt.ids.size(), p.image_tokens});
         prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(p.image_tokens), *ids.image_soft);
         prompt.ids.push_back(*ids.image_close);
+        break;
+      case Piece::Kind::kAudio:
+        if (!ids.audio_open || !ids.audio_soft || !ids.audio_close)
+          fail(tokenizer.source_path(),
+               ": lacks the audio markers <|audio>, <|audio|>, <audio|> (and config.json gives no "
+               "boa/audio/eoa token ids), so audio parts cannot be rendered");
+        prompt.ids.push_back(*ids.audio_open);
+        prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(p.image_tokens), *ids.audio_soft);
+        prompt.ids.push_back(*ids.audio_close);
         break;
     }
   }

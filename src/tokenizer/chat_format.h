@@ -16,13 +16,16 @@
 namespace gemstage {
 
 struct ChatPart {
-  enum class Kind { kText, kImage };
+  enum class Kind { kText, kImage, kAudio };
   Kind kind = Kind::kText;
   std::string text;          // kText
   int32_t image_tokens = 0;  // kImage: N, the soft-token count the image processor produced
+  int32_t audio_tokens = 0;  // kAudio: N, the soft-token count of the clip
 
   static ChatPart Text(std::string t) { return {Kind::kText, std::move(t), 0}; }
   static ChatPart Image(int32_t soft_tokens) { return {Kind::kImage, {}, soft_tokens}; }
+  // Rendered <|audio> + N × <|audio|> + <audio|> (the processor's expansion of one <|audio|>).
+  static ChatPart Audio(int32_t soft_tokens) { return {Kind::kAudio, {}, 0, soft_tokens}; }
 };
 
 struct ChatMessage {
@@ -45,6 +48,9 @@ struct ChatTokenIds {
   std::optional<int32_t> image_open;   // <|image>
   std::optional<int32_t> image_soft;   // <|image|>
   std::optional<int32_t> image_close;  // <image|>
+  std::optional<int32_t> audio_open;   // <|audio>
+  std::optional<int32_t> audio_soft;   // <|audio|>
+  std::optional<int32_t> audio_close;  // <audio|>
 };
 
 // config_json_path may be empty (no config): then every id comes from the tokenizer.

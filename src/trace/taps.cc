@@ -33,7 +33,17 @@ const std::vector<std::string>& known_tap_names() {
                                              "vision_embedder_out",
                                              "router_probs",
                                              "router_topk_ids",
-                                             "router_topk_weights"};
+                                             "router_topk_weights",
+                                             "audio_waveform",
+                                             "audio_features",
+                                             "audio_features_mask",
+                                             "audio_subsample_out",
+                                             "audio_subsample_mask",
+                                             "audio_layer_out",
+                                             "audio_encoder_out",
+                                             "audio_tower_out",
+                                             "audio_embedder_out",
+                                             "audio_splice_mask"};
   return k;
 }
 
