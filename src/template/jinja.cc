@@ -2559,6 +2559,10 @@ struct Interp {
 
 }  // namespace
 
+std::string python_lower(std::string_view s) {
+  return map_case(s, false);
+}
+
 struct Template::Program {
   std::string name;
   Body body;

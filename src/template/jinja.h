@@ -70,4 +70,7 @@ class Template {
 // chat format, which must print numbers as the template does.
 std::string python_float_repr(double v);
 
+// Python's str.lower() (Unicode simple case mapping), which dictsort compares keys by.
+std::string python_lower(std::string_view s);
+
 }  // namespace gemstage::jinja
