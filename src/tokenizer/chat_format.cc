@@ -884,3 +884,80 @@ std::string render_conversation(const ojson& messages, const ojson& tools,
 }
 
 }  // namespace gemstage
+
+namespace gemstage {
+
+ConversationRenderer::ConversationRenderer() = default;
+
+ConversationRenderer ConversationRenderer::from_template_source(std::string_view source,
+                                                                std::string name) {
+  ConversationRenderer r;
+  try {
+    r.template_ = std::make_shared<const jinja::Template>(source, name);
+  } catch (const jinja::TemplateError& e) {
+    fail(e.what());
+  }
+  r.source_ = std::move(name);
+  return r;
+}
+
+ConversationRenderer ConversationRenderer::for_model_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  const fs::path jinja_file = fs::path(dir) / "chat_template.jinja";
+  const fs::path config_file = fs::path(dir) / "tokenizer_config.json";
+  std::string bos = "<bos>";
+  std::optional<std::string> source;
+  std::string name;
+  if (fs::exists(config_file)) {
+    const json cfg = read_json(config_file.string());
+    if (cfg.is_object()) {
+      if (const auto it = cfg.find("bos_token"); it != cfg.end()) {
+        if (it->is_string()) bos = it->get<std::string>();
+        if (it->is_object() && it->contains("content") && (*it)["content"].is_string())
+          bos = (*it)["content"].get<std::string>();
+      }
+      if (const auto it = cfg.find("chat_template"); it != cfg.end()) {
+        if (it->is_string()) {
+          source = it->get<std::string>();
+        } else if (it->is_array()) {
+          // Named templates: [{"name": "default", "template": ...}, ...]
+          for (const json& t : *it)
+            if (t.is_object() && t.value("name", "") == "default" && t.contains("template") &&
+                t["template"].is_string())
+              source = t["template"].get<std::string>();
+        }
+        name = config_file.string() + " chat_template";
+      }
+    }
+  }
+  if (fs::exists(jinja_file)) {
+    source = read_text_file(jinja_file.string());
+    name = jinja_file.string();
+  }
+  ConversationRenderer r = source ? from_template_source(*source, name) : ConversationRenderer();
+  r.bos_token_ = bos;
+  return r;
+}
+
+std::string ConversationRenderer::render(const nlohmann::ordered_json& messages,
+                                         const nlohmann::ordered_json& tools,
+                                         const ConversationOptions& options) const {
+  if (!template_) return render_conversation(messages, tools, options);
+  const auto& t = *static_cast<const jinja::Template*>(template_.get());
+  nlohmann::ordered_json ctx = {{"messages", messages},
+                                {"tools", tools},
+                                {"add_generation_prompt", options.add_generation_prompt},
+                                {"enable_thinking", options.enable_thinking},
+                                {"preserve_thinking", options.preserve_thinking},
+                                {"bos_token", bos_token_},
+                                {"eos_token", "<eos>"}};
+  try {
+    return t.render(ctx);
+  } catch (const jinja::TemplateRaised& e) {
+    throw Error(e.what());
+  } catch (const jinja::TemplateError& e) {
+    throw Error(e.what());
+  }
+}
+
+}  // namespace gemstage

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -96,6 +97,28 @@ struct ConversationOptions {
 std::string render_conversation(const nlohmann::ordered_json& messages,
                                 const nlohmann::ordered_json& tools,
                                 const ConversationOptions& options);
+
+// The conversation renderer of one checkpoint: its own chat template when it ships one
+// (chat_template.jinja, else tokenizer_config.json's "chat_template"), run by the Jinja
+// interpreter (template/jinja.h) the way transformers' apply_chat_template runs it; the built-in
+// render_conversation otherwise. Errors, including the template's raise_exception, are
+// gemstage::Error with the template's message.
+class ConversationRenderer {
+ public:
+  ConversationRenderer();  // built-in
+  static ConversationRenderer for_model_dir(const std::string& dir);
+  static ConversationRenderer from_template_source(std::string_view source, std::string name);
+
+  std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                     const ConversationOptions& options) const;
+  // "built-in", or the file the template came from.
+  const std::string& source() const { return source_; }
+
+ private:
+  std::shared_ptr<const void> template_;  // a jinja::Template; null: built-in
+  std::string source_ = "built-in";
+  std::string bos_token_ = "<bos>";
+};
 
 // Generation stops on: generation_config.json eos_token_id if the model directory has one, else
 // config.json's (top level or text_config), plus the tokenizer's <eos>, <turn|> and
