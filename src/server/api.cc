@@ -655,6 +655,29 @@ ToolRequest parse_tool_request(const json& body) {
   return r;
 }
 
+bool wants_tool_path(const json& body) {
+  if (const json* t = member(body, "tools"); t && !(t->is_array() && t->empty())) return true;
+  if (member(body, "tool_choice") || member(body, "parallel_tool_calls")) return true;
+  if (const json* msgs = member(body, "messages"); msgs && msgs->is_array())
+    for (const json& m : *msgs)
+      if (m.is_object() && (m.value("role", json()) == "tool" || member(m, "tool_calls") ||
+                            member(m, "reasoning_content") || member(m, "reasoning")))
+        return true;
+  return false;
+}
+
+GenerationRequest parse_generation_fields(const json& body) {
+  GenerationRequest r;
+  parse_common(body, r);
+  if (const json* rf = member(body, "response_format")) {
+    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
+    if (const json* t = member(*rf, "type"); t && *t != "text")
+      bad_request("response_format", "unsupported_value",
+                  "only response_format {\"type\": \"text\"} is supported");
+  }
+  return r;
+}
+
 json chat_message_json(const ParsedOutput& parsed,
                        const std::function<std::string()>& new_call_id) {
   json msg = {{"role", "assistant"},

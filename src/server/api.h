@@ -143,6 +143,11 @@ struct ToolRequest {
 // Validates tools, tool_choice, parallel_tool_calls and the messages (tool role, assistant
 // tool_calls with JSON-string arguments, reasoning_content). Throws ApiError 400 naming the part.
 ToolRequest parse_tool_request(const nlohmann::json& body);
+// True when a chat request needs the tool path: tools, a tool_choice, a tool message, an
+// assistant message with tool_calls or reasoning_content.
+bool wants_tool_path(const nlohmann::json& body);
+// The sampling / streaming fields every generation request shares (ApiError on bad values).
+GenerationRequest parse_generation_fields(const nlohmann::json& body);
 
 // The reply message: {"role", "content", ["reasoning_content"], ["tool_calls"]}; call ids come
 // from new_call_id ("call_<unique>").
