@@ -43,7 +43,7 @@ class TemplateRaised : public Error {
 struct RenderLimits {
   size_t max_output_bytes = size_t{64} << 20;
   int64_t max_loop_iterations = 10'000'000;  // all loops of one render together, range() too
-  int max_call_depth = 200;                  // nested macro calls
+  int max_call_depth = 100;                  // nested macro calls
 };
 
 class Template {
