@@ -1199,3 +1199,55 @@ TEST(ServeCli, FlagsAreChecked) {
 }
 
 }  // namespace
+
+// The tool path end to end on the tiny model: a tool round trip's second request (string
+// arguments, a tool result) is rendered by the chat template and answered, streamed or not; a
+// random model rarely writes a call, so the reply's mapping is tested on canned output in
+// api_tools_test.cc.
+TEST(ServerHttp, ToolRoundTripRequestsAreServed) {
+  auto s = start(tiny_options());
+  const json body = {{"messages", json::parse(R"([{"role":"user","content":"Weather in Paris?"},
+         {"role":"assistant","content":null,"tool_calls":[{"id":"call_1","type":"function",
+           "function":{"name":"get_weather","arguments":"{\"city\": \"Paris\"}"}}]},
+         {"role":"tool","tool_call_id":"call_1","content":"15C"}])")},
+                     {"tools", json::parse(R"([{"type":"function","function":{"name":"get_weather",
+         "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}])")},
+                     {"max_tokens", 8}};
+  auto r = post(*s, "/v1/chat/completions", body);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  const json& choice = j["choices"][0];
+  EXPECT_EQ(choice["message"]["role"], "assistant");
+  const std::string fr = choice["finish_reason"];
+  EXPECT_TRUE(fr == "length" || fr == "stop" || fr == "tool_calls") << fr;
+  EXPECT_EQ(j["usage"]["completion_tokens"].get<int>() > 0, true);
+
+  json streamed = body;
+  streamed["stream"] = true;
+  r = post(*s, "/v1/chat/completions", streamed);
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const auto events = sse_data(r->body);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(events.back(), "[DONE]");
+  EXPECT_FALSE(json::parse(events[events.size() - 2])["choices"][0]["finish_reason"].is_null());
+
+  json bad = body;
+  bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{oops";
+  expect_error_reply(post(*s, "/v1/chat/completions", bad), 400, "invalid_value",
+                     "messages[1].tool_calls[0].function.arguments");
+  // A result as a list of text parts is accepted; an image on the tool path is refused (400).
+  json parts_result = body;
+  parts_result["messages"][2]["content"] = json::array({{{"type", "text"}, {"text", "15C"}}});
+  r = post(*s, "/v1/chat/completions", parts_result);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+  json with_image = body;
+  with_image["messages"][0]["content"] = json::array(
+      {{{"type", "image_url"}, {"image_url", {{"url", "data:image/png;base64,AAAA"}}}}});
+  r = post(*s, "/v1/chat/completions", with_image);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400) << r->body;
+  s->shutdown();
+}

@@ -28,5 +28,7 @@ void add_detokenize_command(CLI::App& app, Registry& reg);
 void add_parity_command(CLI::App& app, Registry& reg);
 void add_serve_command(CLI::App& app, Registry& reg);
 void add_run_stage_command(CLI::App& app, Registry& reg);
+void add_template_command(CLI::App& app, Registry& reg);
+void add_parse_output_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

@@ -36,6 +36,8 @@ int main(int argc, char** argv) {
   gemstage::cli::add_bench_command(app, reg);
   gemstage::cli::add_tokenize_command(app, reg);
   gemstage::cli::add_detokenize_command(app, reg);
+  gemstage::cli::add_template_command(app, reg);
+  gemstage::cli::add_parse_output_command(app, reg);
   gemstage::cli::add_parity_command(app, reg);
   gemstage::cli::add_serve_command(app, reg);
   gemstage::cli::add_run_stage_command(app, reg);

@@ -31,6 +31,7 @@ std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_
   const fs::path cfg = fs::path(dir) / "config.json";
   a->chat_ids_ = resolve_chat_token_ids(a->tok_, fs::exists(cfg) ? cfg.string() : std::string());
   a->stop_ids_ = load_stop_token_ids(a->tok_, dir);
+  a->renderer_ = ConversationRenderer::for_model_dir(dir);
   a->image_cfg_ = load_processor_config(dir);
   a->name_ = fs::path(path).lexically_normal().filename().string();
   if (a->name_.empty())
@@ -89,6 +90,25 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
 
 std::unique_ptr<Sequence> Assistant::new_sequence() const {
   return std::make_unique<Sequence>(model_, max_context_, kv_type_);
+}
+
+PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& messages,
+                                               const nlohmann::ordered_json& tools,
+                                               const ConversationOptions& options) const {
+  for (const auto& m : messages)
+    if (m.is_object() && m.contains("content") && m["content"].is_array())
+      for (const auto& part : m["content"])
+        if (part.is_object() && part.value("type", "") != "text")
+          fail("media parts together with tool calling are not supported yet; send text only");
+  const std::string text = renderer_.render(messages, tools, options);
+  PreparedPrompt out;
+  // The rendered text writes <bos> itself; special-token strings in it become their ids.
+  out.ids = tok_.encode(text, /*add_special=*/false, /*parse_special=*/true);
+  static constexpr std::string_view kOpenThought = "<|channel>thought\n";
+  if (text.size() >= kOpenThought.size() &&
+      text.compare(text.size() - kOpenThought.size(), kOpenThought.size(), kOpenThought) == 0)
+    out.generation_prefix = kOpenThought;
+  return out;
 }
 
 PreparedPrompt Assistant::prepare_raw(const std::string& text, bool add_bos) const {

@@ -37,6 +37,9 @@ struct PreparedPrompt {
   int audios = 0;  // audio clips
   // The soft tokens to splice, or null for a prompt without images or audio.
   const FloatTensor* soft() const { return soft_tokens.numel() ? &soft_tokens : nullptr; }
+  // prepare_conversation: model-turn text the prompt already ends with (e.g. "<|channel>thought\n"
+  // after a tool result with thinking on); the output parser reads it before the generated text.
+  std::string generation_prefix;
 };
 
 class Assistant {
@@ -58,6 +61,12 @@ class Assistant {
   // clips by the audio tower, each spliced at its own placeholder rows).
   PreparedPrompt prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
                               const ChatOptions& options) const;
+  // An OpenAI-style conversation (tools, tool calls, results, reasoning) rendered by the
+  // checkpoint's chat template, or the built-in one, and tokenized as HF tokenizes a rendered
+  // template. Media parts are not supported on this path yet (gemstage::Error).
+  PreparedPrompt prepare_conversation(const nlohmann::ordered_json& messages,
+                                      const nlohmann::ordered_json& tools,
+                                      const ConversationOptions& options) const;
   // A raw prompt: <bos> (unless add_bos is false) + the tokenized text, no chat markers.
   PreparedPrompt prepare_raw(const std::string& text, bool add_bos = true) const;
 
@@ -68,6 +77,7 @@ class Assistant {
   std::optional<KvType> kv_type_;
   Tokenizer tok_;
   ChatTokenIds chat_ids_;
+  ConversationRenderer renderer_;
   std::vector<int32_t> stop_ids_;
   ImageProcessorConfig image_cfg_;
   std::string name_;

@@ -82,7 +82,7 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   res.prefill_seconds = now() - t0;
 
   Sampler sampler(opt.sampling);
-  StreamDecoder decoder(tok_, /*skip_special=*/true);
+  StreamDecoder decoder(tok_, /*skip_special=*/!opt.keep_special_text);
   std::string text;
   size_t emitted = 0;
   const int64_t V = seq_.config().text.vocab_size;

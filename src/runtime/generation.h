@@ -26,6 +26,9 @@ struct GenerationOptions {
   // The text callback alone cannot do this, since tokens that decode to no text (a partial UTF-8
   // sequence, an unnamed id) never reach it; a server uses this to drop a vanished client.
   const std::atomic<bool>* cancel = nullptr;
+  // Keep special tokens (<|tool_call>, <|channel>, <|"|>, ...) in the text: the tool-call and
+  // reasoning parser (tokenizer/chat_output.h) needs them as markers.
+  bool keep_special_text = false;
 };
 
 struct GenerationResult {

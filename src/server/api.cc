@@ -561,3 +561,207 @@ std::string sse_event(const json& chunk) {
 }
 
 }  // namespace gemstage::server
+
+namespace gemstage::server {
+
+namespace {
+
+using ojson = nlohmann::ordered_json;
+
+ojson ordered(const json& j) {
+  return ojson::parse(j.dump());
+}
+
+}  // namespace
+
+ToolRequest parse_tool_request(const json& body) {
+  ToolRequest r;
+  std::vector<std::string> names;
+  if (const json* tools = member(body, "tools")) {
+    if (!tools->is_array()) wrong_type("tools", "an array", *tools);
+    for (size_t i = 0; i < tools->size(); ++i) {
+      const json& t = (*tools)[i];
+      const std::string p = "tools[" + std::to_string(i) + "]";
+      if (!t.is_object()) wrong_type(p, "an object", t);
+      const json* type = member(t, "type");
+      if (!type || *type != "function")
+        bad_request(p + ".type", "unsupported_value",
+                    "only tools of type 'function' can be given to this model");
+      const json* fn = member(t, "function");
+      if (!fn || !fn->is_object()) wrong_type(p + ".function", "an object", fn ? *fn : json());
+      const json* name = member(*fn, "name");
+      if (!name || !name->is_string() || name->get<std::string>().empty())
+        bad_request(p + ".function.name", "invalid_value", "a tool needs a non-empty name");
+      if (const json* params = member(*fn, "parameters"); params && !params->is_object())
+        wrong_type(p + ".function.parameters", "an object (a JSON schema)", *params);
+      names.push_back(name->get<std::string>());
+    }
+    if (!tools->empty()) r.tools = ordered(*tools);
+  }
+  if (const json* tc = member(body, "tool_choice")) {
+    if (tc->is_string()) {
+      const std::string c = tc->get<std::string>();
+      if (c != "auto" && c != "none" && c != "required")
+        bad_request("tool_choice", "invalid_value",
+                    "'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", "
+                    "\"function\": {\"name\": ...}}");
+      r.tool_choice = c;
+    } else if (tc->is_object()) {
+      const json* fn = member(*tc, "function");
+      const json* name = fn && fn->is_object() ? member(*fn, "name") : nullptr;
+      if (!name || !name->is_string())
+        bad_request("tool_choice.function.name", "missing_required_parameter",
+                    "a named tool_choice needs function.name");
+      r.tool_choice = "function";
+      r.tool_choice_name = name->get<std::string>();
+      if (std::find(names.begin(), names.end(), r.tool_choice_name) == names.end())
+        bad_request("tool_choice.function.name", "invalid_value",
+                    "tool_choice names '" + r.tool_choice_name + "', which is not among 'tools'");
+    } else {
+      wrong_type("tool_choice", "a string or an object", *tc);
+    }
+    if ((r.tool_choice == "required" || r.tool_choice == "function") && names.empty())
+      bad_request("tool_choice", "invalid_value",
+                  "tool_choice '" + r.tool_choice + "' needs at least one tool in 'tools'");
+  }
+  r.parallel_tool_calls =
+      get_bool(body, "parallel_tool_calls", "parallel_tool_calls").value_or(true);
+
+  const json* msgs = member(body, "messages");
+  if (!msgs) bad_request("messages", "missing_required_parameter", "'messages' is required");
+  if (!msgs->is_array()) wrong_type("messages", "an array", *msgs);
+  if (msgs->empty())
+    bad_request("messages", "empty_array", "'messages' must contain at least one message");
+  r.messages = ojson::array();
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string p = "messages[" + std::to_string(i) + "]";
+    if (!m.is_object()) wrong_type(p, "an object", m);
+    const json* role = member(m, "role");
+    if (!role || !role->is_string())
+      bad_request(p + ".role", "missing_required_parameter", "'role' must be a string");
+    const std::string rs = role->get<std::string>();
+    if (rs != "system" && rs != "developer" && rs != "user" && rs != "assistant" && rs != "tool")
+      bad_request(
+          p + ".role", "invalid_value",
+          "role '" + rs + "' is not supported; use system, developer, user, assistant or tool");
+    ojson out = ordered(m);
+    const json* content = member(m, "content");
+    if (content && !content->is_string() && !content->is_array())
+      wrong_type(p + ".content", "a string, an array of content parts or null", *content);
+    if (!content && rs != "assistant")
+      bad_request(p + ".content", "missing_required_parameter", "'content' is required");
+    if (const json* calls = member(m, "tool_calls")) {
+      if (rs != "assistant")
+        bad_request(p + ".tool_calls", "invalid_value", "only assistant messages carry tool_calls");
+      if (!calls->is_array()) wrong_type(p + ".tool_calls", "an array", *calls);
+      for (size_t j = 0; j < calls->size(); ++j) {
+        const std::string cp = p + ".tool_calls[" + std::to_string(j) + "]";
+        const json& call = (*calls)[j];
+        const json* fn = call.is_object() ? member(call, "function") : nullptr;
+        if (!fn || !fn->is_object()) wrong_type(cp + ".function", "an object", fn ? *fn : json());
+        const json* name = member(*fn, "name");
+        if (!name || !name->is_string())
+          bad_request(cp + ".function.name", "missing_required_parameter", "'name' is required");
+        // OpenAI sends arguments as JSON text; the template needs the object itself.
+        ojson args = ojson::object();
+        if (const json* a = member(*fn, "arguments")) {
+          if (a->is_string()) {
+            try {
+              args = ojson::parse(a->get<std::string>());
+            } catch (const ojson::exception&) {
+              bad_request(cp + ".function.arguments", "invalid_value",
+                          "the arguments of " + p + "'s tool call are not valid JSON");
+            }
+          } else {
+            args = ordered(*a);
+          }
+          if (!args.is_object())
+            bad_request(cp + ".function.arguments", "invalid_value",
+                        "the arguments of " + p + "'s tool call must be a JSON object");
+        }
+        out["tool_calls"][j]["function"]["arguments"] = std::move(args);
+      }
+    }
+    if (rs == "tool") {
+      if (const json* id = member(m, "tool_call_id"); id && !id->is_string())
+        wrong_type(p + ".tool_call_id", "a string", *id);
+    }
+    r.messages.push_back(std::move(out));
+  }
+  return r;
+}
+
+bool wants_tool_path(const json& body) {
+  if (const json* t = member(body, "tools"); t && !(t->is_array() && t->empty())) return true;
+  if (member(body, "tool_choice") || member(body, "parallel_tool_calls")) return true;
+  if (const json* msgs = member(body, "messages"); msgs && msgs->is_array())
+    for (const json& m : *msgs)
+      if (m.is_object() && (m.value("role", json()) == "tool" || member(m, "tool_calls") ||
+                            member(m, "reasoning_content") || member(m, "reasoning")))
+        return true;
+  return false;
+}
+
+GenerationRequest parse_generation_fields(const json& body) {
+  GenerationRequest r;
+  parse_common(body, r);
+  if (const json* rf = member(body, "response_format")) {
+    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
+    if (const json* t = member(*rf, "type"); t && *t != "text")
+      bad_request("response_format", "unsupported_value",
+                  "only response_format {\"type\": \"text\"} is supported");
+  }
+  return r;
+}
+
+json chat_message_json(const ParsedOutput& parsed,
+                       const std::function<std::string()>& new_call_id) {
+  json msg = {{"role", "assistant"},
+              {"content", parsed.content ? json(*parsed.content) : json(nullptr)}};
+  if (parsed.reasoning) msg["reasoning_content"] = *parsed.reasoning;
+  if (!parsed.tool_calls.empty()) {
+    json calls = json::array();
+    for (const ParsedToolCall& c : parsed.tool_calls)
+      calls.push_back({{"id", new_call_id()},
+                       {"type", "function"},
+                       {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}});
+    msg["tool_calls"] = std::move(calls);
+  }
+  return msg;
+}
+
+json chat_tool_completion_json(const ResponseMeta& m, const std::string& raw_text,
+                               bool stopped_on_stop_token, int64_t prompt_tokens,
+                               int64_t completion_tokens,
+                               const std::function<std::string()>& new_call_id) {
+  const ParsedOutput parsed = parse_model_output(raw_text);
+  const json usage = usage_json(prompt_tokens, completion_tokens);
+  return completion_envelope(
+      m, "chat.completion",
+      one_choice("message", chat_message_json(parsed, new_call_id),
+                 tool_finish_reason(parsed, raw_text, stopped_on_stop_token)),
+      &usage);
+}
+
+std::vector<json> chat_delta_chunks(const ResponseMeta& m, const OutputDelta& d,
+                                    const std::function<std::string()>& new_call_id) {
+  std::vector<json> out;
+  if (!d.reasoning.empty())
+    out.push_back(chat_chunk_json(m, {{"reasoning_content", d.reasoning}}, std::nullopt));
+  if (!d.content.empty()) out.push_back(chat_chunk_json(m, {{"content", d.content}}, std::nullopt));
+  for (size_t k = 0; k < d.tool_calls.size(); ++k) {
+    const ParsedToolCall& c = d.tool_calls[k];
+    out.push_back(chat_chunk_json(
+        m,
+        {{"tool_calls",
+          json::array({{{"index", d.first_call_index + k},
+                        {"id", new_call_id()},
+                        {"type", "function"},
+                        {"function", {{"name", c.name}, {"arguments", c.arguments.dump()}}}}})}},
+        std::nullopt));
+  }
+  return out;
+}
+
+}  // namespace gemstage::server

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -17,6 +18,7 @@
 #include "core/error.h"
 #include "runtime/assistant.h"
 #include "runtime/generation.h"
+#include "tokenizer/chat_output.h"
 
 namespace gemstage::server {
 
@@ -122,6 +124,45 @@ nlohmann::json text_completion_chunk_json(const ResponseMeta& m, const std::stri
 nlohmann::json usage_chunk_json(const ResponseMeta& m, const std::string& object,
                                 int64_t prompt_tokens, int64_t completion_tokens);
 nlohmann::json models_json(const std::string& model, int64_t created);
+
+// ---------------------------------------------------------------------------------------------
+// Tool calling on /v1/chat/completions (/work/shared/docs/gemma4-tools.md, "OpenAI mapping").
+// Request side: the conversation as the chat template takes it; reply side: Gemma's raw output
+// parsed (tokenizer/chat_output.h) into content, reasoning_content and tool_calls. tool_choice
+// "required" and a named function are validated and recorded here; forcing them while sampling
+// needs constrained decoding, which this layer does not do (a caller without it can only render
+// and parse, so the model may still answer in text).
+struct ToolRequest {
+  nlohmann::ordered_json messages;   // tool_calls[].function.arguments parsed into objects
+  nlohmann::ordered_json tools;      // null, or the request's function tools as sent
+  std::string tool_choice = "auto";  // auto | none | required | function
+  std::string tool_choice_name;      // the function tool_choice names
+  bool parallel_tool_calls = true;
+};
+
+// Validates tools, tool_choice, parallel_tool_calls and the messages (tool role, assistant
+// tool_calls with JSON-string arguments, reasoning_content). Throws ApiError 400 naming the part.
+ToolRequest parse_tool_request(const nlohmann::json& body);
+// True when a chat request needs the tool path: tools, a tool_choice, a tool message, an
+// assistant message with tool_calls or reasoning_content.
+bool wants_tool_path(const nlohmann::json& body);
+// The sampling / streaming fields every generation request shares (ApiError on bad values).
+GenerationRequest parse_generation_fields(const nlohmann::json& body);
+
+// The reply message: {"role", "content", ["reasoning_content"], ["tool_calls"]}; call ids come
+// from new_call_id ("call_<unique>").
+nlohmann::json chat_message_json(const ParsedOutput& parsed,
+                                 const std::function<std::string()>& new_call_id);
+// A whole chat.completion from raw generated text (special tokens kept as strings). finish_reason
+// follows the tool rules: tool_calls / stop / length.
+nlohmann::json chat_tool_completion_json(const ResponseMeta& m, const std::string& raw_text,
+                                         bool stopped_on_stop_token, int64_t prompt_tokens,
+                                         int64_t completion_tokens,
+                                         const std::function<std::string()>& new_call_id);
+// The chunks one OutputDelta streams as: reasoning_content, content, then one chunk per completed
+// call with delta.tool_calls = [{index, id, type, function: {name, arguments}}].
+std::vector<nlohmann::json> chat_delta_chunks(const ResponseMeta& m, const OutputDelta& d,
+                                              const std::function<std::string()>& new_call_id);
 
 // JSON text for the wire. Invalid UTF-8 (which can reach an error message quoting a client's
 // bytes) is replaced rather than thrown on, so building a reply can never fail.

@@ -109,8 +109,10 @@ enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
 // under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
 struct Job {
   bool chat = true;
-  std::vector<ChatInput> messages;  // chat
-  std::string prompt;               // completion
+  std::vector<ChatInput> messages;          // chat
+  std::optional<ToolRequest> tool_request;  // chat with tools / tool history (api.h)
+  std::string generation_prefix;            // tool path: what the prompt's model turn began with
+  std::string prompt;                       // completion
   SamplingOverrides sampling;
 
   std::atomic<bool> cancel{false};
@@ -329,9 +331,13 @@ void Server::Impl::run(Slot& s, Job& job) {
   try {
     // Again here: the file may have changed while this request queued.
     ensure_model_files_intact();
-    const PreparedPrompt p = job.chat
-                                 ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
-                                 : assistant->prepare_raw(job.prompt);
+    ConversationOptions conv;
+    conv.enable_thinking = opt.think;
+    const PreparedPrompt p =
+        job.tool_request ? assistant->prepare_conversation(job.tool_request->messages,
+                                                           job.tool_request->tools, conv)
+        : job.chat       ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
+                         : assistant->prepare_raw(job.prompt);
     const auto n = static_cast<int64_t>(p.ids.size());
     if (n >= max_context)
       throw ApiError(400,
@@ -343,10 +349,12 @@ void Server::Impl::run(Slot& s, Job& job) {
                      "context_length_exceeded");
     GenerationOptions g = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
     g.cancel = &job.cancel;
+    g.keep_special_text = job.tool_request.has_value();
     {
       std::lock_guard<std::mutex> lk(job.mu);
       job.started = true;
       job.prompt_tokens = n;
+      job.generation_prefix = p.generation_prefix;
     }
     job.cv.notify_all();
     generating = true;
@@ -428,7 +436,9 @@ struct StreamState {
   ResponseMeta meta;
   bool chat = true, include_usage = false, sent_role = false;
   std::unique_ptr<ClientSocket> client;
-  std::function<void()> on_close;  // the server's open-stream count
+  std::function<void()> on_close;                   // the server's open-stream count
+  std::unique_ptr<OutputStreamParser> tool_parser;  // tool path: raw text -> deltas
+  std::function<std::string()> new_call_id;
   ~StreamState() {
     if (on_close) on_close();
   }
@@ -468,7 +478,18 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     prompt_tokens = j.prompt_tokens;
     completion_tokens = j.completion_tokens;
   }
-  if (!piece.empty()) {
+  if (st.tool_parser) {
+    OutputDelta d = st.tool_parser->feed(piece);
+    if (done && !error && finish != "cancelled") {
+      OutputDelta rest = st.tool_parser->finish();
+      d.content += rest.content;
+      d.reasoning += rest.reasoning;
+      if (d.tool_calls.empty()) d.first_call_index = rest.first_call_index;
+      d.tool_calls.insert(d.tool_calls.end(), rest.tool_calls.begin(), rest.tool_calls.end());
+    }
+    for (const json& chunk : chat_delta_chunks(st.meta, d, st.new_call_id))
+      if (!write(chunk)) return gone();
+  } else if (!piece.empty()) {
     const json chunk = st.chat ? chat_chunk_json(st.meta, {{"content", piece}}, std::nullopt)
                                : text_completion_chunk_json(st.meta, piece, std::nullopt);
     if (!write(chunk)) return gone();
@@ -481,7 +502,11 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     sink.done();
     return true;
   }
-  const std::string fr = openai_finish_reason(finish);
+  std::string fr = openai_finish_reason(finish);
+  if (st.tool_parser) {
+    const std::string& raw = st.tool_parser->text();
+    fr = tool_finish_reason(parse_model_output(raw), raw, finish == "stop");
+  }
   const json last = st.chat ? chat_chunk_json(st.meta, json::object(), fr)
                             : text_completion_chunk_json(st.meta, "", fr);
   if (!write(last)) return gone();
@@ -503,7 +528,10 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   auto job = std::make_shared<Job>();
   job->chat = chat;
   GenerationRequest common;  // the shared part of either request, sliced off
-  if (chat) {
+  if (chat && wants_tool_path(body)) {
+    job->tool_request = parse_tool_request(body);
+    common = parse_generation_fields(body);
+  } else if (chat) {
     ChatRequest r = parse_chat_request(body, opt.limits);
     job->messages = std::move(r.messages);
     common = std::move(r);
@@ -531,8 +559,13 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     if (job->error) throw *job->error;
     if (job->finish_reason == "cancelled") throw shutting_down_error();
     const std::string fr = openai_finish_reason(job->finish_reason);
+    auto ids = [this] { return new_id("call_"); };
     const json out =
-        chat
+        job->tool_request
+            ? chat_tool_completion_json(meta, job->generation_prefix + job->text,
+                                        job->finish_reason == "stop", job->prompt_tokens,
+                                        job->completion_tokens, ids)
+        : chat
             ? chat_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens)
             : text_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens);
     res.set_content(wire_json(out), "application/json");
@@ -545,6 +578,11 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   st->chat = chat;
   st->include_usage = include_usage;
   st->client = std::move(client);
+  if (job->tool_request) {
+    std::lock_guard<std::mutex> lk(job->mu);
+    st->tool_parser = std::make_unique<OutputStreamParser>(job->generation_prefix);
+    st->new_call_id = [this] { return new_id("call_"); };
+  }
   {
     std::lock_guard<std::mutex> lk(streams_mu);
     ++open_streams;

@@ -6,6 +6,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
 #include <string>
@@ -80,6 +82,49 @@ ChatPrompt render_chat(const Tokenizer& tokenizer, const ChatTokenIds& ids,
 // What a stored assistant reply contributes to history: every <|channel>...<channel|> span (and an
 // unclosed trailing <|channel>...) removed, then trimmed.
 std::string strip_thinking(std::string_view text);
+
+// ---------------------------------------------------------------------------------------------
+// OpenAI-style conversations with tools, following /work/shared/docs/gemma4-tools.md: the
+// built-in renderer for checkpoints that ship no chat template. It writes exactly what Google's
+// E-series template (header "Published: 2026-07-09") writes: tool declarations, assistant
+// tool_calls, role:"tool" results folded into the model turn, reasoning, system / developer
+// turns, and one <|image|> / <|audio|> / <|video|> placeholder per media part (before the
+// processor expands placeholders).
+struct ConversationOptions {
+  bool add_generation_prompt = true;
+  bool enable_thinking = false;
+  bool preserve_thinking = false;
+};
+
+// messages: [{role, content (string, parts list or null), tool_calls, tool_call_id, name,
+// reasoning / reasoning_content, tool_responses}]; tools: OpenAI tool list (or null). Throws
+// gemstage::Error where the template raises (string tool-call arguments, a non-function tool,
+// content of a type the template cannot print), with the template's message where it has one.
+std::string render_conversation(const nlohmann::ordered_json& messages,
+                                const nlohmann::ordered_json& tools,
+                                const ConversationOptions& options);
+
+// The conversation renderer of one checkpoint: its own chat template when it ships one
+// (chat_template.jinja, else tokenizer_config.json's "chat_template"), run by the Jinja
+// interpreter (template/jinja.h) the way transformers' apply_chat_template runs it; the built-in
+// render_conversation otherwise. Errors, including the template's raise_exception, are
+// gemstage::Error with the template's message.
+class ConversationRenderer {
+ public:
+  ConversationRenderer();  // built-in
+  static ConversationRenderer for_model_dir(const std::string& dir);
+  static ConversationRenderer from_template_source(std::string_view source, std::string name);
+
+  std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                     const ConversationOptions& options) const;
+  // "built-in", or the file the template came from.
+  const std::string& source() const { return source_; }
+
+ private:
+  std::shared_ptr<const void> template_;  // a jinja::Template; null: built-in
+  std::string source_ = "built-in";
+  std::string bos_token_ = "<bos>";
+};
 
 // Generation stops on: generation_config.json eos_token_id if the model directory has one, else
 // config.json's (top level or text_config), plus the tokenizer's <eos>, <turn|> and

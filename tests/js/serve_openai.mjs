@@ -203,6 +203,43 @@ await step("request errors are APIErrors with status, code and param", async () 
   eq(wrongMethod.headers.get("allow"), "POST", "Allow header");
 });
 
+await step("tool round trip: tools, assistant tool_calls, tool result; plain and streamed", async () => {
+  // The request an agent sends after running the call it got back. A random-weight model rarely
+  // writes a well-formed call itself, so this checks the round trip's shapes (tests/
+  // api_tools_test.cc checks the mapping of real calls on canned output).
+  const tools = [{ type: "function", function: {
+    name: "get_weather", description: "Get the current weather for a city.",
+    parameters: { type: "object", properties: { city: { type: "string" } }, required: ["city"] },
+  } }];
+  const messages = [
+    { role: "user", content: "Weather in Paris?" },
+    { role: "assistant", content: null, tool_calls: [{ id: "call_1", type: "function",
+      function: { name: "get_weather", arguments: JSON.stringify({ city: "Paris" }) } }] },
+    { role: "tool", tool_call_id: "call_1", content: "15C sunny" },
+  ];
+  const r = await client.chat.completions.create({ model: "model", messages, tools,
+                                                   tool_choice: "auto", max_tokens: 8,
+                                                   temperature: 0 });
+  const choice = r.choices[0];
+  eq(choice.message.role, "assistant", "role");
+  check(["stop", "length", "tool_calls"].includes(choice.finish_reason),
+        `finish_reason ${choice.finish_reason}`);
+  for (const call of choice.message.tool_calls ?? []) {
+    eq(call.type, "function", "tool call type");
+    check(typeof JSON.parse(call.function.arguments) === "object", "arguments are a JSON object");
+  }
+  const stream = await client.chat.completions.create({ model: "model", messages, tools,
+                                                        max_tokens: 8, temperature: 0,
+                                                        stream: true });
+  let finish = null;
+  for await (const chunk of stream) finish = chunk.choices[0]?.finish_reason ?? finish;
+  check(["stop", "length", "tool_calls"].includes(finish), `streamed finish_reason ${finish}`);
+  await expectApiError(client.chat.completions.create({ model: "model", messages, tools,
+                                                       tool_choice: { type: "function",
+                                                         function: { name: "nope" } } }),
+                       400, "invalid_value", "tool_choice.function.name");
+});
+
 // A second server with every limit small: API key, body size, image size, context.
 const strict = await startServer(cli, model, ["--api-key", "test-key", "--max-body", "8192",
                                               "--max-image-pixels", "300", "-c", "64", "-t", "1"]);
