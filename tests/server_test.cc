@@ -1242,6 +1242,9 @@ TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
   const auto r = post(*s, "/v1/completions", {{"prompt", longer}});
   expect_error_reply(r, 400, "context_length_exceeded", "prompt");
   EXPECT_LT(seconds_since(t0), 2.0 * kSlow);
+  EXPECT_EQ(metric_value(client(*s).Get("/metrics")->body,
+                         "gemstage_requests_total{outcome=\"refused\"}"),
+            1);
   // The big one ends at its share (finish "length"); then the waiting one runs.
   ASSERT_TRUE(big.read_until("[DONE]", 30.0 * kSlow)) << big.received.substr(0, 300);
   EXPECT_NE(big.received.find("\"finish_reason\":\"length\""), std::string::npos);

@@ -231,7 +231,7 @@ struct Server::Impl {
   int busy = 0;  // slots running a request
   bool workers_stop = false;
   uint64_t steps = 0, admissions = 0;  // engine thread only
-  std::atomic<int64_t> completed{0}, cancelled{0}, failed{0};
+  std::atomic<int64_t> completed{0}, cancelled{0}, failed{0}, refused{0};
   std::atomic<int64_t> prompt_tokens_total{0}, reused_tokens_total{0}, generated_tokens_total{0};
   // Step latency as a Prometheus histogram (upper bounds in seconds), under q_mu.
   static constexpr std::array<double, 10> kStepBuckets = {0.005, 0.01, 0.025, 0.05, 0.1,
@@ -375,22 +375,24 @@ void Server::Impl::engine() {
         fail_job(*job, ApiError(499, "the client went away", "invalid_request_error"));
         dropped.push_back(job.get());
       } else if (!job->prepared) {
+        std::optional<ApiError> refusal;
         try {
           prepare(*job);
         } catch (const ApiError& e) {
-          fail_job(*job, e);
-          dropped.push_back(job.get());
+          refusal = e;
         } catch (const Error& e) {
           // The request's own content (a role order the chat format refuses, an image for a
           // model without a vision tower, invalid UTF-8).
-          fail_job(*job, ApiError(400, e.what()));
-          dropped.push_back(job.get());
+          refusal = ApiError(400, e.what());
         } catch (const std::bad_alloc&) {
-          fail_job(*job, ApiError(503, "out of memory while serving this request", "server_error",
-                                  {}, "out_of_memory"));
-          dropped.push_back(job.get());
+          refusal = ApiError(503, "out of memory while serving this request", "server_error", {},
+                             "out_of_memory");
         } catch (const std::exception& e) {
-          fail_job(*job, ApiError(500, e.what(), "server_error"));
+          refusal = ApiError(500, e.what(), "server_error");
+        }
+        if (refusal) {
+          ++refused;
+          fail_job(*job, *refusal);
           dropped.push_back(job.get());
         }
       }
@@ -404,7 +406,14 @@ void Server::Impl::engine() {
       admit();
       if (busy == 0) continue;
     }
-    step();
+    try {
+      step();
+    } catch (const std::exception& e) {
+      // Not expected (a failed batched call already ends only its own requests); ending every
+      // running request keeps the engine serving the next ones.
+      for (auto& s : slots)
+        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
+    }
   }
 }
 
@@ -709,10 +718,13 @@ std::string Server::Impl::metrics_text() {
     s << series << " " << v << "\n";
     out += s.str();
   };
-  metric("gemstage_requests_total", "counter", "Generation requests ended, by outcome.");
+  metric("gemstage_requests_total", "counter",
+         "Generation requests ended, by outcome (refused: the prompt could not start, e.g. too "
+         "long; failed: an error while it ran).");
   value("gemstage_requests_total{outcome=\"completed\"}", static_cast<double>(completed.load()));
   value("gemstage_requests_total{outcome=\"cancelled\"}", static_cast<double>(cancelled.load()));
   value("gemstage_requests_total{outcome=\"failed\"}", static_cast<double>(failed.load()));
+  value("gemstage_requests_total{outcome=\"refused\"}", static_cast<double>(refused.load()));
   metric("gemstage_prompt_tokens_total", "counter", "Prompt tokens of requests that started.");
   value("gemstage_prompt_tokens_total", static_cast<double>(prompt_tokens_total.load()));
   metric("gemstage_prompt_tokens_reused_total", "counter",
