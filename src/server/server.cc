@@ -136,8 +136,7 @@ struct Job {
   int64_t prompt_tokens = 0, completion_tokens = 0;
   std::string finish_reason;
 
-  // The engine thread's, once it took the request from the queue.
-  bool prepared = false;
+  // Rendered before the request queues (Impl::prepare).
   PreparedPrompt prompt;
   GenerationOptions gen;
   int64_t capacity = 0;  // KV rows it may need: prompt + max_tokens, at most a sequence's context
@@ -222,6 +221,9 @@ struct Server::Impl {
 
   std::unique_ptr<Assistant> assistant;  // the model and tokenizer every slot shares
   std::unique_ptr<ThreadPool> pool;      // all compute threads, the engine's alone
+  // Renders chat prompts (the vision tower for their images) beside the engine.
+  std::mutex prepare_mu;
+  std::unique_ptr<ThreadPool> prepare_pool;
   std::vector<std::unique_ptr<Slot>> slots;
   std::thread engine_thread;
   mutable std::mutex q_mu;
@@ -308,6 +310,7 @@ void Server::Impl::load() {
     batch_rows = std::max(1, opt.batch);
     ubatch_rows = std::max(1, std::min(opt.ubatch, batch_rows));
     pool = std::make_unique<ThreadPool>(total);
+    prepare_pool = std::make_unique<ThreadPool>(std::max(1, total / 2));
     for (int i = 0; i < opt.parallel; ++i) {
       auto s = std::make_unique<Slot>();
       s->id = i;
@@ -366,7 +369,6 @@ void Server::Impl::engine() {
       queue_changed = false;
       waiting.assign(queue.begin(), queue.end());
     }
-    // Prompts are rendered (images through the vision tower) outside the lock, in arrival order.
     std::vector<const Job*> dropped;
     for (const auto& job : waiting) {
       if (job->cancel.load()) {
@@ -374,27 +376,6 @@ void Server::Impl::engine() {
         ++cancelled;
         fail_job(*job, ApiError(499, "the client went away", "invalid_request_error"));
         dropped.push_back(job.get());
-      } else if (!job->prepared) {
-        std::optional<ApiError> refusal;
-        try {
-          prepare(*job);
-        } catch (const ApiError& e) {
-          refusal = e;
-        } catch (const Error& e) {
-          // The request's own content (a role order the chat format refuses, an image for a
-          // model without a vision tower, invalid UTF-8).
-          refusal = ApiError(400, e.what());
-        } catch (const std::bad_alloc&) {
-          refusal = ApiError(503, "out of memory while serving this request", "server_error", {},
-                             "out_of_memory");
-        } catch (const std::exception& e) {
-          refusal = ApiError(500, e.what(), "server_error");
-        }
-        if (refusal) {
-          ++refused;
-          fail_job(*job, *refusal);
-          dropped.push_back(job.get());
-        }
       }
     }
     waiting.clear();
@@ -417,11 +398,18 @@ void Server::Impl::engine() {
   }
 }
 
-// The prompt as ids (and soft tokens); a prompt that can never fit is refused here, at once.
+// The prompt as ids (and soft tokens), on the request's own HTTP thread, so neither a long
+// prompt's tokenization nor its images' vision tower pauses the engine's running streams; a prompt
+// that can never fit is refused here, at once, before it queues.
 void Server::Impl::prepare(Job& job) {
   ensure_model_files_intact();
-  job.prompt = job.chat ? assistant->prepare_chat(*pool, job.messages, {true, opt.think})
-                        : assistant->prepare_raw(job.prompt_text);
+  if (job.chat) {
+    // One conversation at a time on the preparation pool (a pool runs one job at a time).
+    std::lock_guard<std::mutex> lk(prepare_mu);
+    job.prompt = assistant->prepare_chat(*prepare_pool, job.messages, {true, opt.think});
+  } else {
+    job.prompt = assistant->prepare_raw(job.prompt_text);
+  }
   const auto n = static_cast<int64_t>(job.prompt.ids.size());
   if (n >= max_context)
     throw ApiError(400,
@@ -437,13 +425,12 @@ void Server::Impl::prepare(Job& job) {
     if (stop.empty())
       throw ApiError(400, "stop strings must not be empty", "invalid_request_error", "stop");
   job.capacity = std::min(max_context, n + std::max(0, job.gen.max_tokens));
-  job.prepared = true;
 }
 
 // Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
 // and its rows fit the budget, evicting the prefixes idle slots hold (oldest first) if needed.
 void Server::Impl::admit() {
-  while (!queue.empty() && queue.front()->prepared && !draining.load()) {
+  while (!queue.empty() && !draining.load()) {
     const std::shared_ptr<Job> job = queue.front();
     // The idle slot whose caches save the most prefill: the longest prefix of this prompt, counted
     // only where it saves at least as many rows as reusing the slot throws away (so an unrelated
@@ -891,6 +878,12 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   }
   job->sampling = std::move(common.sampling);
   const bool stream = common.stream, include_usage = common.include_usage;
+  try {
+    prepare(*job);
+  } catch (...) {
+    ++refused;
+    throw;
+  }
   auto client = std::make_unique<ClientSocket>(req);
   submit(job);
   // Until the prompt is known to fit, the status is still open: a context overflow is a 400

@@ -11,10 +11,13 @@
 //    prompt that could never fit is refused at once. A new prompt goes to the idle slot whose
 //    caches hold the longest prefix of it (the next turn of a conversation, a shared system
 //    prompt), which is then not prefilled again.
-//  - HTTP threads never run the model: they parse and validate a request (decoding its images),
-//    queue it, and then only move text from the job to the socket. The engine appends generated
-//    text to its job under the job's own mutex and never touches a socket, so a slow or stalled
-//    client delays nobody but itself, and no lock is held while writing.
+//  - HTTP threads never run the text model: they parse and validate a request (decoding its
+//    images), render its prompt (its images through the vision tower, one request at a time on a
+//    pool of half the threads, so the engine's streams keep flowing meanwhile), refuse a prompt
+//    that could never fit, queue it, and then only move text from the job to the socket. The
+//    engine appends generated text to its job under the job's own mutex and never touches a
+//    socket, so a slow or stalled client delays nobody but itself, and no lock is held while
+//    writing.
 //  - A client that goes away is noticed by a failed write or by polling its socket for a hang-up
 //    (also while it waits in the queue or for a non-streamed reply); its job is cancelled at the
 //    next step and its slot's rows are dropped (also in the middle of a prefill).
