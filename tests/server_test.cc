@@ -1156,6 +1156,37 @@ TEST(ServerBatching, ImagesInTheBatch) {
   EXPECT_EQ(got[2], alone);
 }
 
+// Prefix reuse stops at the first image row: the same placeholder ids with another picture
+// behind them must not pick up the first picture's cached rows.
+TEST(ServerBatching, PrefixReuseNeverReusesAnotherImagesRows) {
+  ServerOptions o = tiny_options();
+  o.parallel = 1;
+  auto body = [](const std::string& image, const char* mime) {
+    return json{
+        {"messages",
+         {user({{{"type", "text"}, {"text", "Describe"}},
+                {{"type", "image_url"}, {"image_url", {{"url", data_url(image, mime)}}}}})}},
+        {"temperature", 0},
+        {"max_tokens", 12}};
+  };
+  auto reply = [](const httplib::Result& r) {
+    EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    return r ? json::parse(r->body)["choices"][0]["message"]["content"].get<std::string>() : "";
+  };
+  std::string jpeg_alone, png_alone;
+  {
+    auto s = start(o);
+    jpeg_alone = reply(post(*s, "/v1/chat/completions", body(kJpeg, "image/jpeg")));
+  }
+  {
+    auto s = start(o);
+    png_alone = reply(post(*s, "/v1/chat/completions", body(kPng, "image/png")));
+    // The same slot, the same ids up to the image, another image.
+    EXPECT_EQ(reply(post(*s, "/v1/chat/completions", body(kJpeg, "image/jpeg"))), jpeg_alone);
+    EXPECT_EQ(reply(post(*s, "/v1/chat/completions", body(kPng, "image/png"))), png_alone);
+  }
+}
+
 // The slot states /health reports.
 std::vector<std::string> slot_states(const Server& s, std::vector<int64_t>* rows = nullptr) {
   const json h = json::parse(client(s).Get("/health")->body);

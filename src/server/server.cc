@@ -216,6 +216,7 @@ struct Server::Impl {
   int64_t max_context = 0;  // one sequence's context: the budget, or the model's maximum if less
   int64_t kv_budget = 0;    // KV rows all sequences hold together (-c)
   int batch_rows = 0, ubatch_rows = 0;  // rows per step (-b) and per batched call (-ub)
+  std::vector<int> placeholders;        // the model's image/audio/video placeholder ids
   int64_t created = 0;                  // when the model was loaded, for /v1/models
   GenerationOptions defaults;
 
@@ -309,6 +310,7 @@ void Server::Impl::load() {
     max_context = std::min(kv_budget, a.max_context());
     batch_rows = std::max(1, opt.batch);
     ubatch_rows = std::max(1, std::min(opt.ubatch, batch_rows));
+    placeholders = a.model().config().placeholder_token_ids();
     pool = std::make_unique<ThreadPool>(total);
     prepare_pool = std::make_unique<ThreadPool>(std::max(1, total / 2));
     for (int i = 0; i < opt.parallel; ++i) {
@@ -346,10 +348,15 @@ void fail_job(Job& job, const ApiError& e) {
   job.cv.notify_all();
 }
 
-// Rows `held` and `prompt` share, leaving at least one prompt row to produce logits from.
-size_t common_prefix(const std::vector<int32_t>& held, const std::vector<int32_t>& prompt) {
+// Rows `held` and `prompt` share, leaving at least one prompt row to produce logits from. The
+// shared run stops at the first image/audio placeholder: equal placeholder ids say nothing about
+// whether the soft tokens behind them (the pictures) are the same.
+size_t common_prefix(const std::vector<int32_t>& held, const std::vector<int32_t>& prompt,
+                     const std::vector<int>& placeholders) {
   size_t n = 0;
-  while (n < held.size() && n + 1 < prompt.size() && held[n] == prompt[n]) ++n;
+  while (n < held.size() && n + 1 < prompt.size() && held[n] == prompt[n] &&
+         std::find(placeholders.begin(), placeholders.end(), prompt[n]) == placeholders.end())
+    ++n;
   return n;
 }
 }  // namespace
@@ -441,7 +448,7 @@ void Server::Impl::admit() {
     for (auto& s : slots) {
       if (s->job) continue;
       const size_t held = s->sequence->tokens().size();
-      const size_t common = common_prefix(s->sequence->tokens(), job->prompt.ids);
+      const size_t common = common_prefix(s->sequence->tokens(), job->prompt.ids, placeholders);
       const size_t gain = common >= held - common ? common : 0;
       if (!best || gain > best_gain ||
           (gain == best_gain &&
@@ -481,7 +488,7 @@ void Server::Impl::admit() {
 void Server::Impl::start_job(Slot& s, const std::shared_ptr<Job>& job) {
   Sequence& seq = *s.sequence;
   const std::vector<int32_t>& ids = job->prompt.ids;
-  size_t common = common_prefix(seq.tokens(), ids);
+  size_t common = common_prefix(seq.tokens(), ids, placeholders);
   if (common < seq.tokens().size()) {
     // The prompt diverges inside what is cached: roll back to the common prefix, or start over
     // if the caches cannot go that far.
