@@ -109,7 +109,7 @@ class ClientSocket {
 
 enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
 
-// One request on its way through the queue and a slot. The worker fills in the progress fields
+// One request on its way through the queue and a slot. The engine fills in the progress fields
 // under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
 struct Job {
   bool chat = true;
@@ -232,7 +232,7 @@ struct Server::Impl {
   std::deque<std::shared_ptr<Job>> queue;  // FIFO: the engine admits from the front only
   bool queue_changed = false;
   int busy = 0;  // slots running a request
-  bool workers_stop = false;
+  bool engine_stop = false;
   uint64_t steps = 0, admissions = 0;  // engine thread only
   std::atomic<int64_t> completed{0}, cancelled{0}, failed{0}, refused{0};
   std::atomic<int64_t> prompt_tokens_total{0}, reused_tokens_total{0}, generated_tokens_total{0};
@@ -370,8 +370,8 @@ void Server::Impl::engine() {
       std::unique_lock<std::mutex> lk(q_mu);
       if (busy == 0) {
         // Idle: wake for a new request, or now and then to drop queued ones whose client left.
-        q_cv.wait_for(lk, kPollInterval, [&] { return workers_stop || queue_changed; });
-        if (workers_stop) return;
+        q_cv.wait_for(lk, kPollInterval, [&] { return engine_stop || queue_changed; });
+        if (engine_stop) return;
       }
       queue_changed = false;
       waiting.assign(queue.begin(), queue.end());
@@ -583,8 +583,9 @@ void Server::Impl::step() {
   };
   std::vector<Piece> pieces;
   int64_t room = batch_rows;
+  // Every generating sequence gets its row each step (none starves when --parallel exceeds -b).
   for (auto& s : slots)
-    if (s->job && s->next_id && room > 0) {
+    if (s->job && s->next_id) {
       pieces.push_back({s.get(), 0, 0});
       --room;
     }
@@ -1160,7 +1161,7 @@ void Server::Impl::shutdown() {
   if (listener.joinable()) listener.join();
   {
     std::lock_guard<std::mutex> lk(q_mu);
-    workers_stop = true;
+    engine_stop = true;
   }
   q_cv.notify_all();
   if (engine_thread.joinable()) engine_thread.join();
