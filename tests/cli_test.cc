@@ -139,19 +139,32 @@ TEST(Cli, BenchJsonHasLlamaBenchFields) {
 
 TEST(Cli, BenchDecodesSeveralSequencesTogether) {
   const std::string dir = temp_dir("cli_bench_sequences");
+  // llama-batched-bench's convention: --parallel (the older --sequences spelling still works).
   const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + fixture("model") +
-                          " -p 0 -n 4 -d 8 --sequences 1,3 -r 1 --json > " + dir + "/out.json 2> " +
+                          " -p 16 -n 4 -d 8 --parallel 1,3 -r 1 --json > " + dir + "/out.json 2> " +
                           dir + "/log";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
   const auto j = nlohmann::json::parse(std::ifstream(dir + "/out.json"));
-  ASSERT_EQ(j.size(), 2u);  // tg4 alone and tg4 x3
-  EXPECT_EQ(j[0]["n_sequences"], 1);
-  EXPECT_EQ(j[1]["n_sequences"], 3);
+  ASSERT_EQ(j.size(), 4u);  // pp16, pp16 x3, tg4, tg4 x3
+  EXPECT_EQ(j[0]["n_prompt"], 16);
+  EXPECT_EQ(j[0]["n_parallel"], 1);
+  EXPECT_EQ(j[1]["n_prompt"], 16);
+  EXPECT_EQ(j[1]["n_parallel"], 3);
+  EXPECT_EQ(j[2]["n_gen"], 4);
+  EXPECT_EQ(j[2]["n_parallel"], 1);
+  EXPECT_EQ(j[3]["n_gen"], 4);
+  EXPECT_EQ(j[3]["n_parallel"], 3);
+  EXPECT_EQ(j[3]["n_sequences"], 3);
   for (const auto& e : j) EXPECT_GT(e["avg_ts"].get<double>(), 0.0);
+  const std::string old_spelling = std::string(GEMSTAGE_CLI) + " bench -m " + fixture("model") +
+                                   " -p 0 -n 2 --sequences 2 -r 1 --json > " + dir +
+                                   "/old.json 2> " + dir + "/log";
+  ASSERT_EQ(std::system(old_spelling.c_str()), 0) << slurp(dir + "/log");
+  EXPECT_EQ(nlohmann::json::parse(std::ifstream(dir + "/old.json"))[0]["n_parallel"], 2);
   const std::string refused = std::string(GEMSTAGE_CLI) + " bench -m " + fixture("model") +
-                              " -p 0 -n 4 --sequences 0 > " + dir + "/bad 2>&1";
+                              " -p 0 -n 4 --parallel 0 > " + dir + "/bad 2>&1";
   EXPECT_NE(std::system(refused.c_str()), 0);
-  EXPECT_NE(slurp(dir + "/bad").find("--sequences"), std::string::npos) << slurp(dir + "/bad");
+  EXPECT_NE(slurp(dir + "/bad").find("--parallel"), std::string::npos) << slurp(dir + "/bad");
 }
 
 }  // namespace

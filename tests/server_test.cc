@@ -1067,6 +1067,264 @@ TEST(ServerHttp, ManyConcurrentClients) {
   EXPECT_EQ(s->stats().completed, 12);
 }
 
+// The text of a streamed completion, from its SSE body.
+std::string streamed_text(const std::string& body) {
+  std::string text;
+  for (const std::string& d : sse_data(body)) {
+    if (d == "[DONE]") break;
+    const json c = json::parse(d);
+    if (c.contains("choices") && !c["choices"].empty() && c["choices"][0].contains("text"))
+      text += c["choices"][0]["text"].get<std::string>();
+  }
+  return text;
+}
+
+// The value of one series in a /metrics body; -1 if it is missing.
+double metric_value(const std::string& body, const std::string& series) {
+  const size_t at = body.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(body.substr(at + series.size() + 2));
+}
+
+TEST(ServerBatching, ConcurrentStreamsEachGetWhatTheyGetAlone) {
+  ServerOptions o = tiny_options();
+  o.parallel = 4;
+  o.ignore_eos = true;  // every reply runs its full length, so the batch stays full
+  const std::vector<std::string> prompts = {"One", "Two words here", "A somewhat longer prompt",
+                                            "Hi"};
+  auto body = [&](size_t i, bool stream) {
+    // Different lengths, so sequences join and leave the batch at different steps.
+    return json{{"prompt", prompts[i]},
+                {"max_tokens", 10 + 6 * static_cast<int>(i)},
+                {"temperature", 0},
+                {"seed", 7},
+                {"stream", stream}};
+  };
+  std::vector<std::string> alone;
+  {
+    auto s = start(o);
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      const auto r = post(*s, "/v1/completions", body(i, false));
+      ASSERT_TRUE(r && r->status == 200);
+      alone.push_back(json::parse(r->body)["choices"][0]["text"].get<std::string>());
+    }
+  }
+  auto s = start(o);
+  std::vector<std::string> together(prompts.size());
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < prompts.size(); ++i)
+    clients.emplace_back([&, i] {
+      const auto r = post(*s, "/v1/completions", body(i, true));
+      if (r && r->status == 200) together[i] = streamed_text(r->body);
+    });
+  for (auto& t : clients) t.join();
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_FALSE(alone[i].empty());
+    EXPECT_EQ(together[i], alone[i]) << "prompt " << i;
+  }
+  const std::string m = client(*s).Get("/metrics")->body;
+  // They were batched: fewer steps than tokens generated.
+  EXPECT_LT(metric_value(m, "gemstage_step_seconds_count"),
+            metric_value(m, "gemstage_generated_tokens_total"))
+      << m;
+}
+
+TEST(ServerBatching, ImagesInTheBatch) {
+  ServerOptions o = tiny_options();
+  o.parallel = 3;
+  const json img = {
+      {"messages",
+       {user({{{"type", "text"}, {"text", "What is this?"}},
+              {{"type", "image_url"}, {"image_url", {{"url", data_url(kPng, "image/png")}}}}})}},
+      {"temperature", 0},
+      {"max_tokens", 8}};
+  std::string alone;
+  {
+    auto s = start(o);
+    const auto r = post(*s, "/v1/chat/completions", img);
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "");
+    alone = json::parse(r->body)["choices"][0]["message"]["content"];
+  }
+  auto s = start(o);
+  std::vector<std::string> got(3);
+  std::vector<std::thread> clients;
+  for (size_t i = 0; i < 3; ++i)
+    clients.emplace_back([&, i] {
+      const json b =
+          i == 1 ? json{{"messages", {user("Plain text in between")}}, {"max_tokens", 8}} : img;
+      const auto r = post(*s, "/v1/chat/completions", b);
+      if (r && r->status == 200) got[i] = json::parse(r->body)["choices"][0]["message"]["content"];
+    });
+  for (auto& t : clients) t.join();
+  EXPECT_EQ(got[0], alone);
+  EXPECT_EQ(got[2], alone);
+}
+
+// Prefix reuse stops at the first image row: the same placeholder ids with another picture
+// behind them must not pick up the first picture's cached rows.
+TEST(ServerBatching, PrefixReuseNeverReusesAnotherImagesRows) {
+  ServerOptions o = tiny_options();
+  o.parallel = 1;
+  auto body = [](const std::string& image, const char* mime) {
+    return json{
+        {"messages",
+         {user({{{"type", "text"}, {"text", "Describe"}},
+                {{"type", "image_url"}, {"image_url", {{"url", data_url(image, mime)}}}}})}},
+        {"temperature", 0},
+        {"max_tokens", 12}};
+  };
+  auto reply = [](const httplib::Result& r) {
+    EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    return r ? json::parse(r->body)["choices"][0]["message"]["content"].get<std::string>() : "";
+  };
+  std::string jpeg_alone, png_alone;
+  {
+    auto s = start(o);
+    jpeg_alone = reply(post(*s, "/v1/chat/completions", body(kJpeg, "image/jpeg")));
+  }
+  {
+    auto s = start(o);
+    png_alone = reply(post(*s, "/v1/chat/completions", body(kPng, "image/png")));
+    // The same slot, the same ids up to the image, another image.
+    EXPECT_EQ(reply(post(*s, "/v1/chat/completions", body(kJpeg, "image/jpeg"))), jpeg_alone);
+    EXPECT_EQ(reply(post(*s, "/v1/chat/completions", body(kPng, "image/png"))), png_alone);
+  }
+}
+
+// The slot states /health reports.
+std::vector<std::string> slot_states(const Server& s, std::vector<int64_t>* rows = nullptr) {
+  const json h = json::parse(client(s).Get("/health")->body);
+  std::vector<std::string> out;
+  for (const json& slot : h["slot_states"]) {
+    out.push_back(slot["state"]);
+    if (rows) rows->push_back(slot["rows"]);
+  }
+  return out;
+}
+
+TEST(ServerBatching, ADisconnectMidPrefillFreesItsRowsWhileOthersStream) {
+  ServerOptions o = endless_options();
+  o.parallel = 2;
+  o.threads = 2;
+  o.batch = 2;  // a decode row and one prompt row a step: a long prompt takes many steps
+  o.ubatch = 2;
+  auto s = start(o);
+  RawClient keeps(s->port());
+  json endless = kEndless;
+  endless["max_tokens"] = 60000;  // its rows must leave room in the budget for the other
+  keeps.post("/v1/completions", endless);
+  ASSERT_TRUE(keeps.read_until("\"text\":", 10.0 * kSlow)) << keeps.received;
+  std::string long_prompt;
+  for (int i = 0; i < 1500; ++i) long_prompt.append("w").append(std::to_string(i)).append(" ");
+  {
+    RawClient leaves(s->port());
+    leaves.post("/v1/completions", {{"prompt", long_prompt}, {"stream", true}});
+    ASSERT_TRUE(eventually(
+        [&] {
+          const auto st = slot_states(*s);
+          return std::count(st.begin(), st.end(), "prefill") == 1;
+        },
+        5.0 * kSlow));
+    // The running stream keeps flowing while the prompt comes in.
+    const size_t before = keeps.received.size();
+    EXPECT_TRUE(eventually(
+        [&] {
+          keeps.read_until("never", 0.01);
+          return keeps.received.size() > before + 400;
+        },
+        5.0 * kSlow))
+        << "the running stream stalled while a prompt was prefilled";
+    ASSERT_EQ(s->stats().busy, 2) << "the prompt's prefill ended before its client left";
+  }  // gone in the middle of its prefill
+  EXPECT_TRUE(eventually([&] { return s->stats().busy == 1; }, 5.0 * kSlow));
+  EXPECT_EQ(s->stats().cancelled, 1);
+  std::vector<int64_t> rows;
+  const auto st = slot_states(*s, &rows);
+  ASSERT_EQ(st.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    if (st[i] == "idle") {
+      EXPECT_EQ(rows[i], 0) << "a cancelled request's rows are dropped";
+    }
+  keeps.close();
+  EXPECT_TRUE(eventually([&] { return s->stats().busy == 0; }, 5.0 * kSlow));
+  EXPECT_EQ(s->stats().kv_rows_used, 0);
+  EXPECT_EQ(s->stats().kv_rows_reserved, 0);
+}
+
+TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
+  ServerOptions o = endless_options();
+  o.parallel = 2;
+  o.ctx = 96;  // the KV budget of both slots together
+  auto s = start(o);
+  EXPECT_EQ(s->stats().kv_budget, 96);
+  RawClient big(s->port());
+  // Its prompt plus max_tokens reserve the whole budget.
+  big.post("/v1/completions", {{"prompt", "Go on"}, {"max_tokens", 1000}, {"stream", true}});
+  ASSERT_TRUE(big.read_until("\"text\":", 10.0 * kSlow)) << big.received;
+  // A slot is free, but the rows are not: the next request waits.
+  RawClient small(s->port());
+  small.post("/v1/completions", {{"prompt", "Hi"}, {"max_tokens", 4}});
+  ASSERT_TRUE(eventually([&] { return s->stats().queued == 1; }, 5.0 * kSlow));
+  EXPECT_EQ(s->stats().busy, 1);
+  const json health = json::parse(client(*s).Get("/health")->body);
+  EXPECT_EQ(health["queued"], 1);
+  EXPECT_EQ(health["kv_budget"], 96);
+  EXPECT_EQ(health["slot_states"].size(), 2u);
+  // One that could never fit is refused at once, not queued.
+  std::string longer;
+  for (int i = 0; i < 120; ++i) longer += "word" + std::to_string(i) + " ";
+  const auto t0 = Clock::now();
+  const auto r = post(*s, "/v1/completions", {{"prompt", longer}});
+  expect_error_reply(r, 400, "context_length_exceeded", "prompt");
+  EXPECT_LT(seconds_since(t0), 2.0 * kSlow);
+  EXPECT_EQ(metric_value(client(*s).Get("/metrics")->body,
+                         "gemstage_requests_total{outcome=\"refused\"}"),
+            1);
+  // The big one ends at its share (finish "length"); then the waiting one runs.
+  ASSERT_TRUE(big.read_until("[DONE]", 30.0 * kSlow)) << big.received.substr(0, 300);
+  EXPECT_NE(big.received.find("\"finish_reason\":\"length\""), std::string::npos);
+  ASSERT_TRUE(small.read_until("\"usage\"", 10.0 * kSlow)) << small.received;
+  EXPECT_NE(small.received.find("HTTP/1.1 200"), std::string::npos);
+  EXPECT_EQ(s->stats().completed, 2);
+}
+
+TEST(ServerBatching, PrefixReuseAndMetrics) {
+  ServerOptions o = tiny_options();
+  o.parallel = 3;
+  auto s = start(o);
+  const json turn1 = {
+      {"messages", {user("Tell me about the sea")}}, {"temperature", 0}, {"max_tokens", 6}};
+  const auto r1 = post(*s, "/v1/chat/completions", turn1);
+  ASSERT_TRUE(r1 && r1->status == 200);
+  const json j1 = json::parse(r1->body);
+  // Something else in between, on another slot.
+  ASSERT_EQ(post(*s, "/v1/completions", {{"prompt", "Unrelated"}, {"max_tokens", 4}})->status, 200);
+  json turn2 = turn1;
+  turn2["messages"].push_back(
+      {{"role", "assistant"}, {"content", j1["choices"][0]["message"]["content"]}});
+  turn2["messages"].push_back(user("And the mountains?"));
+  const std::string before = client(*s).Get("/metrics")->body;
+  const auto r2 = post(*s, "/v1/chat/completions", turn2);
+  ASSERT_TRUE(r2 && r2->status == 200);
+  const auto m = client(*s).Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(m->status, 200);
+  EXPECT_EQ(m->get_header_value("Content-Type"), "text/plain; version=0.0.4");
+  const double reused = metric_value(m->body, "gemstage_prompt_tokens_reused_total") -
+                        metric_value(before, "gemstage_prompt_tokens_reused_total");
+  // The first turn's prompt at least came back from the caches.
+  EXPECT_GE(reused, j1["usage"]["prompt_tokens"].get<double>()) << m->body;
+  EXPECT_EQ(metric_value(m->body, "gemstage_requests_total{outcome=\"completed\"}"), 3);
+  EXPECT_EQ(metric_value(m->body, "gemstage_queue_depth"), 0);
+  EXPECT_EQ(metric_value(m->body, "gemstage_slots"), 3);
+  EXPECT_GT(metric_value(m->body, "gemstage_kv_rows_used"), 0);
+  EXPECT_EQ(metric_value(m->body, "gemstage_kv_rows_budget"),
+            metric_value(m->body, "gemstage_kv_rows_used") +
+                metric_value(m->body, "gemstage_kv_rows_free"));
+  EXPECT_GT(metric_value(m->body, "gemstage_step_seconds_count"), 0);
+  EXPECT_NE(m->body.find("gemstage_step_seconds_bucket{le=\"+Inf\"}"), std::string::npos);
+}
+
 }  // namespace
 
 // Random mutations of valid bodies, truncated bodies and raw garbage on the socket: every reply

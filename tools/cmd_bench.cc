@@ -128,9 +128,9 @@ int run_bench(const BenchArgs& a) {
   const double t_load = now_seconds() - t0;
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const auto prompts = int_list(a.prompts, "-p"), gens = int_list(a.gens, "-n"),
-             depths = int_list(a.depths, "-d"), sequences = int_list(a.sequences, "--sequences");
+             depths = int_list(a.depths, "-d"), sequences = int_list(a.sequences, "--parallel");
   for (int64_t ns : sequences)
-    if (ns < 1) fail("--sequences: each count must be at least 1, got ", ns);
+    if (ns < 1) fail("--parallel (--sequences): each count must be at least 1, got ", ns);
   const int64_t V = p->config().text.vocab_size;
   std::mt19937 rng(1);
   auto random_ids = [&](int64_t n) {
@@ -145,12 +145,13 @@ int run_bench(const BenchArgs& a) {
   struct Row {
     int64_t n_prompt, n_gen, n_depth;
     std::vector<double> ts;
-    int64_t n_seq = 1;  // tg: sequences decoding together, one token each per step
+    int64_t n_seq = 1;  // sequences in one batch: each prefills its prompt / decodes a token a step
   };
   std::vector<Row> rows;
   for (int64_t d : depths) {
     for (int64_t np : prompts)
-      if (np > 0) rows.push_back({np, 0, d, {}});
+      if (np > 0)
+        for (int64_t ns : sequences) rows.push_back({np, 0, d, {}, ns});
     for (int64_t ng : gens)
       if (ng > 0)
         for (int64_t ns : sequences) rows.push_back({0, ng, d, {}, ns});
@@ -178,8 +179,34 @@ int run_bench(const BenchArgs& a) {
       if (r.n_depth > 0 && r.n_seq == 1)
         p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
       const double ts = now_seconds();
-      if (r.n_prompt > 0) {
+      if (r.n_prompt > 0 && r.n_seq == 1) {
         p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
+      } else if (r.n_prompt > 0) {
+        // n_seq prompts of n_prompt rows prefilled together, chunk by chunk: one batched call
+        // takes 512 rows of each (llama-batched-bench's S_PP: all prompt tokens / time).
+        std::vector<std::unique_ptr<Sequence>> seqs;
+        std::vector<std::vector<int32_t>> ids;
+        for (int64_t k = 0; k < r.n_seq; ++k) {
+          seqs.push_back(
+              std::make_unique<Sequence>(p->shared_model(), p->max_context(), p->kv_type()));
+          if (r.n_depth > 0)
+            seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
+          ids.push_back(random_ids(r.n_prompt));
+        }
+        const double t_start = now_seconds();
+        std::vector<BatchEntry> batch;
+        for (int64_t at = 0; at < r.n_prompt; at += 512) {
+          batch.clear();
+          const auto n = static_cast<size_t>(std::min<int64_t>(512, r.n_prompt - at));
+          for (int64_t k = 0; k < r.n_seq; ++k)
+            batch.push_back({seqs[static_cast<size_t>(k)].get(),
+                             std::span<const int32_t>(ids[static_cast<size_t>(k)])
+                                 .subspan(static_cast<size_t>(at), n),
+                             nullptr, false});
+          Sequence::forward_batch(pool, batch);
+        }
+        r.ts.push_back(static_cast<double>(r.n_prompt * r.n_seq) / (now_seconds() - t_start));
+        continue;
       } else if (r.n_seq == 1) {
         for (int64_t i = 0; i < r.n_gen; ++i) {
           const std::vector<int32_t> one = random_ids(1);
@@ -237,6 +264,7 @@ int run_bench(const BenchArgs& a) {
                      {"n_prompt", r.n_prompt},
                      {"n_gen", r.n_gen},
                      {"n_depth", r.n_depth},
+                     {"n_parallel", r.n_seq},
                      {"n_sequences", r.n_seq},
                      {"type_k", kv_type_name(p->kv_type())},
                      {"type_v", kv_type_name(p->kv_type())},
@@ -290,9 +318,10 @@ void add_bench_command(CLI::App& app, Registry& reg) {
   sub->add_option("-d,--n-depth", a->depths, "context depths to run each test at, comma-separated")
       ->capture_default_str();
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
-  sub->add_option("--sequences", a->sequences,
-                  "decode tests: sequences decoding together in one batched call a step, "
-                  "comma-separated (tgN xK reports the tokens/s of all K together)")
+  sub->add_option("--parallel,--sequences", a->sequences,
+                  "sequences in one batch, comma-separated (llama-batched-bench's -npl): each "
+                  "prefills its own prompt / decodes a token per batched call; ppN xK and tgN xK "
+                  "report the tokens/s of all K together")
       ->capture_default_str();
   add_cache_type(sub, a->cache_type);
   sub->add_option("--isa", a->isa,

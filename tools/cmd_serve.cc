@@ -21,6 +21,7 @@ struct ServeArgs : CommonArgs {
   int port = 8080;
   int parallel = 1;
   int http_threads = 0;
+  int ubatch = 512;
   std::string api_key;
   size_t max_body = size_t{32} << 20;
   int64_t max_image_pixels = server::RequestLimits{}.max_image_pixels;
@@ -52,6 +53,10 @@ int run_serve(const ServeArgs& a) {
   o.port = a.port;
   o.parallel = a.parallel;
   o.ctx = a.ctx;
+  // -b (--chunk, --batch-size) bounds a step's rows: decode rows plus prompt chunks.
+  if (a.chunk < 1 || a.chunk > (int64_t{1} << 20)) fail("-b / --batch-size must be 1 to 1048576");
+  o.batch = static_cast<int>(a.chunk);
+  o.ubatch = a.ubatch;
   o.kv_type = cache_type_of(a.cache_type);
   o.api_key = a.api_key;
   o.max_body = a.max_body;
@@ -84,8 +89,10 @@ int run_serve(const ServeArgs& a) {
     }
     if (state == server::Server::LoadState::kReady) {
       const auto st = srv.stats();
-      std::cerr << "gemstage serve: ready, " << st.slots << " slot(s); chat page at " << url
-                << "/ , API at " << url << "/v1" << std::endl;
+      std::cerr << "gemstage serve: ready, " << st.slots << " slot(s); KV budget " << st.kv_budget
+                << " tokens of context shared by all slots (-c), at most " << st.max_context
+                << " for one request; chat page at " << url << "/ , API at " << url << "/v1"
+                << std::endl;
       announced = true;
     }
   }
@@ -124,10 +131,16 @@ void add_serve_command(CLI::App& app, Registry& reg) {
       ->check(CLI::Range(0, 65535));
   // llama.cpp's -np spelling is mapped to --parallel in main (CLI11 takes one-letter short names).
   sub->add_option("--parallel", a->parallel,
-                  "requests generated at the same time (-np); each slot holds its own copy of "
-                  "the model's runtime state and KV caches, others wait in a FIFO queue")
+                  "requests generated at the same time (-np), batched into one step; others "
+                  "wait in a FIFO queue. -c is the KV context all of them share")
       ->capture_default_str()
       ->check(CLI::Range(1, 256));
+  // llama.cpp's -ub spelling is mapped to --ubatch-size in main, and --batch-size to -b.
+  sub->add_option("--ubatch-size", a->ubatch,
+                  "rows one batched call runs at most (-ub); a step of -b rows runs as calls of "
+                  "this many")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 20));
   sub->add_option("--threads-http", a->http_threads,
                   "connections served at once (default: max(64, 4 x parallel + 16))");
   sub->add_option("--api-key", a->api_key,

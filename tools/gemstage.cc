@@ -44,10 +44,14 @@ int main(int argc, char** argv) {
   // llama.cpp spells serve's --parallel as -np; CLI11 only takes one-letter short names, so that
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);
-  static char parallel[] = "--parallel";
+  // So are -ub (--ubatch-size) and --batch-size (the -b all generation commands share).
+  static char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk";
   if (argc > 1 && std::strcmp(argv[1], "serve") == 0)
-    for (char*& arg : args)
+    for (char*& arg : args) {
       if (std::strcmp(arg, "-np") == 0) arg = parallel;
+      if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
+      if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
+    }
   try {
     app.parse(argc, args.data());
   } catch (const CLI::ParseError& e) {

@@ -26,6 +26,82 @@ size_t held_back(const std::string& text, const std::vector<std::string>& stops)
 }
 }  // namespace
 
+TokenStream::TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+                         const GenerationOptions& opt)
+    : tok_(tokenizer),
+      opt_(opt),
+      sampler_(opt.sampling),
+      decoder_(tokenizer, /*skip_special=*/!opt.keep_special_text),
+      history_(prompt) {
+  for (const std::string& s : opt_.stop_strings)
+    if (s.empty()) fail("stop strings must not be empty");
+  res_.finish_reason = "length";
+  if (opt_.max_tokens <= 0) finish("length", true, {});
+}
+
+bool TokenStream::emit_until(size_t end, const TextCallback& on_text) {
+  if (end <= emitted_) return true;
+  const bool go_on =
+      !on_text || on_text(std::string_view(res_.text).substr(emitted_, end - emitted_));
+  emitted_ = end;
+  return go_on;
+}
+
+void TokenStream::finish(const std::string& reason, bool flush, const TextCallback& on_text) {
+  res_.finish_reason = reason;
+  done_ = true;
+  // Text held back as a possible stop-string prefix is released once generation is over.
+  if (flush) {
+    res_.text += decoder_.flush();
+    emit_until(res_.text.size(), on_text);
+  }
+}
+
+void TokenStream::end(const std::string& reason, const TextCallback& on_text) {
+  if (!done_) finish(reason, reason != "cancelled", on_text);
+}
+
+std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, bool has_room,
+                                         const TextCallback& on_text) {
+  if (done_) return std::nullopt;
+  if (opt_.cancel && opt_.cancel->load(std::memory_order_relaxed)) {
+    finish("cancelled", false, on_text);
+    return std::nullopt;
+  }
+  const int32_t id = sampler_.sample(logits, vocab, history_);
+  if (std::find(opt_.stop_ids.begin(), opt_.stop_ids.end(), id) != opt_.stop_ids.end()) {
+    finish("stop", true, on_text);
+    return std::nullopt;
+  }
+  res_.tokens.push_back(id);
+  history_.push_back(id);
+  std::string& text = res_.text;
+  // Ids the tokenizer does not name (padding rows of a larger model vocabulary) decode to
+  // nothing, as HF's decode skips them.
+  if (tok_.has_id(id)) text += decoder_.push(id);
+  size_t cut = std::string::npos;
+  for (const std::string& s : opt_.stop_strings) cut = std::min(cut, text.find(s));
+  if (cut != std::string::npos) {
+    text.resize(cut);
+    emit_until(text.size(), on_text);
+    finish("stop", false, on_text);
+    return std::nullopt;
+  }
+  if (!emit_until(text.size() - held_back(text, opt_.stop_strings), on_text)) {
+    finish("cancelled", false, on_text);
+    return std::nullopt;
+  }
+  if (++step_ >= opt_.max_tokens) {
+    finish("length", true, on_text);
+    return std::nullopt;
+  }
+  if (!has_room) {
+    finish("context", true, on_text);
+    return std::nullopt;
+  }
+  return id;
+}
+
 GenerationSession::GenerationSession(Sequence& sequence, const Tokenizer& tokenizer)
     : seq_(sequence), tok_(tokenizer) {}
 
@@ -81,64 +157,15 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
   FloatTensor logits = seq_.prefill(pool, rest, soft, opt.chunk, false, nullptr);
   res.prefill_seconds = now() - t0;
 
-  Sampler sampler(opt.sampling);
-  StreamDecoder decoder(tok_, /*skip_special=*/!opt.keep_special_text);
-  std::string text;
-  size_t emitted = 0;
   const int64_t V = seq_.config().text.vocab_size;
-  std::vector<int32_t> history = prompt;
+  TokenStream stream(tok_, prompt, opt);
   const double t1 = now();
-  auto emit_until = [&](size_t end) {
-    if (end > emitted) {
-      const bool go_on = !on_text || on_text(std::string_view(text).substr(emitted, end - emitted));
-      emitted = end;
-      return go_on;
-    }
-    return true;
-  };
-  res.finish_reason = "length";
-  bool hit_stop_string = false;
-  for (int step = 0; step < opt.max_tokens; ++step) {
-    if (opt.cancel && opt.cancel->load(std::memory_order_relaxed)) {
-      res.finish_reason = "cancelled";
-      break;
-    }
-    const int32_t id = sampler.sample(logits.row(logits.dim(0) - 1), V, history);
-    if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) {
-      res.finish_reason = "stop";
-      break;
-    }
-    res.tokens.push_back(id);
-    history.push_back(id);
-    // Ids the tokenizer does not name (padding rows of a larger model vocabulary) decode to
-    // nothing, as HF's decode skips them.
-    if (tok_.has_id(id)) text += decoder.push(id);
-    size_t cut = std::string::npos;
-    for (const std::string& s : opt.stop_strings) cut = std::min(cut, text.find(s));
-    if (cut != std::string::npos) {
-      text.resize(cut);
-      emit_until(text.size());
-      res.finish_reason = "stop";
-      hit_stop_string = true;
-      break;
-    }
-    if (!emit_until(text.size() - held_back(text, opt.stop_strings))) {
-      res.finish_reason = "cancelled";
-      break;
-    }
-    if (step + 1 == opt.max_tokens) break;
-    if (seq_.n_past() + 1 > seq_.max_context()) {
-      res.finish_reason = "context";
-      break;
-    }
-    logits = seq_.forward(pool, std::span<const int32_t>(&id, 1), nullptr, false, nullptr);
-  }
-  // Text held back as a possible stop-string prefix is released once generation is over.
-  if (!hit_stop_string && res.finish_reason != "cancelled") {
-    text += decoder.flush();
-    emit_until(text.size());
-  }
-  res.text = text;
+  while (const std::optional<int32_t> id = stream.next(
+             logits.row(logits.dim(0) - 1), V, seq_.n_past() + 1 <= seq_.max_context(), on_text))
+    logits = seq_.forward(pool, std::span<const int32_t>(&*id, 1), nullptr, false, nullptr);
+  res.tokens = stream.result().tokens;
+  res.text = stream.result().text;
+  res.finish_reason = stream.result().finish_reason;
   res.decode_seconds = now() - t1;
   return res;
 }

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,6 +42,40 @@ struct GenerationResult {
 
 // Called with each new piece of text; return false to cancel the generation.
 using TextCallback = std::function<bool(std::string_view piece)>;
+
+// The per-token half of a generation, for a caller that runs the model itself (a server that
+// steps many sequences in one batched call): samples each next id from logits, ends on stop ids,
+// stop strings, max_tokens, the context limit or cancellation, and streams UTF-8-complete text.
+// GenerationSession::generate drives one of these, so both produce the same ids and text.
+class TokenStream {
+ public:
+  // prompt: the ids the sequence holds before the first generated token (the sampler's history).
+  TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+              const GenerationOptions& opt);
+  // Samples from `logits` (vocab values). Returns the id the caller feeds next, or nullopt when
+  // the generation ended (see result()). has_room: the sequence can take one more row.
+  std::optional<int32_t> next(const float* logits, int64_t vocab, bool has_room,
+                              const TextCallback& on_text = {});
+  // Ends the generation early (e.g. "cancelled"); text held back is dropped for "cancelled".
+  void end(const std::string& reason, const TextCallback& on_text = {});
+  bool done() const { return done_; }
+  // tokens, text and finish_reason; the prompt and timing fields are the caller's.
+  const GenerationResult& result() const { return res_; }
+
+ private:
+  bool emit_until(size_t end, const TextCallback& on_text);
+  void finish(const std::string& reason, bool flush, const TextCallback& on_text);
+
+  const Tokenizer& tok_;
+  GenerationOptions opt_;
+  Sampler sampler_;
+  StreamDecoder decoder_;
+  std::vector<int32_t> history_;
+  GenerationResult res_;
+  size_t emitted_ = 0;
+  int step_ = 0;
+  bool done_ = false;
+};
 
 class GenerationSession {
  public:

@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -17,8 +19,10 @@
 #include <iostream>
 #include <mutex>
 #include <random>
+#include <sstream>
 #include <thread>
 
+#include "gemma4/multimodal.h"
 #include "io/mapped_file.h"
 #include "server/chat_page.h"
 
@@ -105,14 +109,14 @@ class ClientSocket {
 
 enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
 
-// One request on its way through the queue and a slot. The worker fills in the progress fields
+// One request on its way through the queue and a slot. The engine fills in the progress fields
 // under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
 struct Job {
   bool chat = true;
   std::vector<ChatInput> messages;          // chat
   std::optional<ToolRequest> tool_request;  // chat with tools / tool history (api.h)
   std::string generation_prefix;            // tool path: what the prompt's model turn began with
-  std::string prompt;                       // completion
+  std::string prompt_text;                  // completion
   SamplingOverrides sampling;
 
   std::atomic<bool> cancel{false};
@@ -133,16 +137,46 @@ struct Job {
   std::string text;     // the whole reply, once done
   int64_t prompt_tokens = 0, completion_tokens = 0;
   std::string finish_reason;
+
+  // Rendered before the request queues (Impl::prepare).
+  PreparedPrompt prompt;
+  GenerationOptions gen;
+  int64_t capacity = 0;  // KV rows it may need: prompt + max_tokens, at most a sequence's context
 };
 
-// A slot is one conversation at a time on the shared model: its own sequence (KV caches) and
-// threads; the weights and the tokenizer are loaded once, in Impl::assistant.
+// What a slot is doing, as /health reports it.
+enum class SlotState { kIdle, kPrefill, kDecode };
+
+const char* slot_state_name(SlotState s) {
+  switch (s) {
+    case SlotState::kPrefill:
+      return "prefill";
+    case SlotState::kDecode:
+      return "decode";
+    default:
+      return "idle";
+  }
+}
+
+// A slot is one conversation at a time on the shared model: its own sequence (KV caches). All
+// slots step together in the engine's batched calls. Only the engine thread touches a slot's
+// sequence and generation state; `job` changes under Impl::q_mu, and `state`, `rows` and
+// `reserved` are copies kept under Impl::q_mu for /health, /metrics and the KV budget.
 struct Slot {
+  int id = 0;
   std::unique_ptr<Sequence> sequence;
-  std::unique_ptr<ThreadPool> pool;
-  std::unique_ptr<GenerationSession> session;
-  std::shared_ptr<Job> current;  // guarded by Impl::q_mu
-  std::thread worker;
+  std::shared_ptr<Job> job;  // the running request; null when idle
+  std::vector<int32_t> prompt;
+  FloatTensor soft;      // soft tokens of the prompt rows not yet in the caches, in order
+  int64_t soft_at = 0;   // of those, how many earlier steps consumed
+  int64_t capacity = 0;  // rows this request may hold (its share of the KV budget)
+  std::unique_ptr<TokenStream> stream;
+  std::optional<int32_t> next_id;  // decoding: the id the next step feeds
+  uint64_t admitted = 0;           // admission order: prompts are prefilled oldest first
+  uint64_t last_used = 0;          // when it last ran, to evict the stalest held prefix first
+  SlotState state = SlotState::kIdle;
+  int64_t rows = 0;      // KV rows the sequence holds
+  int64_t reserved = 0;  // budget rows counted for it: capacity while running, rows when idle
 };
 
 void set_error(httplib::Response& res, const ApiError& e) {
@@ -181,18 +215,35 @@ struct Server::Impl {
   bool load_finished = false;
   std::string load_error;
   std::string model_name;
-  int64_t max_context = 0;
-  int64_t created = 0;  // when the model was loaded, for /v1/models
+  int64_t max_context = 0;  // one sequence's context: the budget, or the model's maximum if less
+  int64_t kv_budget = 0;    // KV rows all sequences hold together (-c)
+  int batch_rows = 0, ubatch_rows = 0;  // rows per step (-b) and per batched call (-ub)
+  std::vector<int> placeholders;        // the model's image/audio/video placeholder ids
+  int64_t created = 0;                  // when the model was loaded, for /v1/models
   GenerationOptions defaults;
 
   std::unique_ptr<Assistant> assistant;  // the model and tokenizer every slot shares
+  std::unique_ptr<ThreadPool> pool;      // all compute threads, the engine's alone
+  // Renders chat prompts (the vision tower for their images) beside the engine.
+  std::mutex prepare_mu;
+  std::unique_ptr<ThreadPool> prepare_pool;
   std::vector<std::unique_ptr<Slot>> slots;
+  std::thread engine_thread;
   mutable std::mutex q_mu;
   std::condition_variable q_cv, idle_cv;
-  std::deque<std::shared_ptr<Job>> queue;
-  int busy = 0;
-  bool workers_stop = false;
-  std::atomic<int64_t> completed{0}, cancelled{0};
+  std::deque<std::shared_ptr<Job>> queue;  // FIFO: the engine admits from the front only
+  bool queue_changed = false;
+  int busy = 0;  // slots running a request
+  bool engine_stop = false;
+  uint64_t steps = 0, admissions = 0;  // engine thread only
+  std::atomic<int64_t> completed{0}, cancelled{0}, failed{0}, refused{0};
+  std::atomic<int64_t> prompt_tokens_total{0}, reused_tokens_total{0}, generated_tokens_total{0};
+  // Step latency as a Prometheus histogram (upper bounds in seconds), under q_mu.
+  static constexpr std::array<double, 10> kStepBuckets = {0.005, 0.01, 0.025, 0.05, 0.1,
+                                                          0.25,  0.5,  1,     2.5,  10};
+  std::array<int64_t, kStepBuckets.size() + 1> step_counts{};
+  double step_seconds_sum = 0;
+  int64_t step_rows_total = 0;
 
   // Streamed replies not yet fully written; the listener stays open until they are.
   std::mutex streams_mu;
@@ -234,8 +285,13 @@ struct Server::Impl {
 
   void setup_routes();
   void load();
-  void worker(Slot& s);
-  void run(Slot& s, Job& job);
+  void engine();
+  void prepare(Job& job);
+  void admit();
+  void start_job(Slot& s, const std::shared_ptr<Job>& job);
+  void step();
+  void end_job(Slot& s, const std::string& reason, const std::optional<ApiError>& error = {});
+  std::string metrics_text();
   void submit(const std::shared_ptr<Job>& job);
   void handle_generation(const httplib::Request& req, httplib::Response& res, bool chat);
   void shutdown();
@@ -243,39 +299,36 @@ struct Server::Impl {
 };
 
 // ------------------------------------------------------------------------------------------
-// Loading and the slot workers.
+// Loading and the engine.
 
 void Server::Impl::load() {
   try {
     if (opt.before_load) opt.before_load();
     const int total = opt.threads > 0 ? opt.threads : default_thread_count();
-    // The slots compute at the same time, so they split the cores rather than each taking all.
-    const int per_slot = std::max(1, total / opt.parallel);
+    // -c is the KV budget of all sequences together, and also bounds a single one.
     assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type);
+    const Assistant& a = *assistant;
+    kv_budget = opt.ctx > 0 ? opt.ctx : a.max_context();
+    max_context = std::min(kv_budget, a.max_context());
+    batch_rows = std::max(1, opt.batch);
+    ubatch_rows = std::max(1, std::min(opt.ubatch, batch_rows));
+    placeholders = a.model().config().placeholder_token_ids();
+    pool = std::make_unique<ThreadPool>(total);
+    prepare_pool = std::make_unique<ThreadPool>(std::max(1, total / 2));
     for (int i = 0; i < opt.parallel; ++i) {
       auto s = std::make_unique<Slot>();
+      s->id = i;
       s->sequence = assistant->new_sequence();
-      s->pool = std::make_unique<ThreadPool>(per_slot);
-      s->session = std::make_unique<GenerationSession>(*s->sequence, assistant->tokenizer());
       slots.push_back(std::move(s));
     }
-    const Assistant& a = *assistant;
     model_name = a.model_name();
-    max_context = a.max_context();
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
     defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
     defaults.cancel = nullptr;
-    for (auto& s : slots) s->worker = std::thread([this, slot = s.get()] { worker(*slot); });
+    engine_thread = std::thread([this] { engine(); });
     ready.store(true);
   } catch (const std::exception& e) {
-    {
-      std::lock_guard<std::mutex> lk(q_mu);
-      workers_stop = true;
-    }
-    q_cv.notify_all();
-    for (auto& s : slots)
-      if (s->worker.joinable()) s->worker.join();
     slots.clear();
     std::lock_guard<std::mutex> lk(load_mu);
     load_error = e.what();
@@ -287,28 +340,6 @@ void Server::Impl::load() {
   load_cv.notify_all();
 }
 
-void Server::Impl::worker(Slot& s) {
-  for (;;) {
-    std::shared_ptr<Job> job;
-    {
-      std::unique_lock<std::mutex> lk(q_mu);
-      q_cv.wait(lk, [&] { return workers_stop || !queue.empty(); });
-      if (queue.empty()) return;  // workers_stop
-      job = std::move(queue.front());
-      queue.pop_front();
-      s.current = job;
-      ++busy;
-    }
-    run(s, *job);
-    {
-      std::lock_guard<std::mutex> lk(q_mu);
-      s.current.reset();
-      --busy;
-    }
-    idle_cv.notify_all();
-  }
-}
-
 namespace {
 void fail_job(Job& job, const ApiError& e) {
   {
@@ -318,86 +349,438 @@ void fail_job(Job& job, const ApiError& e) {
   }
   job.cv.notify_all();
 }
+
+// Rows `held` and `prompt` share, leaving at least one prompt row to produce logits from. The
+// shared run stops at the first image/audio placeholder: equal placeholder ids say nothing about
+// whether the soft tokens behind them (the pictures) are the same.
+size_t common_prefix(const std::vector<int32_t>& held, const std::vector<int32_t>& prompt,
+                     const std::vector<int>& placeholders) {
+  size_t n = 0;
+  while (n < held.size() && n + 1 < prompt.size() && held[n] == prompt[n] &&
+         std::find(placeholders.begin(), placeholders.end(), prompt[n]) == placeholders.end())
+    ++n;
+  return n;
+}
 }  // namespace
 
-void Server::Impl::run(Slot& s, Job& job) {
-  if (job.cancel.load()) {
-    // Its client left while it queued: nobody is waiting for the answer.
-    fail_job(job, ApiError(499, "the client went away", "invalid_request_error"));
-    ++cancelled;
-    return;
+// One thread runs the model for every request: each step it takes new requests off the queue
+// while slots and the KV budget allow, then runs one batched step over all running ones.
+void Server::Impl::engine() {
+  std::vector<std::shared_ptr<Job>> waiting;
+  for (;;) {
+    {
+      std::unique_lock<std::mutex> lk(q_mu);
+      if (busy == 0) {
+        // Idle: wake for a new request, or now and then to drop queued ones whose client left.
+        q_cv.wait_for(lk, kPollInterval, [&] { return engine_stop || queue_changed; });
+        if (engine_stop) return;
+      }
+      queue_changed = false;
+      waiting.assign(queue.begin(), queue.end());
+    }
+    std::vector<const Job*> dropped;
+    for (const auto& job : waiting) {
+      if (job->cancel.load()) {
+        // Its client left while it queued: nobody is waiting for the answer.
+        ++cancelled;
+        fail_job(*job, ApiError(499, "the client went away", "invalid_request_error"));
+        dropped.push_back(job.get());
+      }
+    }
+    waiting.clear();
+    {
+      std::lock_guard<std::mutex> lk(q_mu);
+      std::erase_if(queue, [&](const std::shared_ptr<Job>& j) {
+        return std::find(dropped.begin(), dropped.end(), j.get()) != dropped.end();
+      });
+      admit();
+      if (busy == 0) continue;
+    }
+    try {
+      step();
+    } catch (const std::exception& e) {
+      // Not expected (a failed batched call already ends only its own requests); ending every
+      // running request keeps the engine serving the next ones.
+      for (auto& s : slots)
+        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
+    }
   }
-  bool generating = false;
-  try {
-    // Again here: the file may have changed while this request queued.
-    ensure_model_files_intact();
+}
+
+// The prompt as ids (and soft tokens), on the request's own HTTP thread, so neither a long
+// prompt's tokenization nor its images' vision tower pauses the engine's running streams; a prompt
+// that can never fit is refused here, at once, before it queues.
+void Server::Impl::prepare(Job& job) {
+  ensure_model_files_intact();
+  if (job.tool_request) {
+    // The tool path renders with the checkpoint's own chat template (or the built-in renderer)
+    // and keeps special tokens in the text, which the output parser reads.
     ConversationOptions conv;
     conv.enable_thinking = opt.think;
-    const PreparedPrompt p =
-        job.tool_request ? assistant->prepare_conversation(job.tool_request->messages,
-                                                           job.tool_request->tools, conv)
-        : job.chat       ? assistant->prepare_chat(*s.pool, job.messages, {true, opt.think})
-                         : assistant->prepare_raw(job.prompt);
-    const auto n = static_cast<int64_t>(p.ids.size());
-    if (n >= max_context)
-      throw ApiError(400,
-                     "the prompt is " + std::to_string(n) + " tokens but the context holds " +
-                         std::to_string(max_context) +
-                         " (including room for at least one generated token); shorten the "
-                         "conversation or start the server with a larger -c / --ctx-size",
-                     "invalid_request_error", job.chat ? "messages" : "prompt",
-                     "context_length_exceeded");
-    GenerationOptions g = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
-    g.cancel = &job.cancel;
-    g.keep_special_text = job.tool_request.has_value();
-    {
-      std::lock_guard<std::mutex> lk(job.mu);
-      job.started = true;
-      job.prompt_tokens = n;
-      job.generation_prefix = p.generation_prefix;
-    }
-    job.cv.notify_all();
-    generating = true;
-    const GenerationResult r =
-        s.session->generate(*s.pool, p.ids, p.soft(), g, [&](std::string_view piece) {
-          {
-            std::lock_guard<std::mutex> lk(job.mu);
-            job.pending.append(piece);
-          }
-          job.cv.notify_all();
-          return !job.cancel.load();
-        });
-    if (r.finish_reason == "cancelled") {
-      // The caches hold a reply nobody will continue; drop them (and their memory) now rather
-      // than keep them for a prefix match that will not come.
-      s.session->reset();
-      ++cancelled;
-    } else {
-      ++completed;
-    }
-    {
-      std::lock_guard<std::mutex> lk(job.mu);
-      job.done = true;
-      job.text = r.text;
-      job.completion_tokens = static_cast<int64_t>(r.tokens.size());
-      job.finish_reason = r.finish_reason;
-    }
-    job.cv.notify_all();
-  } catch (const ApiError& e) {
-    fail_job(job, e);
-  } catch (const Error& e) {
-    // The request's own content (a role order the chat format refuses, an image for a model
-    // without a vision tower, invalid UTF-8). Mid-generation it would be ours; none is known.
-    if (generating) s.session->reset();
-    fail_job(job, generating ? ApiError(500, e.what(), "server_error") : ApiError(400, e.what()));
-  } catch (const std::bad_alloc&) {
-    s.session->reset();
-    fail_job(job, ApiError(503, "out of memory while serving this request", "server_error", {},
-                           "out_of_memory"));
-  } catch (const std::exception& e) {
-    s.session->reset();
-    fail_job(job, ApiError(500, e.what(), "server_error"));
+    job.prompt =
+        assistant->prepare_conversation(job.tool_request->messages, job.tool_request->tools, conv);
+    std::lock_guard<std::mutex> lk(job.mu);
+    job.generation_prefix = job.prompt.generation_prefix;
+  } else if (job.chat) {
+    // One conversation at a time on the preparation pool (a pool runs one job at a time).
+    std::lock_guard<std::mutex> lk(prepare_mu);
+    job.prompt = assistant->prepare_chat(*prepare_pool, job.messages, {true, opt.think});
+  } else {
+    job.prompt = assistant->prepare_raw(job.prompt_text);
   }
+  const auto n = static_cast<int64_t>(job.prompt.ids.size());
+  if (n >= max_context)
+    throw ApiError(400,
+                   "the prompt is " + std::to_string(n) + " tokens but the context holds " +
+                       std::to_string(max_context) +
+                       " (including room for at least one generated token); shorten the "
+                       "conversation or start the server with a larger -c / --ctx-size",
+                   "invalid_request_error", job.chat ? "messages" : "prompt",
+                   "context_length_exceeded");
+  job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
+  job.gen.cancel = &job.cancel;
+  job.gen.keep_special_text = job.tool_request.has_value();
+  for (const std::string& stop : job.gen.stop_strings)
+    if (stop.empty())
+      throw ApiError(400, "stop strings must not be empty", "invalid_request_error", "stop");
+  job.capacity = std::min(max_context, n + std::max(0, job.gen.max_tokens));
+}
+
+// Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
+// and its rows fit the budget, evicting the prefixes idle slots hold (oldest first) if needed.
+void Server::Impl::admit() {
+  while (!queue.empty() && !draining.load()) {
+    const std::shared_ptr<Job> job = queue.front();
+    // The idle slot whose caches save the most prefill: the longest prefix of this prompt, counted
+    // only where it saves at least as many rows as reusing the slot throws away (so an unrelated
+    // prompt that shares just <bos> leaves a conversation's caches alone); then the slot holding
+    // the fewest rows, then the stalest.
+    Slot* best = nullptr;
+    size_t best_gain = 0;
+    for (auto& s : slots) {
+      if (s->job) continue;
+      const size_t held = s->sequence->tokens().size();
+      const size_t common = common_prefix(s->sequence->tokens(), job->prompt.ids, placeholders);
+      const size_t gain = common >= held - common ? common : 0;
+      if (!best || gain > best_gain ||
+          (gain == best_gain &&
+           (held < best->sequence->tokens().size() ||
+            (held == best->sequence->tokens().size() && s->last_used < best->last_used)))) {
+        best = s.get();
+        best_gain = gain;
+      }
+    }
+    if (!best) return;
+    int64_t others = 0, evictable = 0;
+    for (auto& s : slots)
+      if (s.get() != best) {
+        others += s->reserved;
+        if (!s->job) evictable += s->reserved;
+      }
+    if (others + job->capacity > kv_budget) {
+      if (others - evictable + job->capacity > kv_budget) return;  // waits for running ones
+      std::vector<Slot*> idle;
+      for (auto& s : slots)
+        if (s.get() != best && !s->job && s->reserved > 0) idle.push_back(s.get());
+      std::sort(idle.begin(), idle.end(),
+                [](const Slot* x, const Slot* y) { return x->last_used < y->last_used; });
+      for (Slot* s : idle) {
+        if (others + job->capacity <= kv_budget) break;
+        s->sequence->reset();
+        others -= s->reserved;
+        s->rows = s->reserved = 0;
+      }
+    }
+    queue.pop_front();
+    start_job(*best, job);
+  }
+}
+
+// Under q_mu: the request takes the slot, reusing the prefix its caches hold.
+void Server::Impl::start_job(Slot& s, const std::shared_ptr<Job>& job) {
+  Sequence& seq = *s.sequence;
+  const std::vector<int32_t>& ids = job->prompt.ids;
+  size_t common = common_prefix(seq.tokens(), ids, placeholders);
+  if (common < seq.tokens().size()) {
+    // The prompt diverges inside what is cached: roll back to the common prefix, or start over
+    // if the caches cannot go that far.
+    if (common == 0 || !seq.truncate(static_cast<int64_t>(common))) {
+      seq.reset();
+      common = 0;
+    }
+  }
+  s.prompt = ids;
+  s.soft = FloatTensor();
+  s.soft_at = 0;
+  const FloatTensor& soft = job->prompt.soft_tokens;
+  if (soft.numel() > 0) {  // image and audio soft tokens, in placeholder order
+    const int64_t skip =
+        count_placeholders(seq.config(), std::span<const int32_t>(ids.data(), common));
+    if (soft.dim(0) > skip) s.soft = slice_rows(soft, skip, soft.dim(0) - skip);
+  }
+  s.capacity = job->capacity;
+  s.stream = std::make_unique<TokenStream>(assistant->tokenizer(), ids, job->gen);
+  s.next_id.reset();
+  s.admitted = ++admissions;
+  s.job = job;
+  s.state = SlotState::kPrefill;
+  s.rows = seq.n_past();
+  s.reserved = s.capacity;
+  ++busy;
+  prompt_tokens_total += static_cast<int64_t>(ids.size());
+  reused_tokens_total += static_cast<int64_t>(common);
+  {
+    std::lock_guard<std::mutex> lk(job->mu);
+    job->started = true;
+    job->prompt_tokens = static_cast<int64_t>(ids.size());
+  }
+  job->cv.notify_all();
+}
+
+// The request on `s` is over: its reply (or error) goes to the job, the slot is free again. A
+// cancelled or failed request's rows are dropped at once; a finished one's stay for prefix reuse
+// until the budget needs them.
+void Server::Impl::end_job(Slot& s, const std::string& reason,
+                           const std::optional<ApiError>& error) {
+  const std::shared_ptr<Job> job = s.job;
+  if (!error) s.stream->end(reason);
+  const GenerationResult& r = s.stream->result();
+  const bool drop = error || r.finish_reason == "cancelled";
+  // The counters and the slot first, so a client that has its reply sees them updated.
+  if (error)
+    ++failed;
+  else if (r.finish_reason == "cancelled")
+    ++cancelled;
+  else
+    ++completed;
+  if (!error) generated_tokens_total += static_cast<int64_t>(r.tokens.size());
+  if (drop) s.sequence->reset();
+  s.last_used = steps;
+  {
+    std::lock_guard<std::mutex> lk(q_mu);
+    s.job.reset();
+    s.state = SlotState::kIdle;
+    s.rows = s.reserved = s.sequence->n_past();
+    --busy;
+  }
+  idle_cv.notify_all();
+  if (error) {
+    fail_job(*job, *error);
+  } else {
+    {
+      std::lock_guard<std::mutex> lk(job->mu);
+      job->done = true;
+      job->text = r.text;
+      job->completion_tokens = static_cast<int64_t>(r.tokens.size());
+      job->finish_reason = r.finish_reason;
+    }
+    job->cv.notify_all();
+  }
+  s.stream.reset();
+  s.prompt.clear();
+  s.soft = FloatTensor();
+}
+
+// One batched step: a decode row for every sequence that is generating, then prompt rows of the
+// sequences being prefilled (oldest first) up to -b rows in all, run as calls of at most -ub rows.
+void Server::Impl::step() {
+  ++steps;
+  const auto t0 = Clock::now();
+  for (auto& s : slots)
+    if (s->job && s->job->cancel.load()) end_job(*s, "cancelled");
+
+  struct Piece {
+    Slot* slot;
+    int64_t begin, n;  // prompt rows [begin, begin + n); decode rows have n == 0
+  };
+  std::vector<Piece> pieces;
+  int64_t room = batch_rows;
+  // Every generating sequence gets its row each step (none starves when --parallel exceeds -b).
+  for (auto& s : slots)
+    if (s->job && s->next_id) {
+      pieces.push_back({s.get(), 0, 0});
+      --room;
+    }
+  std::vector<Slot*> filling;
+  for (auto& s : slots)
+    if (s->job && s->state == SlotState::kPrefill) filling.push_back(s.get());
+  std::sort(filling.begin(), filling.end(),
+            [](const Slot* a, const Slot* b) { return a->admitted < b->admitted; });
+  // At least one prompt row a step, so a prompt advances even when decode rows fill -b.
+  room = std::max<int64_t>(room, 1);
+  for (Slot* s : filling) {
+    const int64_t at = s->sequence->n_past();
+    int64_t n = std::min(room, static_cast<int64_t>(s->prompt.size()) - at);
+    if (n <= 0) break;
+    // On the large models an image's rows attend to each other within one call: a piece never
+    // ends inside an image (it ends before it, or takes all of it when the image comes first).
+    n = chunk_end_keeping_images_whole(s->sequence->config(), s->prompt, at, at + n) - at;
+    pieces.push_back({s, at, n});
+    room -= n;
+  }
+  if (pieces.empty()) return;
+
+  const int64_t V = assistant->model().config().text.vocab_size;
+  int64_t rows_run = 0;
+  size_t next_piece = 0;
+  int64_t piece_done = 0;  // rows of pieces[next_piece] already run
+  while (next_piece < pieces.size()) {
+    // One call: whole decode rows and prompt rows up to -ub, a piece split over calls if needed.
+    std::vector<BatchEntry> batch;
+    std::vector<Slot*> owners;
+    std::vector<FloatTensor> softs;
+    softs.reserve(pieces.size());
+    int64_t call_rows = 0;
+    while (next_piece < pieces.size() && call_rows < ubatch_rows) {
+      const Piece& p = pieces[next_piece];
+      Slot& s = *p.slot;
+      if (!s.job) {  // ended by a failed call earlier in this step
+        ++next_piece;
+        piece_done = 0;
+        continue;
+      }
+      if (std::find(owners.begin(), owners.end(), &s) != owners.end()) break;
+      BatchEntry e;
+      e.sequence = s.sequence.get();
+      if (p.n == 0) {
+        e.ids = std::span<const int32_t>(&*s.next_id, 1);
+        ++next_piece;
+        call_rows += 1;
+      } else {
+        const int64_t from = p.begin + piece_done;
+        const int64_t take =
+            chunk_end_keeping_images_whole(s.sequence->config(), s.prompt, from,
+                                           from + std::min(p.n - piece_done,
+                                                           ubatch_rows - call_rows)) -
+            from;
+        e.ids = std::span<const int32_t>(s.prompt.data() + p.begin + piece_done,
+                                         static_cast<size_t>(take));
+        const int64_t k = count_placeholders(s.sequence->config(), e.ids);
+        if (k > 0) {
+          softs.push_back(slice_rows(s.soft, s.soft_at, k));
+          e.soft_tokens = &softs.back();
+        }
+        piece_done += take;
+        call_rows += take;
+        if (piece_done == p.n) {
+          ++next_piece;
+          piece_done = 0;
+        }
+      }
+      batch.push_back(e);
+      owners.push_back(&s);
+    }
+    std::vector<FloatTensor> logits;
+    try {
+      logits = Sequence::forward_batch(*pool, batch);
+    } catch (const std::bad_alloc&) {
+      for (Slot* s : owners)
+        if (s->job)
+          end_job(*s, "",
+                  ApiError(503, "out of memory while serving this request", "server_error", {},
+                           "out_of_memory"));
+      continue;
+    } catch (const std::exception& e) {
+      for (Slot* s : owners)
+        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
+      continue;
+    }
+    rows_run += call_rows;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      Slot& s = *owners[i];
+      if (!s.job) continue;
+      if (batch[i].soft_tokens) s.soft_at += batch[i].soft_tokens->dim(0);
+      const bool prompt_done = s.state == SlotState::kDecode ||
+                               s.sequence->n_past() == static_cast<int64_t>(s.prompt.size());
+      if (!prompt_done) continue;
+      if (s.state == SlotState::kPrefill) {
+        s.soft = FloatTensor();
+        std::lock_guard<std::mutex> lk(q_mu);
+        s.state = SlotState::kDecode;
+      }
+      Job& job = *s.job;
+      const FloatTensor& l = logits[i];
+      s.next_id = s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity,
+                                 [&job](std::string_view piece) {
+                                   {
+                                     std::lock_guard<std::mutex> lk(job.mu);
+                                     job.pending.append(piece);
+                                   }
+                                   job.cv.notify_all();
+                                   return !job.cancel.load();
+                                 });
+      if (!s.next_id) end_job(s, s.stream->result().finish_reason);
+    }
+  }
+  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  std::lock_guard<std::mutex> lk(q_mu);
+  for (auto& s : slots) s->rows = s->job ? s->sequence->n_past() : s->rows;
+  size_t b = 0;
+  while (b < kStepBuckets.size() && secs > kStepBuckets[b]) ++b;
+  ++step_counts[b];
+  step_seconds_sum += secs;
+  step_rows_total += rows_run;
+}
+
+// GET /metrics: Prometheus text exposition format, version 0.0.4.
+std::string Server::Impl::metrics_text() {
+  std::string out;
+  auto metric = [&](const char* name, const char* type, const char* help) {
+    out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
+  };
+  auto value = [&](const std::string& series, double v) {
+    std::ostringstream s;
+    s << series << " " << v << "\n";
+    out += s.str();
+  };
+  metric("gemstage_requests_total", "counter",
+         "Generation requests ended, by outcome (refused: the prompt could not start, e.g. too "
+         "long; failed: an error while it ran).");
+  value("gemstage_requests_total{outcome=\"completed\"}", static_cast<double>(completed.load()));
+  value("gemstage_requests_total{outcome=\"cancelled\"}", static_cast<double>(cancelled.load()));
+  value("gemstage_requests_total{outcome=\"failed\"}", static_cast<double>(failed.load()));
+  value("gemstage_requests_total{outcome=\"refused\"}", static_cast<double>(refused.load()));
+  metric("gemstage_prompt_tokens_total", "counter", "Prompt tokens of requests that started.");
+  value("gemstage_prompt_tokens_total", static_cast<double>(prompt_tokens_total.load()));
+  metric("gemstage_prompt_tokens_reused_total", "counter",
+         "Prompt tokens found in a slot's caches and not prefilled again.");
+  value("gemstage_prompt_tokens_reused_total", static_cast<double>(reused_tokens_total.load()));
+  metric("gemstage_generated_tokens_total", "counter", "Tokens generated.");
+  value("gemstage_generated_tokens_total", static_cast<double>(generated_tokens_total.load()));
+  std::lock_guard<std::mutex> lk(q_mu);
+  metric("gemstage_step_seconds", "histogram", "Wall time of one engine step (all its calls).");
+  int64_t cumulative = 0;
+  for (size_t b = 0; b < kStepBuckets.size(); ++b) {
+    cumulative += step_counts[b];
+    std::ostringstream le;
+    le << kStepBuckets[b];
+    value("gemstage_step_seconds_bucket{le=\"" + le.str() + "\"}", static_cast<double>(cumulative));
+  }
+  cumulative += step_counts.back();
+  value("gemstage_step_seconds_bucket{le=\"+Inf\"}", static_cast<double>(cumulative));
+  value("gemstage_step_seconds_sum", step_seconds_sum);
+  value("gemstage_step_seconds_count", static_cast<double>(cumulative));
+  metric("gemstage_step_rows_total", "counter", "Rows (decode and prompt) the engine ran.");
+  value("gemstage_step_rows_total", static_cast<double>(step_rows_total));
+  metric("gemstage_queue_depth", "gauge", "Requests waiting for a slot or KV rows.");
+  value("gemstage_queue_depth", static_cast<double>(queue.size()));
+  metric("gemstage_slots", "gauge", "Slots (--parallel).");
+  value("gemstage_slots", static_cast<double>(slots.size()));
+  metric("gemstage_slots_busy", "gauge", "Slots running a request.");
+  value("gemstage_slots_busy", busy);
+  int64_t used = 0, reserved = 0;
+  for (const auto& s : slots) {
+    used += s->rows;
+    reserved += s->reserved;
+  }
+  metric("gemstage_kv_rows_budget", "gauge", "KV rows all sequences share (-c).");
+  value("gemstage_kv_rows_budget", static_cast<double>(kv_budget));
+  metric("gemstage_kv_rows_used", "gauge", "KV rows the slots' caches hold.");
+  value("gemstage_kv_rows_used", static_cast<double>(used));
+  metric("gemstage_kv_rows_free", "gauge",
+         "KV rows of the budget not reserved by running requests or held by idle slots.");
+  value("gemstage_kv_rows_free", static_cast<double>(kv_budget - reserved));
+  return out;
 }
 
 void Server::Impl::submit(const std::shared_ptr<Job>& job) {
@@ -405,6 +788,7 @@ void Server::Impl::submit(const std::shared_ptr<Job>& job) {
     std::lock_guard<std::mutex> lk(q_mu);
     if (draining.load()) throw shutting_down_error();
     queue.push_back(job);
+    queue_changed = true;
   }
   q_cv.notify_one();
 }
@@ -537,11 +921,17 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     common = std::move(r);
   } else {
     CompletionRequest r = parse_completion_request(body);
-    job->prompt = std::move(r.prompt);
+    job->prompt_text = std::move(r.prompt);
     common = std::move(r);
   }
   job->sampling = std::move(common.sampling);
   const bool stream = common.stream, include_usage = common.include_usage;
+  try {
+    prepare(*job);
+  } catch (...) {
+    ++refused;
+    throw;
+  }
   auto client = std::make_unique<ClientSocket>(req);
   submit(job);
   // Until the prompt is known to fit, the status is still open: a context overflow is a 400
@@ -627,7 +1017,8 @@ void Server::Impl::setup_routes() {
         std::string code;
         if (res.status == 404) {
           msg = "no such route: " + req.method + " " + req.path +
-                " (this server has GET /, GET /health, GET /v1/models, POST /v1/chat/completions "
+                " (this server has GET /, GET /health, GET /metrics, GET /v1/models, POST "
+                "/v1/chat/completions "
                 "and POST /v1/completions)";
           code = "not_found";
         } else if (res.status == 413) {
@@ -719,12 +1110,29 @@ void Server::Impl::setup_routes() {
       j = {{"status", "model_file_changed"}, {"error", changed}};
     } else {
       std::lock_guard<std::mutex> lk(q_mu);
+      json states = json::array();
+      int64_t reserved = 0;
+      for (const auto& s : slots) {
+        states.push_back({{"id", s->id}, {"state", slot_state_name(s->state)}, {"rows", s->rows}});
+        reserved += s->reserved;
+      }
       j = {{"status", "ok"},
            {"slots", slots.size()},
            {"slots_busy", busy},
-           {"queued", queue.size()}};
+           {"queued", queue.size()},
+           {"kv_budget", kv_budget},
+           {"kv_rows_reserved", reserved},
+           {"slot_states", std::move(states)}};
     }
     res.set_content(wire_json(j), "application/json");
+  });
+  http.Get("/metrics", [this](const Request&, Response& res) {
+    if (!ready.load()) {
+      res.status = 503;
+      res.set_content("# the model is still loading\n", "text/plain; version=0.0.4");
+      return;
+    }
+    res.set_content(metrics_text(), "text/plain; version=0.0.4");
   });
   http.Get("/", [](const Request&, Response& res) {
     res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
@@ -740,7 +1148,8 @@ void Server::Impl::setup_routes() {
   };
   for (const auto& [path, allow] :
        {std::pair{"/v1/chat/completions", "POST"}, std::pair{"/v1/completions", "POST"},
-        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"}, std::pair{"/", "GET"}}) {
+        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"}, std::pair{"/metrics", "GET"},
+        std::pair{"/", "GET"}}) {
     if (std::string_view(allow) != "GET") http.Get(path, not_allowed(allow));
     if (std::string_view(allow) != "POST") http.Post(path, not_allowed(allow));
     http.Put(path, not_allowed(allow));
@@ -788,7 +1197,7 @@ void Server::Impl::shutdown() {
         std::chrono::duration<double>(std::max(0.0, opt.shutdown_grace_seconds)));
     idle_cv.wait_until(lk, Clock::now() + grace, [&] { return busy == 0; });
     for (auto& s : slots)
-      if (s->current) s->current->request_cancel(CancelReason::kShutdown);
+      if (s->job) s->job->request_cancel(CancelReason::kShutdown);
     idle_cv.wait(lk, [&] { return busy == 0; });
   }
   {
@@ -802,11 +1211,10 @@ void Server::Impl::shutdown() {
   if (listener.joinable()) listener.join();
   {
     std::lock_guard<std::mutex> lk(q_mu);
-    workers_stop = true;
+    engine_stop = true;
   }
   q_cv.notify_all();
-  for (auto& s : slots)
-    if (s->worker.joinable()) s->worker.join();
+  if (engine_thread.joinable()) engine_thread.join();
 }
 
 // ------------------------------------------------------------------------------------------
@@ -890,8 +1298,17 @@ Server::Stats Server::stats() const {
   // The loader fills `slots` before it sets `ready`; before that there are none to count.
   const int slots = impl_->ready.load() ? static_cast<int>(impl_->slots.size()) : 0;
   std::lock_guard<std::mutex> lk(impl_->q_mu);
-  return {slots, impl_->busy, static_cast<int>(impl_->queue.size()), impl_->completed.load(),
-          impl_->cancelled.load()};
+  Stats st{slots, impl_->busy, static_cast<int>(impl_->queue.size()), impl_->completed.load(),
+           impl_->cancelled.load()};
+  if (impl_->ready.load()) {
+    st.kv_budget = impl_->kv_budget;
+    st.max_context = impl_->max_context;
+    for (const auto& s : impl_->slots) {
+      st.kv_rows_used += s->rows;
+      st.kv_rows_reserved += s->reserved;
+    }
+  }
+  return st;
 }
 
 }  // namespace gemstage::server

@@ -2,15 +2,25 @@
 //
 // Design, in short:
 //  - One Assistant (weights, tokenizer) shared by N slots (--parallel), each with its own
-//    Sequence (KV caches) and compute thread pool, each driven by one worker thread. Requests wait in one FIFO queue and
-//    the first free slot takes the oldest, so nobody is overtaken.
-//  - HTTP threads never run the model: they parse and validate a request (decoding its images),
-//    queue it, and then only move text from the job to the socket. A worker appends generated
-//    text to its job under the job's own mutex and never touches a socket, so a slow or stalled
-//    client delays nobody but itself, and no lock is held while writing.
+//    Sequence (KV caches). One engine thread with one thread pool (all -t threads) runs them
+//    together (continuous batching): each step is one batched pass with a decode row for every
+//    generating request plus prompt chunks of new ones (at most -b rows a step, -ub a call), so
+//    the weights are read once for all, and a request joins at the next step and leaves when
+//    done. Requests wait in one FIFO queue; the oldest starts when a slot is free and its rows
+//    (prompt + max_tokens) fit the KV budget -c shared by all slots, so nobody is overtaken; a
+//    prompt that could never fit is refused at once. A new prompt goes to the idle slot whose
+//    caches hold the longest prefix of it (the next turn of a conversation, a shared system
+//    prompt), which is then not prefilled again.
+//  - HTTP threads never run the text model: they parse and validate a request (decoding its
+//    images), render its prompt (its images through the vision tower, one request at a time on a
+//    pool of half the threads, so the engine's streams keep flowing meanwhile), refuse a prompt
+//    that could never fit, queue it, and then only move text from the job to the socket. The
+//    engine appends generated text to its job under the job's own mutex and never touches a
+//    socket, so a slow or stalled client delays nobody but itself, and no lock is held while
+//    writing.
 //  - A client that goes away is noticed by a failed write or by polling its socket for a hang-up
 //    (also while it waits in the queue or for a non-streamed reply); its job is cancelled at the
-//    next token and its slot's caches are dropped.
+//    next step and its slot's rows are dropped (also in the middle of a prefill).
 //  - The socket is bound before the model loads, so /health can say "loading" (503).
 //  - shutdown(): new work is refused with 503, queued jobs are failed, running ones get a grace
 //    period to finish and are then cancelled, and the listener closes once every reply is out.
@@ -30,13 +40,15 @@ namespace gemstage::server {
 struct ServerOptions {
   std::string model_path;  // HF checkpoint directory or gemstage bundle
   std::string host = "127.0.0.1";
-  int port = 8080;                     // 0: any free port (port() says which)
-  int parallel = 1;                    // slots: requests generated at the same time
-  int64_t ctx = 0;                     // context per slot; 0: the model's maximum
+  int port = 8080;   // 0: any free port (port() says which)
+  int parallel = 1;  // slots: requests generated at the same time
+  int64_t ctx = 0;   // KV rows all slots share (one request's context too); 0: the model's maximum
+  int batch = 512;   // rows one engine step runs at most (decode rows + prompt chunks), -b
+  int ubatch = 512;  // rows one batched call runs at most, -ub
   std::optional<KvType> kv_type;       // KV cache row type; nullopt: the pipeline's choice
   std::string api_key;                 // non-empty: /v1/* requires "Authorization: Bearer <key>"
   size_t max_body = size_t{32} << 20;  // request bodies over this get 413
-  int threads = 0;                     // compute threads for all slots together; 0: all cores
+  int threads = 0;                     // the engine's compute threads; 0: all cores
   int http_threads = 0;  // connections served at once; 0: a default that fits the slots
   // Request defaults: max_tokens, sampling, stop strings, prefill chunk. stop_ids is ignored;
   // the model's stop ids are used unless ignore_eos.
@@ -73,6 +85,9 @@ class Server {
   struct Stats {
     int slots = 0, busy = 0, queued = 0;
     int64_t completed = 0, cancelled = 0;
+    // KV rows: the budget (-c), one request's context, rows the slots hold, and rows counted
+    // against the budget (a running request's whole share, an idle slot's held prefix).
+    int64_t kv_budget = 0, max_context = 0, kv_rows_used = 0, kv_rows_reserved = 0;
   };
   Stats stats() const;
 

@@ -131,6 +131,22 @@ for (let i = 0; i < 100 * SLOW; ++i) {
 }
 check(health?.status === "ok" && health.slots_busy === 0 && health.queued === 0,
       `/health after the load: ${JSON.stringify(health)}`);
+// /metrics agrees: nothing running or queued, abandoned streams counted as cancelled (not every
+// abort reaches the server: one that lands while the request is still being sent is never seen),
+// and the KV budget whole again: the rows idle slots hold are all that is used.
+const metrics = await (await fetch(`${server.url}/metrics`)).text();
+const metric = (series) => {
+  const m = metrics.match(new RegExp(`^${series.replace(/[{}"]/g, "\\$&")} (\\S+)$`, "m"));
+  return m ? Number(m[1]) : NaN;
+};
+check(metric("gemstage_slots_busy") === 0 && metric("gemstage_queue_depth") === 0,
+      `/metrics after the load:\n${metrics}`);
+check(metric('gemstage_requests_total{outcome="cancelled"}') > 0 &&
+        metric('gemstage_requests_total{outcome="completed"}') >= completed,
+      `/metrics request counts (completed ${completed}, aborted ${aborted}):\n${metrics}`);
+check(metric("gemstage_kv_rows_used") + metric("gemstage_kv_rows_free") ===
+        metric("gemstage_kv_rows_budget"),
+      `/metrics KV rows:\n${metrics}`);
 await sleep(200);
 const rssAfter = rssKiB(server.pid);
 // Generous: allocator caching and grown KV caches legitimately keep some memory; a leak per

@@ -55,7 +55,11 @@ const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRe
 await step("GET /health: ready, with the slots -np asked for", async () => {
   const r = await fetch(`${server.url}/health`);
   eq(r.status, 200, "status");
-  eq(await r.json(), { queued: 0, slots: 2, slots_busy: 0, status: "ok" }, "health");
+  eq(await r.json(), {
+    kv_budget: 131072, kv_rows_reserved: 0, queued: 0,
+    slot_states: [{ id: 0, rows: 0, state: "idle" }, { id: 1, rows: 0, state: "idle" }],
+    slots: 2, slots_busy: 0, status: "ok",
+  }, "health");
 });
 
 await step("GET /v1/models", async () => {
