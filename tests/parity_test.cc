@@ -21,8 +21,8 @@
 #include "parity/gate.h"
 #include "parity/plot.h"
 #include "parity/reference.h"
-#include "trace/taps.h"
 #include "test_util.h"
+#include "trace/taps.h"
 
 namespace gemstage {
 namespace {

@@ -648,11 +648,10 @@ void Server::Impl::step() {
         call_rows += 1;
       } else {
         const int64_t from = p.begin + piece_done;
-        const int64_t take =
-            chunk_end_keeping_images_whole(s.sequence->config(), s.prompt, from,
-                                           from + std::min(p.n - piece_done,
-                                                           ubatch_rows - call_rows)) -
-            from;
+        const int64_t take = chunk_end_keeping_images_whole(
+                                 s.sequence->config(), s.prompt, from,
+                                 from + std::min(p.n - piece_done, ubatch_rows - call_rows)) -
+                             from;
         e.ids = std::span<const int32_t>(s.prompt.data() + p.begin + piece_done,
                                          static_cast<size_t>(take));
         const int64_t k = count_placeholders(s.sequence->config(), e.ids);
