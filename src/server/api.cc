@@ -38,8 +38,6 @@ json parse_json_body(std::string_view body) {
   return j;
 }
 
-namespace {
-
 const char* type_name(const json& v) {
   switch (v.type()) {
     case json::value_t::null:
@@ -67,12 +65,13 @@ const char* type_name(const json& v) {
               detail::concat("'", param, "' must be ", want, ", not ", type_name(got)));
 }
 
-// The member, or null when it is absent or JSON null: OpenAI clients send null for "default".
 const json* member(const json& obj, const char* key) {
   const auto it = obj.find(key);
   if (it == obj.end() || it->is_null()) return nullptr;
   return &*it;
 }
+
+namespace {
 
 std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int64_t hi) {
   const json* v = member(obj, key);
@@ -626,6 +625,10 @@ ToolRequest parse_tool_request(const json& body) {
   }
   r.parallel_tool_calls =
       get_bool(body, "parallel_tool_calls", "parallel_tool_calls").value_or(true);
+  if (const json* kw = member(body, "chat_template_kwargs")) {
+    if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
+    r.enable_thinking = get_bool(*kw, "enable_thinking", "chat_template_kwargs.enable_thinking");
+  }
 
   const json* msgs = member(body, "messages");
   if (!msgs) bad_request("messages", "missing_required_parameter", "'messages' is required");
@@ -695,6 +698,10 @@ ToolRequest parse_tool_request(const json& body) {
 bool wants_tool_path(const json& body) {
   if (const json* t = member(body, "tools"); t && !(t->is_array() && t->empty())) return true;
   if (member(body, "tool_choice") || member(body, "parallel_tool_calls")) return true;
+  // A per-request thinking switch: the tool path renders it and parses the reasoning out.
+  if (const json* kw = member(body, "chat_template_kwargs");
+      kw && kw->is_object() && member(*kw, "enable_thinking"))
+    return true;
   if (const json* msgs = member(body, "messages"); msgs && msgs->is_array())
     for (const json& m : *msgs)
       if (m.is_object() && (m.value("role", json()) == "tool" || member(m, "tool_calls") ||

@@ -48,6 +48,13 @@ class ApiError : public Error {
 [[noreturn]] void bad_request(const std::string& param, const std::string& code,
                               const std::string& message);
 
+// Field helpers the request parsers share. member(): the member, or null when it is absent or
+// JSON null (OpenAI clients send null for "use the default"). wrong_type(): a 400 "'param' must be
+// WANT, not <the JSON type it was>".
+const nlohmann::json* member(const nlohmann::json& obj, const char* key);
+const char* type_name(const nlohmann::json& v);
+[[noreturn]] void wrong_type(const std::string& param, const char* want, const nlohmann::json& got);
+
 // {"error": {"message", "type", "param", "code"}}
 nlohmann::json error_json(const ApiError& e);
 
@@ -138,6 +145,9 @@ struct ToolRequest {
   std::string tool_choice = "auto";  // auto | none | required | function
   std::string tool_choice_name;      // the function tool_choice names
   bool parallel_tool_calls = true;
+  // chat_template_kwargs.enable_thinking (llama.cpp's convention; a Messages request's
+  // `thinking`): this request's choice, else the server's --think.
+  std::optional<bool> enable_thinking;
 };
 
 // Validates tools, tool_choice, parallel_tool_calls and the messages (tool role, assistant

@@ -25,6 +25,7 @@
 #include "gemma4/multimodal.h"
 #include "io/mapped_file.h"
 #include "server/chat_page.h"
+#include "server/messages_api.h"
 
 namespace gemstage::server {
 
@@ -109,6 +110,9 @@ class ClientSocket {
 
 enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
 
+// Which API a generation request came in through; it decides the reply's shape.
+enum class Route { kChat, kCompletion, kMessages };
+
 // One request on its way through the queue and a slot. The engine fills in the progress fields
 // under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
 struct Job {
@@ -179,9 +183,15 @@ struct Slot {
   int64_t reserved = 0;  // budget rows counted for it: capacity while running, rows when idle
 };
 
-void set_error(httplib::Response& res, const ApiError& e) {
+// The Messages routes answer in Anthropic's error shape, every other route in OpenAI's.
+bool is_messages_route(const std::string& path) {
+  return path == "/v1/messages" || path.rfind("/v1/messages/", 0) == 0;
+}
+
+void set_error(const httplib::Request& req, httplib::Response& res, const ApiError& e) {
   res.status = e.status();
-  res.set_content(wire_json(error_json(e)), "application/json");
+  res.set_content(wire_json(is_messages_route(req.path) ? messages::error_json(e) : error_json(e)),
+                  "application/json");
 }
 
 ApiError shutting_down_error() {
@@ -293,7 +303,10 @@ struct Server::Impl {
   void end_job(Slot& s, const std::string& reason, const std::optional<ApiError>& error = {});
   std::string metrics_text();
   void submit(const std::shared_ptr<Job>& job);
-  void handle_generation(const httplib::Request& req, httplib::Response& res, bool chat);
+  void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
+  void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
+  std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
+                                 GenerationRequest& common);
   void shutdown();
   void end_idle_connections();
 };
@@ -416,7 +429,7 @@ void Server::Impl::prepare(Job& job) {
     // The tool path renders with the checkpoint's own chat template (or the built-in renderer)
     // and keeps special tokens in the text, which the output parser reads.
     ConversationOptions conv;
-    conv.enable_thinking = opt.think;
+    conv.enable_thinking = job.tool_request->enable_thinking.value_or(opt.think);
     job.prompt =
         assistant->prepare_conversation(job.tool_request->messages, job.tool_request->tools, conv);
     std::lock_guard<std::mutex> lk(job.mu);
@@ -822,10 +835,84 @@ struct StreamState {
   std::function<void()> on_close;                   // the server's open-stream count
   std::unique_ptr<OutputStreamParser> tool_parser;  // tool path: raw text -> deltas
   std::function<std::string()> new_call_id;
+  std::unique_ptr<messages::EventStream> messages;  // a /v1/messages reply's events
   ~StreamState() {
     if (on_close) on_close();
   }
 };
+
+// What the engine produced since the last look, waiting briefly for it.
+struct StreamProgress {
+  std::string piece;
+  bool done = false;
+  std::optional<ApiError> error;
+  std::string finish;
+  int64_t prompt_tokens = 0, completion_tokens = 0;
+};
+
+StreamProgress take_progress(Job& j) {
+  StreamProgress p;
+  std::unique_lock<std::mutex> lk(j.mu);
+  j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
+  p.piece.swap(j.pending);
+  p.done = j.done;
+  p.error = j.error;
+  p.finish = j.finish_reason;
+  p.prompt_tokens = j.prompt_tokens;
+  p.completion_tokens = j.completion_tokens;
+  return p;
+}
+
+// The /v1/messages stream: the same progress, framed as Anthropic's named events. Text-only
+// requests take the tool path, whose parser splits thinking, text and tool calls; requests with
+// images stream plain text.
+bool messages_stream_step(StreamState& st, httplib::DataSink& sink) {
+  Job& j = *st.job;
+  auto write = [&](const std::string& events) {
+    return events.empty() || sink.write(events.data(), events.size());
+  };
+  auto gone = [&] {
+    j.request_cancel(CancelReason::kClientGone);
+    return false;
+  };
+  if (!st.sent_role) {
+    st.sent_role = true;
+    int64_t prompt_tokens = 0;
+    {
+      std::lock_guard<std::mutex> lk(j.mu);
+      prompt_tokens = j.prompt_tokens;
+    }
+    if (!write(st.messages->begin(prompt_tokens))) return gone();
+  }
+  StreamProgress p = take_progress(j);
+  OutputDelta d;
+  if (st.tool_parser) {
+    d = st.tool_parser->feed(p.piece);
+    if (p.done && !p.error && p.finish != "cancelled") {
+      OutputDelta rest = st.tool_parser->finish();
+      d.content += rest.content;
+      d.reasoning += rest.reasoning;
+      d.tool_calls.insert(d.tool_calls.end(), rest.tool_calls.begin(), rest.tool_calls.end());
+    }
+  } else {
+    d.content = std::move(p.piece);
+  }
+  if (!write(st.messages->delta(d))) return gone();
+  if (!p.done) return st.client->alive() ? true : gone();
+  if (p.error || p.finish == "cancelled") {
+    write(messages::EventStream::error(p.error ? *p.error : shutting_down_error()));
+    sink.done();
+    return true;
+  }
+  std::string fr = openai_finish_reason(p.finish);
+  if (st.tool_parser) {
+    const std::string& raw = st.tool_parser->text();
+    fr = tool_finish_reason(parse_model_output(raw), raw, p.finish == "stop");
+  }
+  if (!write(st.messages->end(messages::stop_reason(fr), p.completion_tokens))) return gone();
+  sink.done();
+  return true;
+}
 
 // One call of a streamed reply's content provider: waits briefly for new text and writes it,
 // with no lock held, so a slow reader only ever stalls its own thread. False ends the stream.
@@ -839,6 +926,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     j.request_cancel(CancelReason::kClientGone);
     return false;
   };
+  if (st.messages) return messages_stream_step(st, sink);
   if (!st.sent_role) {
     st.sent_role = true;
     // OpenAI's first chunk carries the role; clients key the message off it.
@@ -846,21 +934,11 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
         !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
       return gone();
   }
-  std::string piece;
-  bool done = false;
-  std::optional<ApiError> error;
-  std::string finish;
-  int64_t prompt_tokens = 0, completion_tokens = 0;
-  {
-    std::unique_lock<std::mutex> lk(j.mu);
-    j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
-    piece.swap(j.pending);
-    done = j.done;
-    error = j.error;
-    finish = j.finish_reason;
-    prompt_tokens = j.prompt_tokens;
-    completion_tokens = j.completion_tokens;
-  }
+  StreamProgress p = take_progress(j);
+  const std::string& piece = p.piece;
+  const bool done = p.done;
+  const std::optional<ApiError>& error = p.error;
+  const std::string& finish = p.finish;
   if (st.tool_parser) {
     OutputDelta d = st.tool_parser->feed(piece);
     if (done && !error && finish != "cancelled") {
@@ -895,7 +973,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
   if (!write(last)) return gone();
   if (st.include_usage &&
       !write(usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
-                              prompt_tokens, completion_tokens)))
+                              p.prompt_tokens, p.completion_tokens)))
     return gone();
   static constexpr std::string_view kDone = "data: [DONE]\n\n";
   if (!sink.write(kDone.data(), kDone.size())) return gone();
@@ -905,25 +983,47 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
 
 }  // namespace
 
-void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
-                                     bool chat) {
-  const json body = parse_json_body(req.body);
+// A request body as a job, not yet prepared; `common` receives the streaming fields. A Messages
+// body becomes the equivalent chat body first; without images it always takes the tool path, so
+// its reply can be split into thinking, text and tool_use blocks.
+std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
+                                             GenerationRequest& common) {
   auto job = std::make_shared<Job>();
-  job->chat = chat;
-  GenerationRequest common;  // the shared part of either request, sliced off
-  if (chat && wants_tool_path(body)) {
-    job->tool_request = parse_tool_request(body);
-    common = parse_generation_fields(body);
-  } else if (chat) {
-    ChatRequest r = parse_chat_request(body, opt.limits);
-    job->messages = std::move(r.messages);
-    common = std::move(r);
-  } else {
+  job->chat = route != Route::kCompletion;
+  std::optional<messages::Request> m;
+  if (route == Route::kMessages) m = messages::to_chat_body(body);
+  const json& chat_body = m ? m->chat_body : body;
+  if (route == Route::kCompletion) {
     CompletionRequest r = parse_completion_request(body);
     job->prompt_text = std::move(r.prompt);
     common = std::move(r);
+  } else if (m ? !m->has_media : wants_tool_path(body)) {
+    job->tool_request = parse_tool_request(chat_body);
+    common = parse_generation_fields(chat_body);
+  } else {
+    ChatRequest r = parse_chat_request(chat_body, opt.limits);
+    job->messages = std::move(r.messages);
+    common = std::move(r);
   }
-  job->sampling = std::move(common.sampling);
+  job->sampling = common.sampling;
+  return job;
+}
+
+void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
+  json body = parse_json_body(req.body);
+  // Counting needs no max_tokens; give the Messages parser its required field.
+  if (!body.contains("max_tokens")) body["max_tokens"] = 1;
+  GenerationRequest common;
+  const std::shared_ptr<Job> job = parse_job(body, Route::kMessages, common);
+  prepare(*job);
+  res.set_content(wire_json({{"input_tokens", job->prompt.ids.size()}}), "application/json");
+}
+
+void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
+                                     Route route) {
+  const bool chat = route != Route::kCompletion;
+  GenerationRequest common;  // the shared part of every request, sliced off
+  const std::shared_ptr<Job> job = parse_job(parse_json_body(req.body), route, common);
   const bool stream = common.stream, include_usage = common.include_usage;
   try {
     prepare(*job);
@@ -940,8 +1040,8 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     std::lock_guard<std::mutex> lk(job->mu);
     if (job->error && !job->started) throw *job->error;
   }
-  const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), model_name,
-                          static_cast<int64_t>(std::time(nullptr))};
+  const char* id_prefix = route == Route::kMessages ? "msg_" : chat ? "chatcmpl-" : "cmpl-";
+  const ResponseMeta meta{new_id(id_prefix), model_name, static_cast<int64_t>(std::time(nullptr))};
   if (!stream) {
     if (!wait_watching(*job, *client, [&] { return job->done; })) return;
     std::lock_guard<std::mutex> lk(job->mu);
@@ -949,6 +1049,22 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     if (job->finish_reason == "cancelled") throw shutting_down_error();
     const std::string fr = openai_finish_reason(job->finish_reason);
     auto ids = [this] { return new_id("call_"); };
+    if (route == Route::kMessages) {
+      const std::string raw = job->generation_prefix + job->text;
+      ParsedOutput parsed;
+      std::string finish = fr;
+      if (job->tool_request) {
+        parsed = parse_model_output(raw);
+        finish = tool_finish_reason(parsed, raw, job->finish_reason == "stop");
+      } else if (!job->text.empty()) {
+        parsed.content = job->text;
+      }
+      res.set_content(wire_json(messages::message_json(meta, parsed, messages::stop_reason(finish),
+                                                       job->prompt_tokens, job->completion_tokens,
+                                                       [this] { return new_id("toolu_"); })),
+                      "application/json");
+      return;
+    }
     const json out =
         job->tool_request
             ? chat_tool_completion_json(meta, job->generation_prefix + job->text,
@@ -972,6 +1088,9 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     st->tool_parser = std::make_unique<OutputStreamParser>(job->generation_prefix);
     st->new_call_id = [this] { return new_id("call_"); };
   }
+  if (route == Route::kMessages)
+    st->messages =
+        std::make_unique<messages::EventStream>(meta, [this] { return new_id("toolu_"); });
   {
     std::lock_guard<std::mutex> lk(streams_mu);
     ++open_streams;
@@ -1017,8 +1136,8 @@ void Server::Impl::setup_routes() {
         if (res.status == 404) {
           msg = "no such route: " + req.method + " " + req.path +
                 " (this server has GET /, GET /health, GET /metrics, GET /v1/models, POST "
-                "/v1/chat/completions "
-                "and POST /v1/completions)";
+                "/v1/chat/completions, "
+                "POST /v1/completions, POST /v1/messages and POST /v1/messages/count_tokens)";
           code = "not_found";
         } else if (res.status == 413) {
           msg = "the request body is larger than this server's limit of " +
@@ -1027,12 +1146,12 @@ void Server::Impl::setup_routes() {
         } else if (res.status == 400) {
           msg = "malformed HTTP request";
         }
-        set_error(res,
+        set_error(req, res,
                   ApiError(res.status, msg,
                            res.status >= 500 ? "server_error" : "invalid_request_error", {}, code));
         return HR::Handled;
       }));
-  http.set_exception_handler([](const Request&, Response& res, std::exception_ptr ep) {
+  http.set_exception_handler([](const Request& req, Response& res, std::exception_ptr ep) {
     std::string what = "internal error";
     try {
       std::rethrow_exception(ep);
@@ -1040,59 +1159,71 @@ void Server::Impl::setup_routes() {
       what = e.what();
     } catch (...) {
     }
-    set_error(res, ApiError(500, what, "server_error"));
+    set_error(req, res, ApiError(500, what, "server_error"));
   });
   http.set_pre_routing_handler([this](const Request& req, Response& res) {
     if (req.path.rfind("/v1/", 0) != 0) return HR::Unhandled;
     if (!opt.api_key.empty()) {
+      // OpenAI clients send the key as a bearer token, Anthropic clients as x-api-key.
       const std::string auth = req.get_header_value("Authorization");
       static constexpr std::string_view kBearer = "Bearer ";
-      if (auth.empty() || auth.rfind(kBearer, 0) != 0) {
+      std::string key = req.get_header_value("x-api-key");
+      if (key.empty() && auth.rfind(kBearer, 0) == 0) key = auth.substr(kBearer.size());
+      if (key.empty()) {
         res.set_header("WWW-Authenticate", "Bearer");
-        set_error(res, ApiError(401,
-                                "this server requires an API key: send it as 'Authorization: "
-                                "Bearer <key>'",
-                                "invalid_request_error", {}, "missing_api_key"));
+        set_error(req, res,
+                  ApiError(401,
+                           "this server requires an API key: send it as 'Authorization: Bearer "
+                           "<key>' or as an 'x-api-key' header",
+                           "invalid_request_error", {}, "missing_api_key"));
         return HR::Handled;
       }
-      if (!same_key(auth.substr(kBearer.size()), opt.api_key)) {
+      if (!same_key(key, opt.api_key)) {
         res.set_header("WWW-Authenticate", "Bearer");
-        set_error(res, ApiError(401, "incorrect API key provided", "invalid_request_error", {},
-                                "invalid_api_key"));
+        set_error(req, res,
+                  ApiError(401, "incorrect API key provided", "invalid_request_error", {},
+                           "invalid_api_key"));
         return HR::Handled;
       }
     }
     if (draining.load()) {
       res.set_header("Connection", "close");
-      set_error(res, shutting_down_error());
+      set_error(req, res, shutting_down_error());
       return HR::Handled;
     }
     if (!ready.load()) {
       res.set_header("Retry-After", "1");
-      set_error(res, ApiError(503, "the model is still loading; retry when GET /health says ok",
-                              "server_error", {}, "model_loading"));
+      set_error(req, res,
+                ApiError(503, "the model is still loading; retry when GET /health says ok",
+                         "server_error", {}, "model_loading"));
       return HR::Handled;
     }
     return HR::Unhandled;
   });
 
-  auto guarded = [this](bool chat) {
-    return [this, chat](const Request& req, Response& res) {
+  auto guarded = [this](Route route) {
+    return [this, route](const Request& req, Response& res) {
       try {
         ensure_model_files_intact();
-        handle_generation(req, res, chat);
+        if (route == Route::kMessages && req.path != "/v1/messages")
+          handle_count_tokens(req, res);
+        else
+          handle_generation(req, res, route);
       } catch (const ApiError& e) {
-        set_error(res, e);
+        set_error(req, res, e);
       } catch (const Error& e) {
-        set_error(res, ApiError(400, e.what()));
+        set_error(req, res, ApiError(400, e.what()));
       } catch (const std::bad_alloc&) {
-        set_error(res, ApiError(503, "out of memory while serving this request", "server_error", {},
-                                "out_of_memory"));
+        set_error(req, res,
+                  ApiError(503, "out of memory while serving this request", "server_error", {},
+                           "out_of_memory"));
       }
     };
   };
-  http.Post("/v1/chat/completions", guarded(true));
-  http.Post("/v1/completions", guarded(false));
+  http.Post("/v1/chat/completions", guarded(Route::kChat));
+  http.Post("/v1/completions", guarded(Route::kCompletion));
+  http.Post("/v1/messages", guarded(Route::kMessages));
+  http.Post("/v1/messages/count_tokens", guarded(Route::kMessages));
   http.Get("/v1/models", [this](const Request&, Response& res) {
     res.set_content(wire_json(models_json(model_name, created)), "application/json");
   });
@@ -1141,12 +1272,14 @@ void Server::Impl::setup_routes() {
   auto not_allowed = [](const char* allow) {
     return [allow](const Request& req, Response& res) {
       res.set_header("Allow", allow);
-      set_error(res, ApiError(405, req.method + " is not allowed on " + req.path + "; use " + allow,
-                              "invalid_request_error", {}, "method_not_allowed"));
+      set_error(req, res,
+                ApiError(405, req.method + " is not allowed on " + req.path + "; use " + allow,
+                         "invalid_request_error", {}, "method_not_allowed"));
     };
   };
   for (const auto& [path, allow] :
        {std::pair{"/v1/chat/completions", "POST"}, std::pair{"/v1/completions", "POST"},
+        std::pair{"/v1/messages", "POST"}, std::pair{"/v1/messages/count_tokens", "POST"},
         std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"}, std::pair{"/metrics", "GET"},
         std::pair{"/", "GET"}}) {
     if (std::string_view(allow) != "GET") http.Get(path, not_allowed(allow));
