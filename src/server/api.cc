@@ -71,6 +71,18 @@ const json* member(const json& obj, const char* key) {
   return &*it;
 }
 
+const json& required_member(const json& obj, const char* key, const std::string& param) {
+  const json* v = member(obj, key);
+  if (!v) bad_request(param, "missing_required_parameter", "'" + param + "' is required");
+  return *v;
+}
+
+std::string required_string(const json& obj, const char* key, const std::string& param) {
+  const json& v = required_member(obj, key, param);
+  if (!v.is_string()) wrong_type(param, "a string", v);
+  return v.get<std::string>();
+}
+
 namespace {
 
 std::optional<int64_t> get_int(const json& obj, const char* key, int64_t lo, int64_t hi) {
@@ -557,6 +569,10 @@ std::string wire_json(const json& j) {
 std::string sse_event(const json& chunk) {
   // dump() escapes newlines inside strings, so one event is always one "data:" line.
   return "data: " + wire_json(chunk) + "\n\n";
+}
+
+std::string sse_named_event(const std::string& name, const json& data) {
+  return "event: " + name + "\ndata: " + wire_json(data) + "\n\n";
 }
 
 }  // namespace gemstage::server

@@ -54,6 +54,10 @@ class ApiError : public Error {
 const nlohmann::json* member(const nlohmann::json& obj, const char* key);
 const char* type_name(const nlohmann::json& v);
 [[noreturn]] void wrong_type(const std::string& param, const char* want, const nlohmann::json& got);
+// The member, or a 400 "'param' is required".
+const nlohmann::json& required_member(const nlohmann::json& obj, const char* key,
+                                      const std::string& param);
+std::string required_string(const nlohmann::json& obj, const char* key, const std::string& param);
 
 // {"error": {"message", "type", "param", "code"}}
 nlohmann::json error_json(const ApiError& e);
@@ -180,5 +184,7 @@ std::string wire_json(const nlohmann::json& j);
 
 // "data: <json>\n\n", the server-sent-events framing of one stream chunk.
 std::string sse_event(const nlohmann::json& chunk);
+// "event: <name>\ndata: <json>\n\n", the framing of the Messages and Responses streams.
+std::string sse_named_event(const std::string& name, const nlohmann::json& data);
 
 }  // namespace gemstage::server

@@ -6,23 +6,12 @@
 namespace gemstage::server::messages {
 
 using nlohmann::json;
+constexpr auto named_event = sse_named_event;
 
 namespace {
 
 std::string at(const std::string& param, size_t i) {
   return param + "[" + std::to_string(i) + "]";
-}
-
-const json& required(const json& obj, const char* key, const std::string& param) {
-  const json* v = member(obj, key);
-  if (!v) bad_request(param, "missing_required_parameter", "'" + param + "' is required");
-  return *v;
-}
-
-std::string required_string(const json& obj, const char* key, const std::string& param) {
-  const json& v = required(obj, key, param);
-  if (!v.is_string()) wrong_type(param, "a string", v);
-  return v.get<std::string>();
 }
 
 // A block list or a plain string, as Messages accepts for content, system and tool results.
@@ -56,7 +45,7 @@ std::string text_only(const json& content, const std::string& param, const char*
 
 // An image block as the data URL the chat-completions parser decodes (and bounds).
 json image_part(const json& block, const std::string& param) {
-  const json& source = required(block, "source", param + ".source");
+  const json& source = required_member(block, "source", param + ".source");
   if (!source.is_object()) wrong_type(param + ".source", "an object", source);
   const std::string type = required_string(source, "type", param + ".source.type");
   if (type != "base64")
@@ -84,7 +73,7 @@ json function_tool(const json& tool, const std::string& param) {
     if (!d->is_string()) wrong_type(param + ".description", "a string", *d);
     fn["description"] = *d;
   }
-  const json& schema = required(tool, "input_schema", param + ".input_schema");
+  const json& schema = required_member(tool, "input_schema", param + ".input_schema");
   if (!schema.is_object()) wrong_type(param + ".input_schema", "an object (a JSON schema)", schema);
   fn["parameters"] = schema;
   return {{"type", "function"}, {"function", std::move(fn)}};
@@ -102,7 +91,7 @@ void convert_message(const json& m, const std::string& p, json& out, bool& has_m
                     "' is not a Messages role; use user or assistant (the system "
                     "prompt is the top-level 'system')");
   const std::vector<json> blocks =
-      blocks_of(required(m, "content", p + ".content"), p + ".content");
+      blocks_of(required_member(m, "content", p + ".content"), p + ".content");
   json parts = json::array(), calls = json::array();
   std::string reasoning;
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -123,7 +112,7 @@ void convert_message(const json& m, const std::string& p, json& out, bool& has_m
       has_media = true;
     } else if (type == "tool_use") {
       only("assistant");
-      const json& input = required(b, "input", bp + ".input");
+      const json& input = required_member(b, "input", bp + ".input");
       if (!input.is_object()) wrong_type(bp + ".input", "an object", input);
       calls.push_back(
           {{"id", required_string(b, "id", bp + ".id")},
@@ -175,7 +164,7 @@ Request to_chat_body(const json& body) {
     c["model"] = *model;
   }
   // Required by the Messages API, so a client written against it always sends it.
-  const json& max_tokens = required(body, "max_tokens", "max_tokens");
+  const json& max_tokens = required_member(body, "max_tokens", "max_tokens");
   if (!max_tokens.is_number_integer()) wrong_type("max_tokens", "an integer", max_tokens);
   c["max_tokens"] = max_tokens;
   for (const char* key : {"temperature", "top_p", "top_k"})
@@ -200,7 +189,7 @@ Request to_chat_body(const json& body) {
   json msgs = json::array();
   if (const json* sys = member(body, "system"))
     msgs.push_back({{"role", "system"}, {"content", text_only(*sys, "system", "'system'")}});
-  const json& in = required(body, "messages", "messages");
+  const json& in = required_member(body, "messages", "messages");
   if (!in.is_array()) wrong_type("messages", "an array", in);
   if (in.empty())
     bad_request("messages", "empty_array", "'messages' must contain at least one message");
@@ -315,10 +304,6 @@ json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::
           {"stop_reason", stop_reason},
           {"stop_sequence", nullptr},
           {"usage", usage(input_tokens, output_tokens)}};
-}
-
-std::string named_event(const std::string& name, const json& data) {
-  return "event: " + name + "\ndata: " + wire_json(data) + "\n\n";
 }
 
 std::string EventStream::begin(int64_t input_tokens) {

@@ -62,7 +62,4 @@ class EventStream {
   int index_ = -1;
 };
 
-// "event: <name>\ndata: <json>\n\n".
-std::string named_event(const std::string& name, const nlohmann::json& data);
-
 }  // namespace gemstage::server::messages

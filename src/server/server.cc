@@ -26,6 +26,7 @@
 #include "io/mapped_file.h"
 #include "server/chat_page.h"
 #include "server/messages_api.h"
+#include "server/responses_api.h"
 
 namespace gemstage::server {
 
@@ -111,7 +112,7 @@ class ClientSocket {
 enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
 
 // Which API a generation request came in through; it decides the reply's shape.
-enum class Route { kChat, kCompletion, kMessages };
+enum class Route { kChat, kCompletion, kMessages, kResponses };
 
 // One request on its way through the queue and a slot. The engine fills in the progress fields
 // under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
@@ -120,6 +121,7 @@ struct Job {
   std::vector<ChatInput> messages;          // chat
   std::optional<ToolRequest> tool_request;  // chat with tools / tool history (api.h)
   std::string generation_prefix;            // tool path: what the prompt's model turn began with
+  nlohmann::json response_echo;             // /v1/responses: request fields the reply repeats
   std::string prompt_text;                  // completion
   SamplingOverrides sampling;
 
@@ -835,7 +837,15 @@ struct StreamState {
   std::function<void()> on_close;                   // the server's open-stream count
   std::unique_ptr<OutputStreamParser> tool_parser;  // tool path: raw text -> deltas
   std::function<std::string()> new_call_id;
-  std::unique_ptr<messages::EventStream> messages;  // a /v1/messages reply's events
+  // A reply framed as named events (/v1/messages, /v1/responses): the dialect's writers.
+  struct EventReply {
+    std::function<std::string(int64_t prompt_tokens)> begin;
+    std::function<std::string(const OutputDelta&)> delta;
+    std::function<std::string(const std::string& tool_finish, int64_t prompt, int64_t completion)>
+        end;
+    std::function<std::string(const ApiError&)> error;
+  };
+  std::optional<EventReply> events;
   ~StreamState() {
     if (on_close) on_close();
   }
@@ -863,10 +873,10 @@ StreamProgress take_progress(Job& j) {
   return p;
 }
 
-// The /v1/messages stream: the same progress, framed as Anthropic's named events. Text-only
-// requests take the tool path, whose parser splits thinking, text and tool calls; requests with
-// images stream plain text.
-bool messages_stream_step(StreamState& st, httplib::DataSink& sink) {
+// The /v1/messages and /v1/responses streams: the same progress, framed as the dialect's named
+// events. Text-only requests take the tool path, whose parser splits reasoning, text and tool
+// calls; requests with images stream plain text.
+bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
   auto write = [&](const std::string& events) {
     return events.empty() || sink.write(events.data(), events.size());
@@ -882,7 +892,7 @@ bool messages_stream_step(StreamState& st, httplib::DataSink& sink) {
       std::lock_guard<std::mutex> lk(j.mu);
       prompt_tokens = j.prompt_tokens;
     }
-    if (!write(st.messages->begin(prompt_tokens))) return gone();
+    if (!write(st.events->begin(prompt_tokens))) return gone();
   }
   StreamProgress p = take_progress(j);
   OutputDelta d;
@@ -897,10 +907,10 @@ bool messages_stream_step(StreamState& st, httplib::DataSink& sink) {
   } else {
     d.content = std::move(p.piece);
   }
-  if (!write(st.messages->delta(d))) return gone();
+  if (!write(st.events->delta(d))) return gone();
   if (!p.done) return st.client->alive() ? true : gone();
   if (p.error || p.finish == "cancelled") {
-    write(messages::EventStream::error(p.error ? *p.error : shutting_down_error()));
+    write(st.events->error(p.error ? *p.error : shutting_down_error()));
     sink.done();
     return true;
   }
@@ -909,7 +919,7 @@ bool messages_stream_step(StreamState& st, httplib::DataSink& sink) {
     const std::string& raw = st.tool_parser->text();
     fr = tool_finish_reason(parse_model_output(raw), raw, p.finish == "stop");
   }
-  if (!write(st.messages->end(messages::stop_reason(fr), p.completion_tokens))) return gone();
+  if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens))) return gone();
   sink.done();
   return true;
 }
@@ -926,7 +936,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     j.request_cancel(CancelReason::kClientGone);
     return false;
   };
-  if (st.messages) return messages_stream_step(st, sink);
+  if (st.events) return event_stream_step(st, sink);
   if (!st.sent_role) {
     st.sent_role = true;
     // OpenAI's first chunk carries the role; clients key the message off it.
@@ -990,14 +1000,22 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
                                              GenerationRequest& common) {
   auto job = std::make_shared<Job>();
   job->chat = route != Route::kCompletion;
+  // The Messages and Responses dialects arrive as the equivalent chat body.
   std::optional<messages::Request> m;
+  std::optional<responses::Request> rs;
   if (route == Route::kMessages) m = messages::to_chat_body(body);
-  const json& chat_body = m ? m->chat_body : body;
+  if (route == Route::kResponses) {
+    rs = responses::to_chat_body(body);
+    job->response_echo = rs->echo;
+  }
+  const bool dialect = m || rs;
+  const bool has_media = m ? m->has_media : rs ? rs->has_media : false;
+  const json& chat_body = m ? m->chat_body : rs ? rs->chat_body : body;
   if (route == Route::kCompletion) {
     CompletionRequest r = parse_completion_request(body);
     job->prompt_text = std::move(r.prompt);
     common = std::move(r);
-  } else if (m ? !m->has_media : wants_tool_path(body)) {
+  } else if (dialect ? !has_media : wants_tool_path(body)) {
     job->tool_request = parse_tool_request(chat_body);
     common = parse_generation_fields(chat_body);
   } else {
@@ -1006,6 +1024,7 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
     common = std::move(r);
   }
   job->sampling = common.sampling;
+  if (dialect) common.stream = m ? m->stream : rs->stream;
   return job;
 }
 
@@ -1040,7 +1059,10 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     std::lock_guard<std::mutex> lk(job->mu);
     if (job->error && !job->started) throw *job->error;
   }
-  const char* id_prefix = route == Route::kMessages ? "msg_" : chat ? "chatcmpl-" : "cmpl-";
+  const char* id_prefix = route == Route::kMessages    ? "msg_"
+                          : route == Route::kResponses ? "resp_"
+                          : chat                       ? "chatcmpl-"
+                                                       : "cmpl-";
   const ResponseMeta meta{new_id(id_prefix), model_name, static_cast<int64_t>(std::time(nullptr))};
   if (!stream) {
     if (!wait_watching(*job, *client, [&] { return job->done; })) return;
@@ -1049,7 +1071,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     if (job->finish_reason == "cancelled") throw shutting_down_error();
     const std::string fr = openai_finish_reason(job->finish_reason);
     auto ids = [this] { return new_id("call_"); };
-    if (route == Route::kMessages) {
+    if (route == Route::kMessages || route == Route::kResponses) {
       const std::string raw = job->generation_prefix + job->text;
       ParsedOutput parsed;
       std::string finish = fr;
@@ -1059,10 +1081,15 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       } else if (!job->text.empty()) {
         parsed.content = job->text;
       }
-      res.set_content(wire_json(messages::message_json(meta, parsed, messages::stop_reason(finish),
-                                                       job->prompt_tokens, job->completion_tokens,
-                                                       [this] { return new_id("toolu_"); })),
-                      "application/json");
+      const json out =
+          route == Route::kMessages
+              ? messages::message_json(meta, parsed, messages::stop_reason(finish),
+                                       job->prompt_tokens, job->completion_tokens,
+                                       [this] { return new_id("toolu_"); })
+              : responses::response_json(meta, job->response_echo, parsed, finish,
+                                         job->prompt_tokens, job->completion_tokens,
+                                         [this](const char* prefix) { return new_id(prefix); });
+      res.set_content(wire_json(out), "application/json");
       return;
     }
     const json out =
@@ -1088,9 +1115,25 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     st->tool_parser = std::make_unique<OutputStreamParser>(job->generation_prefix);
     st->new_call_id = [this] { return new_id("call_"); };
   }
-  if (route == Route::kMessages)
-    st->messages =
-        std::make_unique<messages::EventStream>(meta, [this] { return new_id("toolu_"); });
+  if (route == Route::kMessages) {
+    auto es = std::make_shared<messages::EventStream>(meta, [this] { return new_id("toolu_"); });
+    st->events =
+        StreamState::EventReply{[es](int64_t prompt) { return es->begin(prompt); },
+                                [es](const OutputDelta& d) { return es->delta(d); },
+                                [es](const std::string& finish, int64_t, int64_t completion) {
+                                  return es->end(messages::stop_reason(finish), completion);
+                                },
+                                [](const ApiError& e) { return messages::EventStream::error(e); }};
+  } else if (route == Route::kResponses) {
+    auto es = std::make_shared<responses::EventStream>(
+        meta, job->response_echo, [this](const char* prefix) { return new_id(prefix); });
+    st->events = StreamState::EventReply{
+        [es](int64_t) { return es->begin(); }, [es](const OutputDelta& d) { return es->delta(d); },
+        [es](const std::string& finish, int64_t prompt, int64_t completion) {
+          return es->end(finish, prompt, completion);
+        },
+        [es](const ApiError& e) { return es->error(e); }};
+  }
   {
     std::lock_guard<std::mutex> lk(streams_mu);
     ++open_streams;
@@ -1137,7 +1180,8 @@ void Server::Impl::setup_routes() {
           msg = "no such route: " + req.method + " " + req.path +
                 " (this server has GET /, GET /health, GET /metrics, GET /v1/models, POST "
                 "/v1/chat/completions, "
-                "POST /v1/completions, POST /v1/messages and POST /v1/messages/count_tokens)";
+                "POST /v1/completions, POST /v1/responses, POST /v1/messages and POST "
+                "/v1/messages/count_tokens)";
           code = "not_found";
         } else if (res.status == 413) {
           msg = "the request body is larger than this server's limit of " +
@@ -1224,6 +1268,7 @@ void Server::Impl::setup_routes() {
   http.Post("/v1/completions", guarded(Route::kCompletion));
   http.Post("/v1/messages", guarded(Route::kMessages));
   http.Post("/v1/messages/count_tokens", guarded(Route::kMessages));
+  http.Post("/v1/responses", guarded(Route::kResponses));
   http.Get("/v1/models", [this](const Request&, Response& res) {
     res.set_content(wire_json(models_json(model_name, created)), "application/json");
   });
@@ -1280,8 +1325,8 @@ void Server::Impl::setup_routes() {
   for (const auto& [path, allow] :
        {std::pair{"/v1/chat/completions", "POST"}, std::pair{"/v1/completions", "POST"},
         std::pair{"/v1/messages", "POST"}, std::pair{"/v1/messages/count_tokens", "POST"},
-        std::pair{"/v1/models", "GET"}, std::pair{"/health", "GET"}, std::pair{"/metrics", "GET"},
-        std::pair{"/", "GET"}}) {
+        std::pair{"/v1/responses", "POST"}, std::pair{"/v1/models", "GET"},
+        std::pair{"/health", "GET"}, std::pair{"/metrics", "GET"}, std::pair{"/", "GET"}}) {
     if (std::string_view(allow) != "GET") http.Get(path, not_allowed(allow));
     if (std::string_view(allow) != "POST") http.Post(path, not_allowed(allow));
     http.Put(path, not_allowed(allow));

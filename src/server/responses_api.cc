@@ -1,0 +1,450 @@
+#include "server/responses_api.h"
+
+namespace gemstage::server::responses {
+
+using nlohmann::json;
+
+namespace {
+
+std::string at(const std::string& param, size_t i) {
+  return param + "[" + std::to_string(i) + "]";
+}
+
+// A message item's content as chat-completions parts (text and image_url).
+json content_parts(const json& content, const std::string& param, const std::string& role,
+                   bool& has_media) {
+  if (content.is_string()) return content;
+  if (!content.is_array()) wrong_type(param, "a string or an array of content parts", content);
+  json parts = json::array();
+  for (size_t i = 0; i < content.size(); ++i) {
+    const json& part = content[i];
+    const std::string pp = at(param, i);
+    if (!part.is_object()) wrong_type(pp, "an object", part);
+    const std::string type = required_string(part, "type", pp + ".type");
+    if (type == "input_text" || type == "output_text") {
+      parts.push_back({{"type", "text"}, {"text", required_string(part, "text", pp + ".text")}});
+    } else if (type == "refusal") {
+      parts.push_back(
+          {{"type", "text"}, {"text", required_string(part, "refusal", pp + ".refusal")}});
+    } else if (type == "input_image") {
+      if (role != "user")
+        bad_request(pp + ".type", "invalid_value", "images are only accepted in user messages");
+      if (member(part, "file_id"))
+        bad_request(pp + ".file_id", "unsupported_value",
+                    "file ids are not supported (this server stores no files); send the image "
+                    "inline as image_url \"data:image/png;base64,...\"");
+      parts.push_back(
+          {{"type", "image_url"},
+           {"image_url", {{"url", required_string(part, "image_url", pp + ".image_url")}}}});
+      has_media = true;
+    } else {
+      bad_request(pp + ".type", "unsupported_value",
+                  "content part type '" + type +
+                      "' is not supported; use input_text, output_text or input_image");
+    }
+  }
+  return parts;
+}
+
+// The text of a function_call_output's output: a string, or input_text parts.
+std::string output_text_of(const json& output, const std::string& param) {
+  if (output.is_string()) return output.get<std::string>();
+  if (!output.is_array()) wrong_type(param, "a string or an array of input_text parts", output);
+  std::string text;
+  for (size_t i = 0; i < output.size(); ++i) {
+    const json& part = output[i];
+    if (!part.is_object() || part.value("type", "") != "input_text")
+      bad_request(at(param, i), "unsupported_value",
+                  "a function_call_output may hold only input_text parts here");
+    text += required_string(part, "text", at(param, i) + ".text");
+  }
+  return text;
+}
+
+std::string reasoning_text_of(const json& item, const std::string& param) {
+  std::string text;
+  for (const char* key : {"content", "summary"}) {
+    const json* parts = member(item, key);
+    if (!parts) continue;
+    if (!parts->is_array()) wrong_type(param + "." + key, "an array", *parts);
+    for (const json& p : *parts)
+      if (p.is_object() && p.contains("text") && p["text"].is_string()) {
+        if (!text.empty()) text += "\n";
+        text += p["text"].get<std::string>();
+      }
+    if (!text.empty()) break;  // the full reasoning when given, else its summary
+  }
+  return text;
+}
+
+json function_tool(const json& tool, const std::string& param) {
+  if (!tool.is_object()) wrong_type(param, "an object", tool);
+  const std::string type = required_string(tool, "type", param + ".type");
+  if (type != "function")
+    bad_request(
+        param + ".type", "unsupported_value",
+        "tool type '" + type + "' is not available here (no hosted tools); declare function tools");
+  const std::string name = required_string(tool, "name", param + ".name");
+  json fn = {{"name", name}};
+  if (const json* d = member(tool, "description")) fn["description"] = *d;
+  if (const json* p = member(tool, "parameters")) fn["parameters"] = *p;
+  return {{"type", "function"}, {"function", std::move(fn)}};
+}
+
+void convert_input(const json& input, json& msgs, bool& has_media) {
+  if (input.is_string()) {
+    msgs.push_back({{"role", "user"}, {"content", input}});
+    return;
+  }
+  if (!input.is_array()) wrong_type("input", "a string or an array of input items", input);
+  if (input.empty()) bad_request("input", "empty_array", "'input' must contain at least one item");
+  std::string reasoning;  // a reasoning item belongs to the assistant turn after it
+  // The items of one assistant turn (its text message and function calls) arrive one by one;
+  // they join the turn before them unless that turn already has text and this is text too.
+  auto assistant_turn = [&](bool for_content) -> json& {
+    const bool join = !msgs.empty() && msgs.back()["role"] == "assistant" &&
+                      (!for_content || msgs.back()["content"].is_null());
+    if (!join) msgs.push_back({{"role", "assistant"}, {"content", nullptr}});
+    json& m = msgs.back();
+    if (!reasoning.empty()) {
+      m["reasoning_content"] = reasoning;
+      reasoning.clear();
+    }
+    return m;
+  };
+  for (size_t i = 0; i < input.size(); ++i) {
+    const json& item = input[i];
+    const std::string p = at("input", i);
+    if (!item.is_object()) wrong_type(p, "an object", item);
+    const json* type_member = member(item, "type");
+    if (type_member && !type_member->is_string()) wrong_type(p + ".type", "a string", *type_member);
+    const std::string type = type_member ? type_member->get<std::string>() : "message";
+    if (type == "message") {
+      const std::string role = required_string(item, "role", p + ".role");
+      if (role != "user" && role != "assistant" && role != "system" && role != "developer")
+        bad_request(
+            p + ".role", "invalid_value",
+            "role '" + role + "' is not supported; use user, assistant, system or developer");
+      json content = content_parts(required_member(item, "content", p + ".content"), p + ".content",
+                                   role, has_media);
+      if (role == "assistant") {
+        json& m = assistant_turn(true);
+        m["content"] = std::move(content);
+      } else {
+        msgs.push_back({{"role", role == "developer" ? "system" : role}, {"content", content}});
+      }
+    } else if (type == "function_call") {
+      const json* args = member(item, "arguments");
+      if (args && !args->is_string()) wrong_type(p + ".arguments", "a string (JSON text)", *args);
+      json& m = assistant_turn(false);
+      if (!m.contains("tool_calls")) m["tool_calls"] = json::array();
+      m["tool_calls"].push_back({{"id", required_string(item, "call_id", p + ".call_id")},
+                                 {"type", "function"},
+                                 {"function",
+                                  {{"name", required_string(item, "name", p + ".name")},
+                                   {"arguments", args ? *args : json("{}")}}}});
+    } else if (type == "function_call_output") {
+      msgs.push_back({{"role", "tool"},
+                      {"tool_call_id", required_string(item, "call_id", p + ".call_id")},
+                      {"content", output_text_of(required_member(item, "output", p + ".output"),
+                                                 p + ".output")}});
+    } else if (type == "reasoning") {
+      reasoning = reasoning_text_of(item, p);
+    } else {
+      bad_request(p + ".type", "unsupported_value",
+                  "input item type '" + type +
+                      "' is not supported; use message, function_call, function_call_output or "
+                      "reasoning");
+    }
+  }
+}
+
+}  // namespace
+
+Request to_chat_body(const json& body) {
+  Request r;
+  json& c = r.chat_body;
+  c = json::object();
+  json& echo = r.echo;
+  echo = json::object();
+  for (const char* unsupported : {"previous_response_id", "conversation"})
+    if (member(body, unsupported))
+      bad_request(unsupported, "unsupported_value",
+                  std::string("'") + unsupported +
+                      "' is not supported: this server keeps no conversations; send the whole "
+                      "conversation as 'input'");
+  if (const json* model = member(body, "model")) {
+    if (!model->is_string()) wrong_type("model", "a string", *model);
+    c["model"] = *model;
+  }
+  if (const json* n = member(body, "max_output_tokens")) {
+    if (!n->is_number_integer()) wrong_type("max_output_tokens", "an integer", *n);
+    c["max_tokens"] = *n;
+  }
+  echo["max_output_tokens"] = body.value("max_output_tokens", json());
+  for (const char* key : {"temperature", "top_p", "top_k", "seed", "parallel_tool_calls"})
+    if (const json* v = member(body, key)) c[key] = *v;
+  echo["temperature"] = body.value("temperature", json(1.0));
+  echo["top_p"] = body.value("top_p", json(1.0));
+  echo["parallel_tool_calls"] = body.value("parallel_tool_calls", json(true));
+  if (member(body, "top_logprobs"))
+    bad_request("top_logprobs", "unsupported_value", "'top_logprobs' is not supported");
+  if (const json* s = member(body, "stream")) {
+    if (!s->is_boolean()) wrong_type("stream", "a boolean", *s);
+    r.stream = s->get<bool>();
+  }
+  if (const json* t = member(body, "text")) {
+    if (!t->is_object()) wrong_type("text", "an object", *t);
+    if (const json* f = member(*t, "format")) {
+      if (!f->is_object()) wrong_type("text.format", "an object", *f);
+      if (const json* ft = member(*f, "type"); ft && *ft != "text")
+        bad_request("text.format.type", "unsupported_value",
+                    "only text.format {\"type\": \"text\"} is supported (no constrained decoding "
+                    "of JSON output yet)");
+    }
+  }
+  echo["text"] = {{"format", {{"type", "text"}}}};
+  echo["reasoning"] = {{"effort", nullptr}, {"summary", nullptr}};
+  if (const json* reasoning = member(body, "reasoning")) {
+    if (!reasoning->is_object()) wrong_type("reasoning", "an object", *reasoning);
+    if (const json* effort = member(*reasoning, "effort")) {
+      if (!effort->is_string()) wrong_type("reasoning.effort", "a string", *effort);
+      // Gemma 4's thinking is on or off; any effort above minimal turns it on.
+      const std::string e = effort->get<std::string>();
+      c["chat_template_kwargs"] = {{"enable_thinking", e != "none" && e != "minimal"}};
+      echo["reasoning"]["effort"] = e;
+    }
+  }
+
+  json msgs = json::array();
+  echo["instructions"] = nullptr;
+  if (const json* ins = member(body, "instructions")) {
+    if (!ins->is_string()) wrong_type("instructions", "a string", *ins);
+    msgs.push_back({{"role", "system"}, {"content", *ins}});
+    echo["instructions"] = *ins;
+  }
+  convert_input(required_member(body, "input", "input"), msgs, r.has_media);
+  c["messages"] = std::move(msgs);
+
+  json tools = json::array();
+  if (const json* t = member(body, "tools")) {
+    if (!t->is_array()) wrong_type("tools", "an array", *t);
+    for (size_t i = 0; i < t->size(); ++i) tools.push_back(function_tool((*t)[i], at("tools", i)));
+  }
+  if (!tools.empty()) c["tools"] = tools;
+  echo["tools"] = body.value("tools", json::array());
+  echo["tool_choice"] = body.value("tool_choice", json("auto"));
+  if (const json* tc = member(body, "tool_choice")) {
+    if (tc->is_string()) {
+      c["tool_choice"] = *tc;
+    } else if (tc->is_object()) {
+      const std::string type = required_string(*tc, "type", "tool_choice.type");
+      if (type != "function")
+        bad_request("tool_choice.type", "unsupported_value",
+                    "tool_choice must be auto, none, required or {\"type\": \"function\", "
+                    "\"name\": ...}");
+      c["tool_choice"] = {
+          {"type", "function"},
+          {"function", {{"name", required_string(*tc, "name", "tool_choice.name")}}}};
+    } else {
+      wrong_type("tool_choice", "a string or an object", *tc);
+    }
+  }
+  if (r.has_media && (c.contains("tools") || c.contains("tool_choice")))
+    bad_request("input", "unsupported_value",
+                "images together with tools are not supported yet; send the images without "
+                "tools, or the tool conversation without images");
+  for (const json& m : c["messages"])
+    if (r.has_media &&
+        (m.contains("tool_calls") || m["role"] == "tool" || m.contains("reasoning_content")))
+      bad_request("input", "unsupported_value",
+                  "images together with function calls are not supported yet");
+  return r;
+}
+
+namespace {
+
+json output_text_part(const std::string& text) {
+  return {{"type", "output_text"},
+          {"text", text},
+          {"annotations", json::array()},
+          {"logprobs", json::array()}};
+}
+
+json reasoning_item(const std::string& id, const std::string& text) {
+  json content = json::array();
+  if (!text.empty()) content.push_back({{"type", "reasoning_text"}, {"text", text}});
+  return {{"id", id}, {"type", "reasoning"}, {"summary", json::array()}, {"content", content}};
+}
+
+json message_item(const std::string& id, const std::string& status, json content) {
+  return {{"id", id},
+          {"type", "message"},
+          {"status", status},
+          {"role", "assistant"},
+          {"content", std::move(content)}};
+}
+
+json function_call_item(const std::string& id, const std::string& call_id, const ParsedToolCall& c,
+                        const std::string& status, bool with_arguments) {
+  return {{"id", id},         {"type", "function_call"},
+          {"status", status}, {"call_id", call_id},
+          {"name", c.name},   {"arguments", with_arguments ? c.arguments.dump() : std::string()}};
+}
+
+json envelope(const ResponseMeta& m, const json& echo, const std::string& status, json output,
+              const json& usage) {
+  json r = echo;
+  r["id"] = m.id;
+  r["object"] = "response";
+  r["created_at"] = m.created;
+  r["model"] = m.model;
+  r["status"] = status;
+  r["error"] = nullptr;
+  r["incomplete_details"] =
+      status == "incomplete" ? json{{"reason", "max_output_tokens"}} : json(nullptr);
+  r["output"] = std::move(output);
+  r["usage"] = usage;
+  r["store"] = false;
+  r["metadata"] = json::object();
+  return r;
+}
+
+json usage_json(int64_t input_tokens, int64_t output_tokens) {
+  if (input_tokens < 0) return nullptr;
+  return {{"input_tokens", input_tokens},
+          {"input_tokens_details", {{"cached_tokens", 0}}},
+          {"output_tokens", output_tokens},
+          {"output_tokens_details", {{"reasoning_tokens", 0}}},
+          {"total_tokens", input_tokens + output_tokens}};
+}
+
+std::string status_of(const std::string& tool_finish_reason) {
+  return tool_finish_reason == "length" ? "incomplete" : "completed";
+}
+
+}  // namespace
+
+json response_json(const ResponseMeta& m, const json& echo, const ParsedOutput& parsed,
+                   const std::string& tool_finish_reason, int64_t input_tokens,
+                   int64_t output_tokens, const NewId& new_id) {
+  json output = json::array();
+  if (parsed.reasoning) output.push_back(reasoning_item(new_id("rs_"), *parsed.reasoning));
+  if (parsed.content)
+    output.push_back(message_item(new_id("msg_"), "completed",
+                                  json::array({output_text_part(*parsed.content)})));
+  for (const ParsedToolCall& c : parsed.tool_calls)
+    output.push_back(function_call_item(new_id("fc_"), new_id("call_"), c, "completed", true));
+  return envelope(m, echo, status_of(tool_finish_reason), std::move(output),
+                  usage_json(input_tokens, output_tokens));
+}
+
+std::string EventStream::event(const std::string& type, json data) {
+  data["type"] = type;
+  data["sequence_number"] = sequence_++;
+  return sse_named_event(type, data);
+}
+
+std::string EventStream::begin() {
+  const json r = envelope(meta_, echo_, "in_progress", json::array(), nullptr);
+  // One statement per event: each takes the next sequence number, so their order is fixed.
+  std::string out = event("response.created", {{"response", r}});
+  out += event("response.in_progress", {{"response", r}});
+  return out;
+}
+
+std::string EventStream::open(Item kind) {
+  if (open_ == kind) return {};
+  std::string out = close();
+  open_ = kind;
+  open_text_.clear();
+  const bool reasoning = kind == Item::kReasoning;
+  const std::string id = new_id_(reasoning ? "rs_" : "msg_");
+  const json item =
+      reasoning ? reasoning_item(id, "") : message_item(id, "in_progress", json::array());
+  // Held as the open item until it closes; output_ gets it then.
+  output_.push_back(item);
+  const size_t index = output_.size() - 1;
+  out += event("response.output_item.added", {{"output_index", index}, {"item", item}});
+  const json part =
+      reasoning ? json{{"type", "reasoning_text"}, {"text", ""}} : output_text_part("");
+  out += event("response.content_part.added",
+               {{"item_id", id}, {"output_index", index}, {"content_index", 0}, {"part", part}});
+  return out;
+}
+
+std::string EventStream::close() {
+  if (open_ == Item::kNone) return {};
+  const bool reasoning = open_ == Item::kReasoning;
+  open_ = Item::kNone;
+  const size_t index = output_.size() - 1;
+  json& item = output_.back();
+  const std::string id = item["id"];
+  const json part = reasoning ? json{{"type", "reasoning_text"}, {"text", open_text_}}
+                              : output_text_part(open_text_);
+  const json where = {{"item_id", id}, {"output_index", index}, {"content_index", 0}};
+  json text_done = where;
+  text_done["text"] = open_text_;
+  json part_done = where;
+  part_done["part"] = part;
+  std::string out =
+      event(reasoning ? "response.reasoning_text.done" : "response.output_text.done", text_done);
+  out += event("response.content_part.done", part_done);
+  item = reasoning ? reasoning_item(id, open_text_)
+                   : message_item(id, "completed", json::array({part}));
+  return out + event("response.output_item.done", {{"output_index", index}, {"item", item}});
+}
+
+std::string EventStream::delta(const OutputDelta& d) {
+  std::string out;
+  auto text_delta = [&](const char* type, const std::string& text) {
+    open_text_ += text;
+    out += event(type, {{"item_id", output_.back()["id"]},
+                        {"output_index", output_.size() - 1},
+                        {"content_index", 0},
+                        {"delta", text}});
+  };
+  if (!d.reasoning.empty()) {
+    out += open(Item::kReasoning);
+    text_delta("response.reasoning_text.delta", d.reasoning);
+  }
+  if (!d.content.empty()) {
+    out += open(Item::kMessage);
+    text_delta("response.output_text.delta", d.content);
+  }
+  for (const ParsedToolCall& c : d.tool_calls) {
+    out += close();
+    const std::string id = new_id_("fc_"), call_id = new_id_("call_");
+    output_.push_back(function_call_item(id, call_id, c, "in_progress", false));
+    const size_t index = output_.size() - 1;
+    const std::string args = c.arguments.dump();
+    out += event("response.output_item.added", {{"output_index", index}, {"item", output_.back()}});
+    out += event("response.function_call_arguments.delta",
+                 {{"item_id", id}, {"output_index", index}, {"delta", args}});
+    out += event("response.function_call_arguments.done",
+                 {{"item_id", id}, {"output_index", index}, {"name", c.name}, {"arguments", args}});
+    output_.back() = function_call_item(id, call_id, c, "completed", true);
+    out += event("response.output_item.done", {{"output_index", index}, {"item", output_.back()}});
+  }
+  return out;
+}
+
+std::string EventStream::end(const std::string& tool_finish_reason, int64_t input_tokens,
+                             int64_t output_tokens) {
+  std::string out = close();
+  const std::string status = status_of(tool_finish_reason);
+  json output = json::array();
+  for (const json& item : output_) output.push_back(item);
+  const json r =
+      envelope(meta_, echo_, status, std::move(output), usage_json(input_tokens, output_tokens));
+  return out + event(status == "completed" ? "response.completed" : "response.incomplete",
+                     {{"response", r}});
+}
+
+std::string EventStream::error(const ApiError& e) {
+  return event("error", {{"code", e.code().empty() ? json(nullptr) : json(e.code())},
+                         {"message", e.what()},
+                         {"param", e.param().empty() ? json(nullptr) : json(e.param())}});
+}
+
+}  // namespace gemstage::server::responses

@@ -1,0 +1,151 @@
+// `gemstage serve`'s OpenAI Responses API through the official `openai` npm client, on the tiny
+// fixture model: output equal to `gemstage generate`'s greedy output, the same output streamed as
+// typed events the client assembles, an input_image, a function-call round trip (function_call
+// and function_call_output items), reasoning effort, and errors in OpenAI's shape.
+//
+//   node tests/js/serve_responses.mjs path/to/gemstage path/to/tests/fixtures
+import path from "node:path";
+import {
+  SLOW, assert, dataUrl, generateJson, importPackage, parseArgs, startServer,
+} from "./serve_helpers.mjs";
+
+const NAME = "serve_responses";
+const { cli, fixtures, model } = parseArgs(NAME);
+const { default: OpenAI } = await importPackage(NAME, "openai");
+const check = (cond, message) => assert(NAME, cond, message);
+const eq = (got, want, what) =>
+  check(JSON.stringify(got) === JSON.stringify(want),
+        `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
+
+let passed = 0;
+async function step(name, fn) {
+  const t0 = Date.now();
+  try {
+    await fn();
+  } catch (e) {
+    check(false, `${name}: ${e.stack ?? e}`);
+  }
+  passed++;
+  console.log(`ok ${passed} - ${name} (${Date.now() - t0} ms)`);
+}
+
+async function expectApiError(promise, status, code, param) {
+  try {
+    await promise;
+  } catch (e) {
+    check(e instanceof OpenAI.APIError, `expected an APIError, got ${e}`);
+    eq(e.status, status, `status of "${e.message}"`);
+    eq(e.code ?? null, code, `code of "${e.message}"`);
+    if (param !== undefined) eq(e.param ?? null, param, `param of "${e.message}"`);
+    return e;
+  }
+  check(false, `expected HTTP ${status} (${code}), but the request succeeded`);
+}
+
+const server = await startServer(cli, model, ["-np", "2", "-t", "2"]);
+const client = new OpenAI({ baseURL: `${server.url}/v1`, apiKey: "unused", maxRetries: 0,
+                            timeout: 60000 * SLOW });
+const prompt = "Hello there, how are you?";
+const want = generateJson(cli, model, ["--temp", "0", "-n", "12", "-p", prompt]);
+
+let whole;
+await step("non-streamed response equals gemstage generate (greedy)", async () => {
+  whole = await client.responses.create({ model: "model", input: prompt, max_output_tokens: 12,
+                                          temperature: 0 });
+  eq(whole.object, "response", "object");
+  check(/^resp_/.test(whole.id), `id ${whole.id}`);
+  eq(whole.output_text, want.text.trim(), "output_text");
+  eq(whole.status, want.finish_reason === "stop" ? "completed" : "incomplete", "status");
+  eq(whole.usage.input_tokens, want.prompt_tokens, "input_tokens");
+  eq(whole.usage.output_tokens, want.completion_tokens, "output_tokens");
+  eq(whole.usage.total_tokens, want.prompt_tokens + want.completion_tokens, "total_tokens");
+});
+
+await step("streamed response: typed events the client assembles into the same output", async () => {
+  const stream = client.responses.stream({ model: "model", input: prompt, max_output_tokens: 12,
+                                           temperature: 0 });
+  const types = [];
+  let seq = -1;
+  stream.on("event", (ev) => {
+    types.push(ev.type);
+    eq(ev.sequence_number, seq + 1, "sequence_number");
+    seq = ev.sequence_number;
+  });
+  const final = await stream.finalResponse();
+  eq(types[0], "response.created", "first event");
+  check(["response.completed", "response.incomplete"].includes(types[types.length - 1]),
+        `last event ${types[types.length - 1]}`);
+  eq(final.output_text, whole.output_text, "streamed output_text");
+  eq(final.status, whole.status, "status");
+  eq(final.usage, whole.usage, "usage");
+});
+
+await step("input_image equals gemstage generate --image (greedy)", async () => {
+  const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
+  const wantImage = generateJson(cli, model,
+                                 ["--temp", "0", "-n", "8", "--image", image, "-p", "What is this?"]);
+  const r = await client.responses.create({
+    model: "model", max_output_tokens: 8, temperature: 0,
+    input: [{ role: "user", content: [
+      { type: "input_image", image_url: dataUrl(image, "image/png") },
+      { type: "input_text", text: "What is this?" }] }],
+  });
+  eq(r.output_text, wantImage.text, "output_text");
+  eq(r.usage.input_tokens, wantImage.prompt_tokens, "input_tokens (with the image's tokens)");
+});
+
+await step("function-call round trip: function_call and function_call_output items", async () => {
+  const tools = [{ type: "function", name: "get_weather", description: "Get the weather.",
+                   parameters: { type: "object", properties: { city: { type: "string" } },
+                                 required: ["city"] } }];
+  const input = [
+    { role: "user", content: "Weather in Paris?" },
+    { type: "function_call", call_id: "call_1", name: "get_weather",
+      arguments: JSON.stringify({ city: "Paris" }) },
+    { type: "function_call_output", call_id: "call_1", output: "15C sunny" },
+  ];
+  const request = { model: "model", instructions: "Be brief.", input, tools, max_output_tokens: 8,
+                    temperature: 0 };
+  const r = await client.responses.create(request);
+  for (const item of r.output) {
+    check(["message", "reasoning", "function_call"].includes(item.type), `item ${item.type}`);
+    if (item.type === "function_call") check(typeof JSON.parse(item.arguments) === "object", "args");
+  }
+  eq(r.instructions, "Be brief.", "instructions echoed");
+  eq(r.tools.map((t) => t.name), ["get_weather"], "tools echoed");
+  const final = await client.responses.stream(request).finalResponse();
+  eq(final.output.map((i) => i.type), r.output.map((i) => i.type), "streamed item types");
+  eq(final.output_text, r.output_text, "streamed output_text");
+  await expectApiError(client.responses.create({ ...request, tool_choice: { type: "function",
+                                                                             name: "nope" } }),
+                       400, "invalid_value", "tool_choice.function.name");
+});
+
+await step("reasoning effort switches thinking in the chat template", async () => {
+  const ask = (effort) => client.responses.create({ model: "model", input: "Think.",
+                                                    max_output_tokens: 2, reasoning: { effort } });
+  const on = await ask("high");
+  const off = await ask("none");
+  check(on.usage.input_tokens > off.usage.input_tokens,
+        `effort high ${on.usage.input_tokens} <= none ${off.usage.input_tokens}`);
+  eq(on.reasoning.effort, "high", "reasoning echoed");
+});
+
+await step("errors name the Responses field", async () => {
+  await expectApiError(client.responses.create({ model: "model", input: "x",
+                                                 previous_response_id: "resp_1" }),
+                       400, "unsupported_value", "previous_response_id");
+  await expectApiError(client.responses.create({ model: "model", input: [{ type: "web_search_call" }] }),
+                       400, "unsupported_value", "input[0].type");
+  await expectApiError(client.responses.create({ model: "model", input: "x",
+                                                 tools: [{ type: "web_search" }] }),
+                       400, "unsupported_value", "tools[0].type");
+  await expectApiError(client.responses.create({ model: "model", input: "x",
+                                                 text: { format: { type: "json_object" } } }),
+                       400, "unsupported_value", "text.format.type");
+  await expectApiError(client.responses.create({ model: "model" }), 400,
+                       "missing_required_parameter", "input");
+});
+
+eq(await server.stop("SIGTERM"), { code: 0, signal: null }, "exit status after SIGTERM");
+console.log(`serve_responses: all ${passed} checks passed`);
