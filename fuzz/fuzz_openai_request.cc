@@ -1,7 +1,11 @@
-// The OpenAI-compatible request parser (server/api.h): a body as it arrives on the wire, parsed
-// as a chat completion and as a text completion, with the server's default limits.
+// The request parsers of `serve` (server/api.h, messages_api.h, responses_api.h): a body as it
+// arrives on the wire, parsed as a chat completion (plain and tool path), a text completion, an
+// Anthropic Messages request and a Responses request, each dialect's chat body then parsed as the
+// server does, with the server's default limits.
 #include "fuzz_util.h"
 #include "server/api.h"
+#include "server/messages_api.h"
+#include "server/responses_api.h"
 
 using namespace gemstage;
 using namespace gemstage::server;
@@ -12,6 +16,21 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const nlohmann::json j = parse_json_body(body);
     fuzz::expect_error_or_success([&] { (void)parse_chat_request(j); });
     fuzz::expect_error_or_success([&] { (void)parse_completion_request(j); });
+    fuzz::expect_error_or_success([&] { (void)parse_tool_request(j); });
+    auto serve_as_chat = [](const nlohmann::json& chat_body, bool has_media) {
+      if (has_media)
+        (void)parse_chat_request(chat_body);
+      else
+        (void)parse_tool_request(chat_body);
+    };
+    fuzz::expect_error_or_success([&] {
+      const messages::Request m = messages::to_chat_body(j);
+      serve_as_chat(m.chat_body, m.has_media);
+    });
+    fuzz::expect_error_or_success([&] {
+      const responses::Request r = responses::to_chat_body(j);
+      serve_as_chat(r.chat_body, r.has_media);
+    });
   });
   return 0;
 }
