@@ -53,6 +53,13 @@ constexpr std::string_view kPage = R"PAGE(<!doctype html>
                                                        animation: blink 1s infinite; }
   @keyframes blink { 50% { opacity: 0; } }
   .msg .meta { font-size: 11px; color: var(--muted); margin-top: 4px; }
+  .msg .reasoning { font-size: 13px; color: var(--muted); margin-bottom: 6px; }
+  .msg .reasoning summary { cursor: pointer; }
+  .msg .reasoning-text { white-space: pre-wrap; overflow-wrap: anywhere; padding-left: 8px;
+                         border-left: 2px solid var(--line); }
+  .msg .tool-call { font-family: ui-monospace, monospace; font-size: 12px; margin-top: 6px;
+                    padding: 4px 8px; border-radius: 6px; background: #f3f4f6;
+                    white-space: pre-wrap; overflow-wrap: anywhere; }
   form { display: flex; gap: 8px; padding: 12px 16px; border-top: 1px solid var(--line);
          background: #fff; align-items: flex-end; }
   #input { flex: 1; resize: none; font: inherit; padding: 8px; border: 1px solid var(--line);
@@ -82,6 +89,8 @@ constexpr std::string_view kPage = R"PAGE(<!doctype html>
   <label>Temperature <input id="temperature" type="number" min="0" max="2" step="0.1" value="1"
     style="width:5em"></label>
   <label>API key <input id="api-key" type="password" placeholder="(none)"></label>
+  <label title="the model thinks before it answers; its reasoning shows collapsed above the reply
+(text messages only)"><input id="think" type="checkbox"> Think</label>
 </details>
 <main id="messages" aria-live="polite"></main>
 <form id="composer">
@@ -202,11 +211,39 @@ async function send(text) {
   if (maxTokens > 0) request.max_tokens = maxTokens;
   const temperature = parseFloat($("temperature").value);
   if (!Number.isNaN(temperature)) request.temperature = temperature;
+  // The thinking switch takes the server's tool path, which renders text messages only.
+  const media = conversation.some((m) => Array.isArray(m.content) &&
+                                         m.content.some((p) => p.type !== "text"));
+  if ($("think").checked && !media) request.chat_template_kwargs = { enable_thinking: true };
 
   const bubble = addMessage("assistant", "");
   bubble.dataset.done = "false";
   const out = bubble.querySelector(".content");
-  let reply = "", finish = null, usage = null;
+  let reply = "", reasoning = "", finish = null, usage = null, reasoningText = null;
+  const toolCalls = [];
+  // Reasoning streams into a collapsed block above the reply; tool calls show below it.
+  const showReasoning = (piece) => {
+    if (!reasoningText) {
+      const details = document.createElement("details");
+      details.className = "reasoning";
+      const summary = document.createElement("summary");
+      summary.textContent = "Reasoning";
+      details.appendChild(summary);
+      reasoningText = document.createElement("div");
+      reasoningText.className = "reasoning-text";
+      details.appendChild(reasoningText);
+      bubble.insertBefore(details, out);
+    }
+    reasoning += piece;
+    reasoningText.textContent = reasoning;
+  };
+  const showToolCall = (call) => {
+    toolCalls.push({ id: call.id, type: "function", function: call.function });
+    const div = document.createElement("div");
+    div.className = "tool-call";
+    div.textContent = "\u2192 " + call.function.name + "(" + call.function.arguments + ")";
+    bubble.appendChild(div);
+  };
   controller = new AbortController();
   $("send").disabled = true;
   $("stop").disabled = false;
@@ -226,15 +263,19 @@ async function send(text) {
       if (chunk.usage) usage = chunk.usage;
       const choice = chunk.choices && chunk.choices[0];
       if (!choice) return;
+      if (choice.delta && choice.delta.reasoning_content) showReasoning(choice.delta.reasoning_content);
       if (choice.delta && choice.delta.content) {
         reply += choice.delta.content;
         out.textContent = reply;
         bubble.scrollIntoView({ block: "end" });
       }
+      for (const call of (choice.delta && choice.delta.tool_calls) || []) showToolCall(call);
       if (choice.finish_reason) finish = choice.finish_reason;
     });
     if (!complete) throw new Error("the stream ended early");
-    conversation.push({ role: "assistant", content: reply });
+    const turn = { role: "assistant", content: reply };
+    if (toolCalls.length) turn.tool_calls = toolCalls;
+    conversation.push(turn);
     const seconds = (performance.now() - started) / 1000;
     const meta = document.createElement("div");
     meta.className = "meta";

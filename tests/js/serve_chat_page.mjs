@@ -1,6 +1,8 @@
 // The chat page of `gemstage serve` in headless Chromium (Debian's chromium, driven by
 // playwright-core): type a message, send it, watch the reply stream in and match what the API
-// says for the same request; then attach an image and send a second turn; save a screenshot.
+// says for the same request; then attach an image and send a second turn; then, with Think on, a
+// reply carrying reasoning and a tool call (canned server events, since a random-weight model
+// writes neither) shows the reasoning collapsed and the call; save a screenshot.
 //
 //   node tests/js/serve_chat_page.mjs path/to/gemstage path/to/tests/fixtures screenshot.png
 import fs from "node:fs";
@@ -80,6 +82,43 @@ try {
   const got2 = await bubble2.locator(".content").textContent();
   check(got2 === want2, `second reply ${JSON.stringify(got2)} != API reply ${JSON.stringify(want2)}`);
 
+  // Third turn, Think on: the request asks for thinking, and the page shows the reasoning in a
+  // collapsed block and the tool call. The reply is canned at the network layer.
+  const sse = (chunk) => `data: ${JSON.stringify(chunk)}\n\n`;
+  const chunk = (delta, finish = null) => ({ object: "chat.completion.chunk",
+                                             choices: [{ index: 0, delta, finish_reason: finish }] });
+  let thirdRequest = null;
+  await page.route("**/v1/chat/completions", (route) => {
+    thirdRequest = JSON.parse(route.request().postData());
+    route.fulfill({ status: 200, contentType: "text/event-stream", body:
+      sse(chunk({ role: "assistant", content: "" })) +
+      sse(chunk({ reasoning_content: "The user wants " })) +
+      sse(chunk({ reasoning_content: "the weather." })) +
+      sse(chunk({ content: "Checking." })) +
+      sse(chunk({ tool_calls: [{ index: 0, id: "call_1", type: "function",
+                                 function: { name: "get_weather",
+                                             arguments: "{\"city\":\"Paris\"}" } }] })) +
+      sse(chunk({}, "tool_calls")) + "data: [DONE]\n\n" });
+  });
+  await page.click("#new-chat");  // thinking renders text conversations (no image turn)
+  await page.check("#think");
+  await page.fill("#input", "Weather in Paris?");
+  await page.press("#input", "Enter");
+  const bubble3 = page.locator(".msg.assistant").nth(0);
+  await bubble3.locator(".meta").waitFor({ timeout });
+  await page.unroute("**/v1/chat/completions");
+  check(thirdRequest?.chat_template_kwargs?.enable_thinking === true,
+        `Think did not ask for thinking: ${JSON.stringify(thirdRequest?.chat_template_kwargs)}`);
+  check(await bubble3.locator("details.reasoning").count() === 1, "no reasoning block");
+  check(!(await bubble3.locator("details.reasoning").evaluate((d) => d.open)),
+        "the reasoning block is not collapsed");
+  check(await bubble3.locator(".reasoning-text").textContent() === "The user wants the weather.",
+        `reasoning ${await bubble3.locator(".reasoning-text").textContent()}`);
+  check(await bubble3.locator(".content").textContent() === "Checking.", "reply text");
+  check(await bubble3.locator(".tool-call").textContent() === "\u2192 get_weather({\"city\":\"Paris\"})",
+        `tool call ${await bubble3.locator(".tool-call").textContent()}`);
+  check(/tool_calls/.test(await bubble3.locator(".meta").textContent()), "finish reason");
+
   check(pageErrors.length === 0, `page errors: ${pageErrors.join("; ")}`);
   check(foreign.length === 0, `requests to other origins: ${foreign.join(", ")}`);
   fs.mkdirSync(path.dirname(screenshot), { recursive: true });
@@ -90,4 +129,4 @@ try {
 }
 const status = await server.stop("SIGTERM");
 check(status.code === 0, `server exit status ${JSON.stringify(status)}\n${server.stderr()}`);
-console.log(`serve_chat_page: streamed two replies in Chromium; screenshot at ${screenshot}`);
+console.log(`serve_chat_page: three replies in Chromium (text, image, reasoning + tool call); screenshot at ${screenshot}`);
