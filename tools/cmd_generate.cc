@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 #include "runtime/assistant.h"
 #include "runtime/generation.h"
 #include "tools/cli_common.h"
@@ -33,7 +34,33 @@ struct GenerateArgs : CommonArgs {
   std::string prompt, system;
   std::vector<std::string> images, audios;
   bool raw = false, json = false;
+  std::string json_schema, json_schema_file;  // constrained output (llama.cpp's -j / -jf)
 };
+
+// The grammar --json-schema / --json-schema-file ask for; "{}" means any JSON object.
+std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
+  if (a.json_schema.empty() && a.json_schema_file.empty()) return nullptr;
+  if (!a.json_schema.empty() && !a.json_schema_file.empty())
+    fail("give --json-schema or --json-schema-file, not both");
+  std::string text = a.json_schema;
+  std::string where = "--json-schema";
+  if (!a.json_schema_file.empty()) {
+    text = read_text_file(a.json_schema_file);
+    where = a.json_schema_file;
+  }
+  nlohmann::json schema;
+  try {
+    schema = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& e) {
+    fail(where, ": not valid JSON: ", e.what());
+  }
+  if (schema.is_object() && schema.empty()) return JsonGrammar::any_object();
+  try {
+    return JsonGrammar::from_schema(schema);
+  } catch (const Error& e) {
+    fail(where, ": ", e.what());
+  }
+}
 
 int run_generate(const GenerateArgs& a) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
@@ -57,7 +84,8 @@ int run_generate(const GenerateArgs& a) {
   }
   auto sequence = as->new_sequence();
   GenerationSession session(*sequence, as->tokenizer());
-  const GenerationOptions opt = generation_options(a, *as);
+  GenerationOptions opt = generation_options(a, *as);
+  opt.json_grammar = output_grammar(a);
   const GenerationResult r =
       session.generate(pool, p.ids, p.soft(), opt, [&](std::string_view piece) {
         if (!a.json) std::cout << piece << std::flush;
@@ -172,6 +200,11 @@ void add_generate_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--raw", a->raw, "no chat format: <bos> + the prompt text");
   sub->add_flag("--json", a->json,
                 "print one JSON object (text, tokens, finish_reason, usage) instead of streaming");
+  sub->add_option("-j,--json-schema", a->json_schema,
+                  "constrain the output to one JSON value of this JSON schema ('{}': any JSON "
+                  "object), enforced while sampling");
+  sub->add_option("--json-schema-file", a->json_schema_file,
+                  "the same, with the schema read from a file");
   reg.add(sub, [a] { return run_generate(*a); });
 }
 

@@ -36,6 +36,8 @@ TokenStream::TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>&
   for (const std::string& s : opt_.stop_strings)
     if (s.empty()) fail("stop strings must not be empty");
   res_.finish_reason = "length";
+  if (opt_.json_grammar)
+    constraint_.emplace(opt_.json_grammar, ConstraintVocabulary::of(tokenizer), opt_.stop_ids);
   if (opt_.max_tokens <= 0) finish("length", true, {});
 }
 
@@ -68,7 +70,29 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     finish("cancelled", false, on_text);
     return std::nullopt;
   }
-  const int32_t id = sampler_.sample(logits, vocab, history_);
+  int32_t id = -1;
+  if (!constraint_) {
+    id = sampler_.sample(logits, vocab, history_);
+  } else {
+    if (constraint_->complete() && opt_.stop_ids.empty()) {
+      // A closed value with no stop id to end on (--ignore-eos): it ends here.
+      finish("stop", true, on_text);
+      return std::nullopt;
+    }
+    // The unconstrained draw first, kept when the grammar allows it; otherwise a draw from the
+    // masked logits. With plain temperature sampling this is exactly a draw from the masked
+    // distribution (the allowed ids keep their relative weights); with top-k / top-p / min-p the
+    // first draw's truncation sees the unmasked distribution. It spares most steps the scan of
+    // the whole vocabulary that the mask costs.
+    id = sampler_.sample(logits, vocab, history_);
+    if (!constraint_->allows(id)) {
+      masked_.assign(logits, logits + vocab);
+      if (constraint_->mask(masked_.data(), vocab) == 0)
+        fail("constrained decoding: no token of the vocabulary continues the JSON value");
+      id = sampler_.sample(masked_.data(), vocab, history_);
+    }
+    constraint_->accept(id);
+  }
   if (std::find(opt_.stop_ids.begin(), opt_.stop_ids.end(), id) != opt_.stop_ids.end()) {
     finish("stop", true, on_text);
     return std::nullopt;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/thread_pool.h"
+#include "runtime/json_constraint.h"
 #include "runtime/sampler.h"
 #include "stage/sequence.h"
 #include "tokenizer/tokenizer.h"
@@ -30,6 +31,9 @@ struct GenerationOptions {
   // Keep special tokens (<|tool_call>, <|channel>, <|"|>, ...) in the text: the tool-call and
   // reasoning parser (tokenizer/chat_output.h) needs them as markers.
   bool keep_special_text = false;
+  // Constrained decoding (runtime/json_constraint.h): the text is one JSON value of this
+  // grammar, then a stop id. Null: free text.
+  std::shared_ptr<const JsonGrammar> json_grammar;
 };
 
 struct GenerationResult {
@@ -69,6 +73,8 @@ class TokenStream {
   const Tokenizer& tok_;
   GenerationOptions opt_;
   Sampler sampler_;
+  std::optional<TokenConstraint> constraint_;
+  std::vector<float> masked_;  // the logits with the constraint applied
   StreamDecoder decoder_;
   std::vector<int32_t> history_;
   GenerationResult res_;

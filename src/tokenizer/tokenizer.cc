@@ -1397,6 +1397,21 @@ int32_t Tokenizer::require_id(std::string_view token) const {
        "\"; this tokenizer does not belong to a Gemma 4 model");
 }
 
+std::string Tokenizer::token_bytes(int32_t id) const {
+  const TokenizerImpl& impl = *impl_;
+  std::string t = id_to_token(id);
+  if (!impl.has_decoder) return t;
+  for (const DecoderOp& op : impl.decoder) {
+    if (op.kind == DecoderOp::kReplace) {
+      replace_all(t, op.pattern, op.content);
+    } else if (op.kind == DecoderOp::kByteFallback) {
+      unsigned char b = 0;
+      if (is_byte_token(t, &b)) t.assign(1, static_cast<char>(b));
+    }
+  }
+  return t;
+}
+
 bool Tokenizer::has_id(int32_t id) const {
   return id >= 0 && static_cast<size_t>(id) < impl_->id_to_token.size() &&
          impl_->id_known[static_cast<size_t>(id)];

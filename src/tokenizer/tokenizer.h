@@ -48,6 +48,11 @@ class Tokenizer {
   int32_t require_id(std::string_view token) const;
   // Throws on an id that names no token.
   const std::string& id_to_token(int32_t id) const;
+  // The bytes one token adds to decoded text, through the decoder's Replace steps, with a
+  // byte-fallback token as its single raw byte (possibly part of a UTF-8 sequence) and a special
+  // token as its content. Strip steps, which act only at the ends of a whole text, are left out.
+  // For constrained decoding, which must match text a token at a time.
+  std::string token_bytes(int32_t id) const;
   // Whether an id names a token (a model's vocabulary may be larger than its tokenizer's).
   bool has_id(int32_t id) const;
   bool is_special(int32_t id) const;

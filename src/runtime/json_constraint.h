@@ -1,0 +1,137 @@
+// Constrained decoding: generated text that is always one JSON value of a given JSON schema (or
+// any JSON object), enforced while sampling. A schema compiles once to a tree of nodes; a
+// JsonMatcher walks text against it a byte at a time with a small fixed-size stack, so copying one
+// to try a token is cheap; a TokenConstraint masks the vocabulary with it at each step.
+//
+// What a schema may say: `type` (one or a list), `enum` / `const`, `properties` / `required` /
+// `additionalProperties`, `items` / `minItems` / `maxItems`, `minLength` / `maxLength`,
+// `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` on integers, `anyOf` / `oneOf`
+// whose branches have different types, `nullable`, and local `$ref`s into `$defs` /
+// `definitions`. Anything else that would constrain the value (`pattern`, `allOf`, bounds on
+// non-integer numbers, `multipleOf`, ...) is refused with its place in the schema named, rather
+// than ignored, so a client never gets output its schema rejects. Annotations (`description`,
+// `title`, `default`, `examples`, `format`, which JSON Schema treats as an annotation) are
+// ignored.
+//
+// Generated objects hold declared properties only, each at most once and every required one (in
+// any order: a parsed JSON request keeps no key order), so the output validates whatever
+// `additionalProperties` says; whitespace between
+// tokens is bounded (kMaxWhitespaceRun) so a model cannot ramble in it.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "tokenizer/tokenizer.h"
+
+namespace gemstage {
+
+struct JsonSchemaNode;
+
+class JsonGrammar {
+ public:
+  // Any JSON object (OpenAI's response_format {"type": "json_object"}).
+  static std::shared_ptr<const JsonGrammar> any_object();
+  // Throws gemstage::Error naming the place in the schema ("#/properties/age/minimum: ...").
+  static std::shared_ptr<const JsonGrammar> from_schema(const nlohmann::json& schema);
+  const JsonSchemaNode* root() const { return root_; }
+  ~JsonGrammar();
+
+ private:
+  JsonGrammar();
+  friend struct JsonSchemaCompiler;
+  std::vector<std::unique_ptr<JsonSchemaNode>> nodes_;
+  const JsonSchemaNode* root_ = nullptr;
+};
+
+inline constexpr int kMaxWhitespaceRun = 12;  // spaces, tabs and newlines in a row
+inline constexpr int kMaxJsonDepth = 32;      // nesting of generated arrays and objects
+
+// One value being matched. A copy is a snapshot (the stack is inline and only its used part is
+// copied), which is how a token is tried without committing to it. The grammar must outlive it.
+class JsonMatcher {
+ public:
+  explicit JsonMatcher(const JsonGrammar& grammar);
+  JsonMatcher(const JsonMatcher& o) { *this = o; }
+  JsonMatcher& operator=(const JsonMatcher& o) {
+    depth_ = o.depth_;
+    root_done_ = o.root_done_;
+    std::copy(o.stack_.begin(), o.stack_.begin() + depth_, stack_.begin());
+    return *this;
+  }
+  // Consumes the bytes if they can continue a valid value; otherwise returns false, leaving the
+  // matcher in an unspecified state (try on a copy).
+  bool feed(std::string_view bytes);
+  bool feed_byte(unsigned char c);
+  // A whole value has been matched (the text may stop here).
+  bool complete() const;
+  // Nothing more may follow (the value is closed).
+  bool closed() const { return depth_ == 0; }
+
+  struct Frame {
+    const JsonSchemaNode* node;
+    uint8_t kind, stage, ws, esc;
+    uint8_t utf8_need;  // string: UTF-8 continuation bytes due; number: exponent digits
+    uint8_t utf8_lo, utf8_hi, negative;
+    uint32_t pos;    // bytes matched of a key or literal; number: fraction digits
+    uint32_t count;  // array items, string characters, integer digits
+    uint64_t cand;   // key / literal candidates still matching; object: properties written
+    uint64_t value;  // integer magnitude so far
+  };
+
+ private:
+  enum class Step { kConsumed, kRejected, kPass };
+  Step step(Frame& f, unsigned char c);
+  bool push_value(const JsonSchemaNode* node);
+  void child_done();
+  bool start_value(Frame& f, unsigned char c);
+
+  std::array<Frame, kMaxJsonDepth + 2> stack_;
+  int depth_ = 0;
+  bool root_done_ = false;
+};
+
+// Each token's bytes, bucketed by first byte, built once per tokenizer and shared.
+class ConstraintVocabulary {
+ public:
+  static std::shared_ptr<const ConstraintVocabulary> of(const Tokenizer& tokenizer);
+  explicit ConstraintVocabulary(const Tokenizer& tokenizer);
+  const std::string& bytes(int32_t id) const { return bytes_[static_cast<size_t>(id)]; }
+  int64_t size() const { return static_cast<int64_t>(bytes_.size()); }
+  const std::vector<int32_t>& starting_with(unsigned char c) const { return by_first_[c]; }
+
+ private:
+  std::vector<std::string> bytes_;  // empty for special and unnamed ids: never allowed
+  std::array<std::vector<int32_t>, 256> by_first_;
+};
+
+// The grammar over token ids: which ids may come next, and the state after one is taken. Stop
+// ids (end of turn) are allowed exactly when the value is complete, and then only they are
+// allowed once it is closed.
+class TokenConstraint {
+ public:
+  TokenConstraint(std::shared_ptr<const JsonGrammar> grammar,
+                  std::shared_ptr<const ConstraintVocabulary> vocabulary,
+                  std::vector<int32_t> stop_ids);
+  bool allows(int32_t id) const;
+  // Sets the logits of every id not allowed to -infinity; returns how many are allowed.
+  int64_t mask(float* logits, int64_t vocab) const;
+  // Takes an allowed id (throws on one that is not).
+  void accept(int32_t id);
+  bool complete() const { return matcher_.complete(); }
+
+ private:
+  bool is_stop(int32_t id) const;
+  std::shared_ptr<const JsonGrammar> grammar_;
+  std::shared_ptr<const ConstraintVocabulary> vocab_;
+  std::vector<int32_t> stop_ids_;
+  JsonMatcher matcher_;
+};
+
+}  // namespace gemstage
