@@ -94,6 +94,15 @@ TEST(ResponsesApi, BadRequestsNameTheResponsesField) {
   EXPECT_EQ(error_param({{"input", "x"}, {"tools", json::parse(R"([{"type":"file_search"}])")}}),
             "tools[0].type");
   EXPECT_EQ(error_param({{"input", "x"}, {"text", {{"format", {{"type", "json_schema"}}}}}}),
+            "text.format.schema");
+  EXPECT_EQ(
+      error_param(
+          {{"input", "x"},
+           {"text",
+            {{"format",
+              {{"type", "json_schema"}, {"schema", {{"type", "string"}, {"pattern", "a"}}}}}}}}),
+      "text.format.schema");
+  EXPECT_EQ(error_param({{"input", "x"}, {"text", {{"format", {{"type", "yaml"}}}}}}),
             "text.format.type");
 }
 

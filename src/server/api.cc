@@ -154,6 +154,36 @@ std::vector<std::string> parse_stop(const json& v) {
   return out;
 }
 
+// response_format: text (free), json_object (any JSON object) or json_schema ({"name", "schema",
+// "strict"}), the last two enforced while sampling (runtime/json_constraint.h).
+std::shared_ptr<const JsonGrammar> parse_response_format(const json& rf) {
+  if (!rf.is_object()) wrong_type("response_format", "an object", rf);
+  const json* t = member(rf, "type");
+  if (!t || !t->is_string())
+    bad_request("response_format.type", "missing_required_parameter",
+                "'response_format.type' must be text, json_object or json_schema");
+  const std::string type = t->get<std::string>();
+  if (type == "text") return nullptr;
+  if (type == "json_object") return JsonGrammar::any_object();
+  if (type != "json_schema")
+    bad_request(
+        "response_format.type", "invalid_value",
+        "'response_format.type' must be text, json_object or json_schema, not '" + type + "'");
+  const json* js = member(rf, "json_schema");
+  if (!js || !js->is_object())
+    bad_request("response_format.json_schema", "missing_required_parameter",
+                "response_format json_schema needs 'json_schema': {\"name\", \"schema\"}");
+  const json* schema = member(*js, "schema");
+  if (!schema) return JsonGrammar::any_object();  // a name alone: any JSON object
+  try {
+    return JsonGrammar::from_schema(*schema);
+  } catch (const ApiError&) {
+    throw;
+  } catch (const Error& e) {
+    bad_request("response_format.json_schema.schema", "unsupported_schema", e.what());
+  }
+}
+
 // The fields chat and text completions share: sampling, n, streaming, and the features we refuse
 // rather than silently ignore.
 void parse_common(const json& body, GenerationRequest& r) {
@@ -198,6 +228,7 @@ void parse_common(const json& body, GenerationRequest& r) {
                   std::string("'") + penalty +
                       "' is not supported (the sampler has no frequency/presence penalty); "
                       "omit it or send 0");
+  if (const json* rf = member(body, "response_format")) s.json_grammar = parse_response_format(*rf);
   if (const json* lp = member(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
     bad_request("logprobs", "unsupported_value", "'logprobs' is not supported");
   if (member(body, "top_logprobs"))
@@ -339,12 +370,6 @@ ChatRequest parse_chat_request(const json& body, const RequestLimits& limits) {
     bad_request("tools", "unsupported_value", "tool calling is not supported by this server");
   if (const json* tc = member(body, "tool_choice"); tc && *tc != "none" && *tc != "auto")
     bad_request("tool_choice", "unsupported_value", "tool calling is not supported by this server");
-  if (const json* rf = member(body, "response_format")) {
-    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
-    if (const json* t = member(*rf, "type"); t && *t != "text")
-      bad_request("response_format", "unsupported_value",
-                  "only response_format {\"type\": \"text\"} is supported");
-  }
   const json* msgs = member(body, "messages");
   if (!msgs) bad_request("messages", "missing_required_parameter", "'messages' is required");
   if (!msgs->is_array()) wrong_type("messages", "an array", *msgs);
@@ -480,6 +505,7 @@ GenerationOptions apply_overrides(const GenerationOptions& defaults, const Sampl
   if (o.min_p) g.sampling.min_p = *o.min_p;
   g.sampling.seed = o.seed.value_or(fallback_seed);
   if (o.stop) g.stop_strings = *o.stop;
+  g.json_grammar = o.json_grammar;
   return g;
 }
 
@@ -729,12 +755,6 @@ bool wants_tool_path(const json& body) {
 GenerationRequest parse_generation_fields(const json& body) {
   GenerationRequest r;
   parse_common(body, r);
-  if (const json* rf = member(body, "response_format")) {
-    if (!rf->is_object()) wrong_type("response_format", "an object", *rf);
-    if (const json* t = member(*rf, "type"); t && *t != "text")
-      bad_request("response_format", "unsupported_value",
-                  "only response_format {\"type\": \"text\"} is supported");
-  }
   return r;
 }
 

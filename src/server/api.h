@@ -76,6 +76,8 @@ struct SamplingOverrides {
   std::optional<int> top_k;
   std::optional<uint64_t> seed;
   std::optional<std::vector<std::string>> stop;
+  // response_format json_object / json_schema: the output is one such JSON value.
+  std::shared_ptr<const JsonGrammar> json_grammar;
 };
 
 // The fields chat and text completions share.

@@ -3,6 +3,8 @@
 #include <limits>
 #include <string_view>
 
+#include "runtime/json_constraint.h"
+
 namespace gemstage::server::messages {
 
 using nlohmann::json;
@@ -177,6 +179,21 @@ Request to_chat_body(const json& body) {
     if (!s->is_boolean()) wrong_type("stream", "a boolean", *s);
     r.stream = s->get<bool>();
     c["stream"] = r.stream;
+  }
+  // Structured outputs: {"type": "json_schema", "schema": {...}}, enforced while sampling.
+  if (const json* of = member(body, "output_format")) {
+    if (!of->is_object()) wrong_type("output_format", "an object", *of);
+    if (required_string(*of, "type", "output_format.type") != "json_schema")
+      bad_request("output_format.type", "invalid_value",
+                  "'output_format.type' must be json_schema");
+    const json& schema = required_member(*of, "schema", "output_format.schema");
+    try {
+      JsonGrammar::from_schema(schema);
+    } catch (const Error& e) {
+      bad_request("output_format.schema", "unsupported_schema", e.what());
+    }
+    c["response_format"] = {{"type", "json_schema"},
+                            {"json_schema", {{"name", "output"}, {"schema", schema}}}};
   }
   if (const json* t = member(body, "thinking")) {
     if (!t->is_object()) wrong_type("thinking", "an object", *t);

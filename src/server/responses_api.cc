@@ -1,5 +1,7 @@
 #include "server/responses_api.h"
 
+#include "runtime/json_constraint.h"
+
 namespace gemstage::server::responses {
 
 using nlohmann::json;
@@ -197,13 +199,27 @@ Request to_chat_body(const json& body) {
     if (!t->is_object()) wrong_type("text", "an object", *t);
     if (const json* f = member(*t, "format")) {
       if (!f->is_object()) wrong_type("text.format", "an object", *f);
-      if (const json* ft = member(*f, "type"); ft && *ft != "text")
-        bad_request("text.format.type", "unsupported_value",
-                    "only text.format {\"type\": \"text\"} is supported (no constrained decoding "
-                    "of JSON output yet)");
+      const std::string type = required_string(*f, "type", "text.format.type");
+      if (type == "json_object") {
+        c["response_format"] = {{"type", "json_object"}};
+      } else if (type == "json_schema") {
+        const json& schema = required_member(*f, "schema", "text.format.schema");
+        try {
+          JsonGrammar::from_schema(schema);  // refused here, naming the Responses field
+        } catch (const Error& e) {
+          bad_request("text.format.schema", "unsupported_schema", e.what());
+        }
+        c["response_format"] = {
+            {"type", "json_schema"},
+            {"json_schema", {{"name", f->value("name", "output")}, {"schema", schema}}}};
+      } else if (type != "text") {
+        bad_request("text.format.type", "invalid_value",
+                    "text.format.type must be text, json_object or json_schema");
+      }
     }
   }
   echo["text"] = {{"format", {{"type", "text"}}}};
+  if (c.contains("response_format")) echo["text"]["format"] = body["text"]["format"];
   echo["reasoning"] = {{"effort", nullptr}, {"summary", nullptr}};
   if (const json* reasoning = member(body, "reasoning")) {
     if (!reasoning->is_object()) wrong_type("reasoning", "an object", *reasoning);

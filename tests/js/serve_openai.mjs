@@ -207,6 +207,40 @@ await step("request errors are APIErrors with status, code and param", async () 
   eq(wrongMethod.headers.get("allow"), "POST", "Allow header");
 });
 
+await step("response_format json_object and json_schema: valid at temperature 1, streamed too", async () => {
+  const messages = [{ role: "user", content: "Describe a book as JSON." }];
+  let finished = 0;
+  for (let seed = 1; seed <= 4; seed++) {
+    const r = await client.chat.completions.create({ model: "model", messages, temperature: 1,
+      seed, max_tokens: 300, response_format: { type: "json_object" } });
+    if (r.choices[0].finish_reason !== "stop") continue;
+    finished++;
+    const v = JSON.parse(r.choices[0].message.content);
+    check(v !== null && typeof v === "object" && !Array.isArray(v), `not an object: ${v}`);
+  }
+  const schema = { type: "object", properties: { title: { type: "string", maxLength: 20 },
+    pages: { type: "integer", minimum: 1, maximum: 2000 }, genres: { type: "array",
+    items: { enum: ["novel", "poetry", "essay"] }, maxItems: 3 } },
+    required: ["title", "pages", "genres"], additionalProperties: false };
+  for (let seed = 1; seed <= 4; seed++) {
+    const stream = await client.chat.completions.create({ model: "model", messages, temperature: 1,
+      seed, max_tokens: 300, stream: true,
+      response_format: { type: "json_schema", json_schema: { name: "book", schema, strict: true } } });
+    let text = "", finish = null;
+    for await (const chunk of stream) {
+      text += chunk.choices[0]?.delta?.content ?? "";
+      finish = chunk.choices[0]?.finish_reason ?? finish;
+    }
+    if (finish !== "stop") continue;
+    finished++;
+    const v = JSON.parse(text);
+    eq(Object.keys(v).sort(), ["genres", "pages", "title"], `keys of ${text}`);
+    check(Number.isInteger(v.pages) && v.pages >= 1 && v.pages <= 2000, `pages ${v.pages}`);
+    check(v.genres.every((g) => ["novel", "poetry", "essay"].includes(g)), `genres ${v.genres}`);
+  }
+  check(finished >= 5, `only ${finished} of 8 samples finished`);
+});
+
 await step("tool round trip: tools, assistant tool_calls, tool result; plain and streamed", async () => {
   // The request an agent sends after running the call it got back. A random-weight model rarely
   // writes a well-formed call itself, so this checks the round trip's shapes (tests/

@@ -131,6 +131,28 @@ await step("reasoning effort switches thinking in the chat template", async () =
   eq(on.reasoning.effort, "high", "reasoning echoed");
 });
 
+await step("text.format json_schema: every sample at temperature 1 parses and validates", async () => {
+  const schema = { type: "object", properties: {
+    city: { type: "string", maxLength: 12 }, temp_c: { type: "integer", minimum: -40, maximum: 50 },
+    sunny: { type: "boolean" } }, required: ["city", "temp_c", "sunny"],
+    additionalProperties: false };
+  let finished = 0;
+  for (let seed = 1; seed <= 6; seed++) {
+    const r = await client.responses.create({ model: "model", input: "Weather?", temperature: 1,
+      max_output_tokens: 300, seed,
+      text: { format: { type: "json_schema", name: "weather", schema, strict: true } } });
+    eq(r.text.format.type, "json_schema", "format echoed");
+    if (r.status !== "completed") continue;
+    finished++;
+    const v = JSON.parse(r.output_text);
+    eq(Object.keys(v).sort(), ["city", "sunny", "temp_c"], `keys of ${r.output_text}`);
+    check(typeof v.city === "string" && [...v.city].length <= 12, `city ${v.city}`);
+    check(Number.isInteger(v.temp_c) && v.temp_c >= -40 && v.temp_c <= 50, `temp_c ${v.temp_c}`);
+    check(typeof v.sunny === "boolean", `sunny ${v.sunny}`);
+  }
+  check(finished >= 4, `only ${finished} of 6 samples finished`);
+});
+
 await step("errors name the Responses field", async () => {
   await expectApiError(client.responses.create({ model: "model", input: "x",
                                                  previous_response_id: "resp_1" }),
@@ -141,8 +163,11 @@ await step("errors name the Responses field", async () => {
                                                  tools: [{ type: "web_search" }] }),
                        400, "unsupported_value", "tools[0].type");
   await expectApiError(client.responses.create({ model: "model", input: "x",
-                                                 text: { format: { type: "json_object" } } }),
-                       400, "unsupported_value", "text.format.type");
+                                                 text: { format: { type: "yaml" } } }),
+                       400, "invalid_value", "text.format.type");
+  await expectApiError(client.responses.create({ model: "model", input: "x", text: { format: {
+    type: "json_schema", name: "s", schema: { type: "string", pattern: "a+" } } } }),
+                       400, "unsupported_schema", "text.format.schema");
   await expectApiError(client.responses.create({ model: "model" }), 400,
                        "missing_required_parameter", "input");
 });
