@@ -1,7 +1,8 @@
 // Constrained decoding (runtime/json_constraint.h): the matcher against hand-written valid and
 // invalid JSON for each schema feature, the schema compiler's refusals, and the token mask
 // against trying every token one by one; then random walks through the tiny tokenizer's
-// vocabulary that must always end in text nlohmann parses and a hand-written validator accepts.
+// vocabulary that must always end in text nlohmann parses and a hand-written validator accepts,
+// and in forced tool calls the output parser reads back with valid arguments.
 #include "runtime/json_constraint.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <random>
 
 #include "test_util.h"
+#include "tokenizer/chat_output.h"
 
 using namespace gemstage;
 using nlohmann::json;
@@ -258,4 +260,84 @@ TEST(JsonConstraint, RandomWeightModelAtTemperatureOneAlwaysWritesValidOutput) {
   EXPECT_EQ(run_cli("generate -m " + gemstage::testing::fixture("model") +
                     " -p x -j '{\"type\":\"string\",\"pattern\":\"a+\"}' && echo accepted"),
             "");
+}
+
+TEST(JsonConstraint, ForcedToolCallsAlwaysParseAndValidate) {
+  const nlohmann::ordered_json tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string", "maxLength": 10},
+                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+      "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+      "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}])");
+  const auto any = ToolCallGrammar::from_tools(tools, "", true);
+  auto fed = [](const ToolCallGrammar& g, std::string_view s) {
+    ToolCallMatcher m(g);
+    return m.feed(s) && m.complete();
+  };
+  // \1 = <|tool_call>, \2 = <tool_call|>, \0 = <|"|>.
+  using namespace std::string_literals;
+  EXPECT_TRUE(fed(*any, "\1call:get_time{tz:\0CET\0}\2"s));
+  EXPECT_TRUE(
+      fed(*any, "\1call:get_weather{days:3,city:\0Oslo\0}\2\1call:get_time{tz:\0UTC\0}\2"s));
+  EXPECT_FALSE(fed(*any, "\1call:get_time{tz:\0PST\0}\2"s));
+  EXPECT_FALSE(fed(*any, "\1call:get_time{\"tz\":\"CET\"}\2"s));
+  EXPECT_FALSE(fed(*any, "\1call:get_weather{city:\0Oslo\0}\2"s));  // days is required
+  EXPECT_FALSE(fed(*any, "\1call:get_date{}\2"s));
+  EXPECT_FALSE(fed(*any, "\1call:get_time{tz:\0CET\0}"s));          // not closed
+  EXPECT_FALSE(fed(*any, "Sure. \1call:get_time{tz:\0CET\0}\2"s));  // the call comes first
+  const auto one = ToolCallGrammar::from_tools(tools, "get_time", false);
+  EXPECT_TRUE(fed(*one, "\1call:get_time{tz:\0UTC\0}\2"s));
+  EXPECT_FALSE(fed(*one, "\1call:get_weather{days:3,city:\0Oslo\0}\2"s));
+  EXPECT_FALSE(fed(*one, "\1call:get_time{tz:\0UTC\0}\2\1call:get_time{tz:\0UTC\0}\2"s));
+  EXPECT_THROW(ToolCallGrammar::from_tools(tools, "nope", true), Error);
+
+  // Random walks over the full tokenizer (it has the tool-call markers): every finished walk,
+  // decoded with special tokens kept, parses into calls whose arguments validate.
+  const Tokenizer tok = Tokenizer::from_model_dir(gemstage::testing::fixture("tokenizer_full"));
+  const auto vocab = ConstraintVocabulary::of(tok);
+  const int32_t stop = *tok.token_to_id("<turn|>");
+  const auto V = static_cast<int64_t>(tok.vocab_size());
+  std::mt19937 rng(11);
+  int finished = 0;
+  for (int walk = 0; walk < 30; ++walk) {
+    TokenConstraint c(any, vocab, {stop});
+    std::vector<int32_t> ids;
+    for (int step = 0; step < 300; ++step) {
+      std::vector<float> logits(static_cast<size_t>(V), 0.0f);
+      ASSERT_GT(c.mask(logits.data(), V), 0);
+      std::vector<int32_t> allowed;
+      for (int32_t id = 0; id < V; ++id)
+        if (std::isfinite(logits[static_cast<size_t>(id)])) allowed.push_back(id);
+      int32_t id = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+      if (c.allows(stop) && rng() % 2 == 0) id = stop;
+      c.accept(id);
+      if (id == stop) break;
+      ids.push_back(id);
+    }
+    if (!c.complete()) continue;
+    ++finished;
+    std::string text;
+    StreamDecoder dec(tok, /*skip_special=*/false);
+    for (int32_t id : ids) text += dec.push(id);
+    text += dec.flush();
+    const ParsedOutput parsed = parse_model_output(text);
+    ASSERT_FALSE(parsed.tool_calls.empty()) << text;
+    EXPECT_FALSE(parsed.content.has_value()) << text;
+    for (const ParsedToolCall& call : parsed.tool_calls) {
+      const json args = json::parse(call.arguments.dump());
+      if (call.name == "get_time") {
+        EXPECT_TRUE(args == json::parse(R"({"tz":"UTC"})") ||
+                    args == json::parse(R"({"tz":"CET"})"))
+            << text;
+      } else {
+        ASSERT_EQ(call.name, "get_weather") << text;
+        EXPECT_EQ(args.size(), 2u) << text;
+        EXPECT_TRUE(args["city"].is_string()) << text;
+        EXPECT_TRUE(args["days"].is_number_integer() && args["days"] >= 1 && args["days"] <= 7)
+            << text;
+      }
+    }
+  }
+  EXPECT_GT(finished, 10);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 
 #include "core/error.h"
 #include "gemma4/multimodal.h"
@@ -36,8 +37,12 @@ TokenStream::TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>&
   for (const std::string& s : opt_.stop_strings)
     if (s.empty()) fail("stop strings must not be empty");
   res_.finish_reason = "length";
+  if (opt_.json_grammar && opt_.tool_call_grammar)
+    fail("a JSON output format and forced tool calls cannot be combined");
   if (opt_.json_grammar)
     constraint_.emplace(opt_.json_grammar, ConstraintVocabulary::of(tokenizer), opt_.stop_ids);
+  if (opt_.tool_call_grammar)
+    constraint_.emplace(opt_.tool_call_grammar, ConstraintVocabulary::of(tokenizer), opt_.stop_ids);
   if (opt_.max_tokens <= 0) finish("length", true, {});
 }
 
@@ -70,6 +75,13 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     finish("cancelled", false, on_text);
     return std::nullopt;
   }
+  if (!opt_.banned_ids.empty()) {
+    masked_.assign(logits, logits + vocab);
+    for (const int32_t b : opt_.banned_ids)
+      if (b >= 0 && b < vocab)
+        masked_[static_cast<size_t>(b)] = -std::numeric_limits<float>::infinity();
+    logits = masked_.data();
+  }
   int32_t id = -1;
   if (!constraint_) {
     id = sampler_.sample(logits, vocab, history_);
@@ -86,7 +98,7 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     // the whole vocabulary that the mask costs.
     id = sampler_.sample(logits, vocab, history_);
     if (!constraint_->allows(id)) {
-      masked_.assign(logits, logits + vocab);
+      if (logits != masked_.data()) masked_.assign(logits, logits + vocab);
       if (constraint_->mask(masked_.data(), vocab) == 0)
         fail("constrained decoding: no token of the vocabulary continues the JSON value");
       id = sampler_.sample(masked_.data(), vocab, history_);

@@ -34,6 +34,10 @@ struct GenerationOptions {
   // Constrained decoding (runtime/json_constraint.h): the text is one JSON value of this
   // grammar, then a stop id. Null: free text.
   std::shared_ptr<const JsonGrammar> json_grammar;
+  // Forced tool calls (tool_choice required / a named function); at most one of the two.
+  std::shared_ptr<const ToolCallGrammar> tool_call_grammar;
+  // Ids never sampled (tool_choice "none" bans <|tool_call>).
+  std::vector<int32_t> banned_ids;
 };
 
 struct GenerationResult {

@@ -64,9 +64,45 @@ const json* get(const json& obj, const char* key) {
 
 }  // namespace
 
+namespace {
+
+// A JSON value as Gemma's call arguments write it: strings between <|"|> (kGemmaQuote), bare
+// keys in sorted order, everything else as JSON.
+std::string gemma_text(const json& v) {
+  if (v.is_string()) {
+    std::string out(1, static_cast<char>(kGemmaQuote));
+    out += v.get<std::string>();
+    out.push_back(static_cast<char>(kGemmaQuote));
+    return out;
+  }
+  if (v.is_object()) {
+    std::string out = "{";
+    for (auto it = v.begin(); it != v.end(); ++it) {
+      if (out.size() > 1) out += ",";
+      out += it.key() + ":" + gemma_text(it.value());
+    }
+    return out + "}";
+  }
+  if (v.is_array()) {
+    std::string out = "[";
+    for (size_t i = 0; i < v.size(); ++i) {
+      if (i) out += ",";
+      out += gemma_text(v[i]);
+    }
+    return out + "]";
+  }
+  return v.dump();
+}
+
+}  // namespace
+
 struct JsonSchemaCompiler {
   JsonGrammar& g;
   const json& document;
+
+  std::string literal(const json& v) const {
+    return g.dialect_ == JsonDialect::kGemmaArgs ? gemma_text(v) : v.dump();
+  }
 
   [[noreturn]] static void refuse(const std::string& where, const std::string& what) {
     fail("schema at ", where.empty() ? "#" : where, ": ", what);
@@ -121,14 +157,14 @@ struct JsonSchemaCompiler {
       if (const json* alts = get(s, key)) return compile_union(s, *alts, where + "/" + key, depth);
     JsonSchemaNode* n = node();
     if (const json* c = get(s, "const")) {
-      n->literals.push_back(c->dump());
+      n->literals.push_back(literal(*c));
       return n;
     }
     if (const json* e = get(s, "enum")) {
       if (!e->is_array() || e->empty()) refuse(where + "/enum", "must be a non-empty array");
       if (e->size() > kMaxLiterals)
         refuse(where + "/enum", "has more than " + std::to_string(kMaxLiterals) + " values");
-      for (const json& v : *e) n->literals.push_back(v.dump());
+      for (const json& v : *e) n->literals.push_back(literal(v));
       return n;
     }
     if (const json* t = get(s, "type")) {
@@ -293,16 +329,19 @@ struct JsonSchemaCompiler {
   }
 };
 
-std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
+std::shared_ptr<const JsonGrammar> JsonGrammar::any_object(JsonDialect dialect) {
   auto g = std::shared_ptr<JsonGrammar>(new JsonGrammar());
+  g->dialect_ = dialect;
   g->nodes_.push_back(std::make_unique<JsonSchemaNode>());
   g->nodes_.back()->types = kObjectT;
   g->root_ = g->nodes_.back().get();
   return g;
 }
 
-std::shared_ptr<const JsonGrammar> JsonGrammar::from_schema(const json& schema) {
+std::shared_ptr<const JsonGrammar> JsonGrammar::from_schema(const json& schema,
+                                                            JsonDialect dialect) {
   auto g = std::shared_ptr<JsonGrammar>(new JsonGrammar());
+  g->dialect_ = dialect;
   JsonSchemaCompiler c{*g, schema};
   g->root_ = c.compile(schema, "#", 0);
   return g;
@@ -366,7 +405,8 @@ bool integer_in_bounds(const JsonSchemaNode& n, bool negative, uint64_t v) {
 
 }  // namespace
 
-JsonMatcher::JsonMatcher(const JsonGrammar& grammar) {
+JsonMatcher::JsonMatcher(const JsonGrammar& grammar)
+    : gemma_(grammar.dialect() == JsonDialect::kGemmaArgs) {
   push_value(grammar.root());
 }
 
@@ -410,7 +450,7 @@ bool JsonMatcher::start_value(Frame& f, unsigned char c) {
     f.count = 0;
     return true;
   }
-  if (c == '"' && (t & kStringT)) {
+  if (c == (gemma_ ? kGemmaQuote : '"') && (t & kStringT)) {
     f.kind = kString;
     f.count = 0;
     return true;
@@ -455,8 +495,14 @@ void JsonMatcher::child_done() {
   }
   Frame& p = stack_[static_cast<size_t>(depth_ - 1)];
   if (p.kind == kObject) {
-    p.stage = p.stage == kObjKey ? kObjAfterKey : kObjAfterValue;
     p.ws = 0;
+    if (p.stage == kObjKey && gemma_) {
+      // A bare key ends with its ':'; its value comes next.
+      p.stage = kObjValue;
+      push_value(p.node->free_keys ? p.node->free_value : p.node->prop_nodes[p.value]);
+      return;
+    }
+    p.stage = p.stage == kObjKey ? kObjAfterKey : kObjAfterValue;
   } else if (p.kind == kArray) {
     ++p.count;
     p.stage = kArrAfterValue;
@@ -511,8 +557,9 @@ bool object_may_continue(const JsonMatcher::Frame& f) {
 }  // namespace
 
 JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
+  // Gemma writes its call arguments without whitespace, so none is allowed there.
   auto ws = [&] {
-    if (!is_ws(c) || f.ws >= kMaxWhitespaceRun) return false;
+    if (gemma_ || !is_ws(c) || f.ws >= kMaxWhitespaceRun) return false;
     ++f.ws;
     return true;
   };
@@ -585,10 +632,20 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
     case kString:
     case kKey: {
       const bool key = f.kind == kKey;
+      if (key && f.stage == 1) {
+        // A free bare key (Gemma arguments of an object without declared properties).
+        const bool name_char = std::isalnum(c) || c == '_' || c == '-' || c == '.';
+        if (name_char && f.pos < 256) {
+          ++f.pos;
+          return Step::kConsumed;
+        }
+        return c == ':' && f.pos > 0 ? Step::kPass : Step::kRejected;
+      }
       if (key) {
-        // A declared property name, matched against the candidates.
+        // A declared property name, matched against the candidates; JSON closes it with a quote,
+        // Gemma's bare keys with the ':'.
         const JsonSchemaNode& n = *f.node;
-        if (c == '"') {
+        if (c == (gemma_ ? ':' : '"')) {
           for (size_t i = 0; i < n.prop_names.size(); ++i)
             if ((f.cand >> i & 1) && n.prop_names[i].size() == f.pos) {
               Frame& obj = stack_[static_cast<size_t>(depth_ - 2)];
@@ -609,6 +666,17 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
         return Step::kConsumed;
       }
       const JsonSchemaNode& n = *f.node;
+      if (gemma_ && !f.utf8_need) {
+        // Verbatim text up to the closing <|"|>; no escapes, newlines allowed, no other marker.
+        if (c == kGemmaQuote)
+          return static_cast<int64_t>(f.count) < n.min_length ? Step::kRejected : Step::kPass;
+        if (c == kToolCallOpen || c == kToolCallClose) return Step::kRejected;
+        if (c < 0x80) {
+          if (static_cast<int64_t>(f.count) >= n.max_length) return Step::kRejected;
+          ++f.count;
+          return Step::kConsumed;
+        }
+      }
       if (f.esc == 1) {
         if (c == 'u') {
           f.esc = 2;
@@ -670,6 +738,23 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
         case kObjAfterComma:
           if (ws()) return Step::kConsumed;
           if (c == '}' && f.stage == kObjOpen && object_may_close(f)) return Step::kPass;
+          if (gemma_) {
+            // A bare key: its first byte is already part of the name.
+            if (depth_ >= static_cast<int>(stack_.size())) return Step::kRejected;
+            f.ws = 0;
+            f.stage = kObjKey;
+            Frame& k = stack_[static_cast<size_t>(depth_++)];
+            k = Frame{};
+            k.node = &n;
+            k.kind = kKey;
+            if (n.free_keys) {
+              k.stage = 1;
+            } else {
+              k.cand = next_keys(f);
+              if (!k.cand) return Step::kRejected;
+            }
+            return step(k, c);
+          }
           if (c != '"') return Step::kRejected;
           f.ws = 0;
           f.stage = kObjKey;
@@ -779,6 +864,96 @@ bool JsonMatcher::complete() const {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Forced tool calls.
+
+std::shared_ptr<const ToolCallGrammar> ToolCallGrammar::from_tools(
+    const nlohmann::ordered_json& tools, const std::string& only_name, bool parallel) {
+  auto g = std::make_shared<ToolCallGrammar>();
+  g->parallel = parallel;
+  if (!tools.is_array()) fail("tools: must be an array");
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const auto& fn = tools[i].contains("function") ? tools[i]["function"] : tools[i];
+    const std::string name = fn.value("name", "");
+    if (name.empty() || (!only_name.empty() && name != only_name)) continue;
+    for (unsigned char ch : name)
+      if (ch == '{' || ch == '<' || ch == '>' || std::isspace(ch) || ch < 0x20)
+        fail("tools[", i, "].function.name '", name,
+             "' cannot be forced: Gemma's call syntax ends a name at '{', '<', '>' or whitespace");
+    if (g->names.size() >= 64) fail("tools: at most 64 tools can be forced");
+    // A declaration's own key order is kept only as JSON text; the schema compiler needs none.
+    const json params =
+        fn.contains("parameters") ? json::parse(fn["parameters"].dump()) : json{{"type", "object"}};
+    try {
+      g->arguments.push_back(JsonGrammar::from_schema(params, JsonDialect::kGemmaArgs));
+    } catch (const Error& e) {
+      fail("tools[", i, "].function.parameters: ", e.what());
+    }
+    g->names.push_back(name);
+  }
+  if (g->names.empty())
+    fail(only_name.empty() ? std::string("tool_choice needs at least one function tool")
+                           : "tool_choice names '" + only_name + "', which is not among the tools");
+  return g;
+}
+
+bool ToolCallMatcher::feed_byte(unsigned char c) {
+  switch (phase_) {
+    case kOpen:
+      if (c != kToolCallOpen) return false;
+      phase_ = kName;
+      cand_ = g_->names.size() >= 64 ? ~uint64_t{0} : (uint64_t{1} << g_->names.size()) - 1;
+      pos_ = 0;
+      return true;
+    case kName: {
+      static constexpr std::string_view kCall = "call:";
+      if (pos_ < kCall.size()) {
+        if (c != static_cast<unsigned char>(kCall[pos_])) return false;
+        ++pos_;
+        return true;
+      }
+      const size_t at = pos_ - kCall.size();
+      if (c == '{') {
+        for (size_t i = 0; i < g_->names.size(); ++i)
+          if ((cand_ >> i & 1) && g_->names[i].size() == at) {
+            args_.emplace(*g_->arguments[i]);
+            phase_ = kArgs;
+            return args_->feed_byte(c);
+          }
+        return false;
+      }
+      uint64_t next = 0;
+      for (size_t i = 0; i < g_->names.size(); ++i)
+        if ((cand_ >> i & 1) && g_->names[i].size() > at &&
+            static_cast<unsigned char>(g_->names[i][at]) == c)
+          next |= uint64_t{1} << i;
+      if (!next) return false;
+      cand_ = next;
+      ++pos_;
+      return true;
+    }
+    case kArgs:
+      if (!args_->feed_byte(c)) return false;
+      if (args_->closed()) phase_ = kClose;
+      return true;
+    case kClose:
+      if (c != kToolCallClose) return false;
+      phase_ = kAfter;
+      return true;
+    case kAfter:
+      if (c != kToolCallOpen || !g_->parallel) return false;
+      phase_ = kOpen;
+      return feed_byte(c);
+  }
+  return false;
+}
+
+bool ToolCallMatcher::feed(std::string_view symbols) {
+  for (char ch : symbols)
+    if (!feed_byte(static_cast<unsigned char>(ch))) return false;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Over the vocabulary.
 
 ConstraintVocabulary::ConstraintVocabulary(const Tokenizer& tokenizer) {
@@ -787,10 +962,21 @@ ConstraintVocabulary::ConstraintVocabulary(const Tokenizer& tokenizer) {
   for (int32_t id = 0; id < n; ++id) {
     if (!tokenizer.has_id(id) || tokenizer.is_special(id)) continue;
     std::string b = tokenizer.token_bytes(id);
-    if (b.empty()) continue;
+    // Bytes 0-2 stand for the tool-call markers below; no JSON or argument text has them raw.
+    if (b.empty() || b.find_first_of(std::string_view("\0\1\2", 3)) != std::string::npos)
+      continue;
     by_first_[static_cast<unsigned char>(b[0])].push_back(id);
     bytes_[static_cast<size_t>(id)] = std::move(b);
   }
+  // The markers of Gemma's tool calls, as the bytes the tool-call matcher reads them as. No JSON
+  // text contains these control bytes, so JSON grammars still never allow them.
+  const std::pair<const char*, unsigned char> markers[] = {
+      {"<|\"|>", kGemmaQuote}, {"<|tool_call>", kToolCallOpen}, {"<tool_call|>", kToolCallClose}};
+  for (const auto& [text, byte] : markers)
+    if (const auto id = tokenizer.token_to_id(text); id && *id >= 0 && *id < n) {
+      bytes_[static_cast<size_t>(*id)] = std::string(1, static_cast<char>(byte));
+      by_first_[byte].push_back(*id);
+    }
 }
 
 std::shared_ptr<const ConstraintVocabulary> ConstraintVocabulary::of(const Tokenizer& tokenizer) {
@@ -808,21 +994,31 @@ std::shared_ptr<const ConstraintVocabulary> ConstraintVocabulary::of(const Token
 TokenConstraint::TokenConstraint(std::shared_ptr<const JsonGrammar> grammar,
                                  std::shared_ptr<const ConstraintVocabulary> vocabulary,
                                  std::vector<int32_t> stop_ids)
-    : grammar_(std::move(grammar)),
+    : json_grammar_(std::move(grammar)),
       vocab_(std::move(vocabulary)),
-      stop_ids_(std::move(stop_ids)),
-      matcher_(*grammar_) {}
+      stop_ids_(std::move(stop_ids)) {
+  state_.json.emplace(*json_grammar_);
+}
+
+TokenConstraint::TokenConstraint(std::shared_ptr<const ToolCallGrammar> grammar,
+                                 std::shared_ptr<const ConstraintVocabulary> vocabulary,
+                                 std::vector<int32_t> stop_ids)
+    : call_grammar_(std::move(grammar)),
+      vocab_(std::move(vocabulary)),
+      stop_ids_(std::move(stop_ids)) {
+  state_.call.emplace(*call_grammar_);
+}
 
 bool TokenConstraint::is_stop(int32_t id) const {
   return std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end();
 }
 
 bool TokenConstraint::allows(int32_t id) const {
-  if (is_stop(id)) return matcher_.complete();
+  if (is_stop(id)) return state_.complete();
   if (id < 0 || id >= vocab_->size()) return false;
   const std::string& b = vocab_->bytes(id);
   if (b.empty()) return false;
-  JsonMatcher m = matcher_;
+  State m = state_;
   return m.feed(b);
 }
 
@@ -831,16 +1027,17 @@ int64_t TokenConstraint::mask(float* logits, int64_t vocab) const {
   for (int c = 0; c < 256; ++c) {
     const std::vector<int32_t>& ids = vocab_->starting_with(static_cast<unsigned char>(c));
     if (ids.empty()) continue;
-    JsonMatcher first = matcher_;
-    if (!first.feed_byte(static_cast<unsigned char>(c))) continue;  // the whole bucket fails
+    State first = state_;
+    const char byte = static_cast<char>(c);
+    if (!first.feed(std::string_view(&byte, 1))) continue;  // the whole bucket fails
     for (const int32_t id : ids) {
       if (id >= vocab) continue;
       const std::string& b = vocab_->bytes(id);
-      JsonMatcher m = first;
+      State m = first;
       if (m.feed(std::string_view(b).substr(1))) ok[static_cast<size_t>(id)] = 1;
     }
   }
-  if (matcher_.complete())
+  if (state_.complete())
     for (const int32_t id : stop_ids_)
       if (id >= 0 && id < vocab) ok[static_cast<size_t>(id)] = 1;
   int64_t allowed = 0;
@@ -855,11 +1052,11 @@ int64_t TokenConstraint::mask(float* logits, int64_t vocab) const {
 
 void TokenConstraint::accept(int32_t id) {
   if (is_stop(id)) {
-    if (!matcher_.complete()) fail("constrained decoding: a stop token before the value ends");
+    if (!state_.complete()) fail("constrained decoding: a stop token before the value ends");
     return;
   }
   if (id < 0 || id >= vocab_->size() || vocab_->bytes(id).empty() ||
-      !matcher_.feed(vocab_->bytes(id)))
+      !state_.feed(vocab_->bytes(id)))
     fail("constrained decoding: token ", id, " does not continue the value");
 }
 

@@ -24,6 +24,7 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -34,13 +35,23 @@ namespace gemstage {
 
 struct JsonSchemaNode;
 
+// The text a grammar matches: JSON, or the arguments of a Gemma 4 tool call
+// (/work/shared/docs/gemma4-tools.md, "ARGS grammar": bare keys, strings between <|"|> tokens with
+// no escaping, otherwise JSON's values). The <|"|> token is the byte kGemmaQuote to a matcher.
+enum class JsonDialect { kJson, kGemmaArgs };
+inline constexpr unsigned char kGemmaQuote = 0x00;
+inline constexpr unsigned char kToolCallOpen = 0x01;   // <|tool_call>
+inline constexpr unsigned char kToolCallClose = 0x02;  // <tool_call|>
+
 class JsonGrammar {
  public:
   // Any JSON object (OpenAI's response_format {"type": "json_object"}).
-  static std::shared_ptr<const JsonGrammar> any_object();
+  static std::shared_ptr<const JsonGrammar> any_object(JsonDialect dialect = JsonDialect::kJson);
   // Throws gemstage::Error naming the place in the schema ("#/properties/age/minimum: ...").
-  static std::shared_ptr<const JsonGrammar> from_schema(const nlohmann::json& schema);
+  static std::shared_ptr<const JsonGrammar> from_schema(const nlohmann::json& schema,
+                                                        JsonDialect dialect = JsonDialect::kJson);
   const JsonSchemaNode* root() const { return root_; }
+  JsonDialect dialect() const { return dialect_; }
   ~JsonGrammar();
 
  private:
@@ -48,6 +59,7 @@ class JsonGrammar {
   friend struct JsonSchemaCompiler;
   std::vector<std::unique_ptr<JsonSchemaNode>> nodes_;
   const JsonSchemaNode* root_ = nullptr;
+  JsonDialect dialect_ = JsonDialect::kJson;
 };
 
 inline constexpr int kMaxWhitespaceRun = 12;  // spaces, tabs and newlines in a row
@@ -60,6 +72,7 @@ class JsonMatcher {
   explicit JsonMatcher(const JsonGrammar& grammar);
   JsonMatcher(const JsonMatcher& o) { *this = o; }
   JsonMatcher& operator=(const JsonMatcher& o) {
+    gemma_ = o.gemma_;
     depth_ = o.depth_;
     root_done_ = o.root_done_;
     std::copy(o.stack_.begin(), o.stack_.begin() + depth_, stack_.begin());
@@ -93,8 +106,42 @@ class JsonMatcher {
   bool start_value(Frame& f, unsigned char c);
 
   std::array<Frame, kMaxJsonDepth + 2> stack_;
+  bool gemma_ = false;  // JsonDialect::kGemmaArgs
   int depth_ = 0;
   bool root_done_ = false;
+};
+
+// The tool calls a request forces (tool_choice "required" or a named function), as Gemma 4 writes
+// them: <|tool_call>call:NAME{ARGS}<tool_call|>, with ARGS matched against that tool's
+// `parameters` schema in the Gemma dialect; then more calls when parallel calls are allowed, then
+// a stop id. (A thought channel before the call is not allowed: the call comes first.)
+struct ToolCallGrammar {
+  std::vector<std::string> names;
+  std::vector<std::shared_ptr<const JsonGrammar>> arguments;  // per name
+  bool parallel = true;
+  // tools: OpenAI function tools ([{"type": "function", "function": {"name", "parameters"}}]);
+  // only_name: the one tool a named tool_choice allows ("" for any). Throws gemstage::Error
+  // naming the tool whose parameters cannot be enforced.
+  static std::shared_ptr<const ToolCallGrammar> from_tools(const nlohmann::ordered_json& tools,
+                                                           const std::string& only_name,
+                                                           bool parallel);
+};
+
+class ToolCallMatcher {
+ public:
+  explicit ToolCallMatcher(const ToolCallGrammar& grammar) : g_(&grammar) {}
+  bool feed(std::string_view symbols);
+  bool feed_byte(unsigned char c);
+  // Between calls, with at least one closed: a stop id may come.
+  bool complete() const { return phase_ == kAfter; }
+
+ private:
+  enum Phase : uint8_t { kOpen, kName, kArgs, kClose, kAfter };
+  const ToolCallGrammar* g_;
+  Phase phase_ = kOpen;
+  uint64_t cand_ = 0;  // names still matching "call:NAME"
+  uint32_t pos_ = 0;
+  std::optional<JsonMatcher> args_;
 };
 
 // Each token's bytes, bucketed by first byte, built once per tokenizer and shared.
@@ -119,19 +166,30 @@ class TokenConstraint {
   TokenConstraint(std::shared_ptr<const JsonGrammar> grammar,
                   std::shared_ptr<const ConstraintVocabulary> vocabulary,
                   std::vector<int32_t> stop_ids);
+  TokenConstraint(std::shared_ptr<const ToolCallGrammar> grammar,
+                  std::shared_ptr<const ConstraintVocabulary> vocabulary,
+                  std::vector<int32_t> stop_ids);
   bool allows(int32_t id) const;
   // Sets the logits of every id not allowed to -infinity; returns how many are allowed.
   int64_t mask(float* logits, int64_t vocab) const;
   // Takes an allowed id (throws on one that is not).
   void accept(int32_t id);
-  bool complete() const { return matcher_.complete(); }
+  bool complete() const { return state_.complete(); }
 
  private:
+  // The matcher of either grammar; copied to try a token.
+  struct State {
+    std::optional<JsonMatcher> json;
+    std::optional<ToolCallMatcher> call;
+    bool feed(std::string_view bytes) { return json ? json->feed(bytes) : call->feed(bytes); }
+    bool complete() const { return json ? json->complete() : call->complete(); }
+  };
   bool is_stop(int32_t id) const;
-  std::shared_ptr<const JsonGrammar> grammar_;
+  std::shared_ptr<const JsonGrammar> json_grammar_;
+  std::shared_ptr<const ToolCallGrammar> call_grammar_;
   std::shared_ptr<const ConstraintVocabulary> vocab_;
   std::vector<int32_t> stop_ids_;
-  JsonMatcher matcher_;
+  State state_;
 };
 
 }  // namespace gemstage

@@ -142,9 +142,8 @@ nlohmann::json models_json(const std::string& model, int64_t created);
 // Tool calling on /v1/chat/completions (/work/shared/docs/gemma4-tools.md, "OpenAI mapping").
 // Request side: the conversation as the chat template takes it; reply side: Gemma's raw output
 // parsed (tokenizer/chat_output.h) into content, reasoning_content and tool_calls. tool_choice
-// "required" and a named function are validated and recorded here; forcing them while sampling
-// needs constrained decoding, which this layer does not do (a caller without it can only render
-// and parse, so the model may still answer in text).
+// is validated and recorded here; the server enforces it while sampling (runtime/
+// json_constraint.h: "required" and a named function force a call, "none" bans one).
 struct ToolRequest {
   nlohmann::ordered_json messages;   // tool_calls[].function.arguments parsed into objects
   nlohmann::ordered_json tools;      // null, or the request's function tools as sent

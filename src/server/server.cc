@@ -455,6 +455,28 @@ void Server::Impl::prepare(Job& job) {
   job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
   job.gen.cancel = &job.cancel;
   job.gen.keep_special_text = job.tool_request.has_value();
+  if (job.tool_request) {
+    // tool_choice is enforced while sampling: required / a named function force a well-formed
+    // call (arguments matched against the tool's parameters), none bans <|tool_call>.
+    const ToolRequest& t = *job.tool_request;
+    if (t.tool_choice == "required" || t.tool_choice == "function") {
+      if (job.gen.json_grammar)
+        throw ApiError(400,
+                       "response_format json_object / json_schema cannot be combined with "
+                       "tool_choice '" +
+                           t.tool_choice + "'",
+                       "invalid_request_error", "tool_choice", "invalid_value");
+      try {
+        job.gen.tool_call_grammar = ToolCallGrammar::from_tools(
+            t.tools, t.tool_choice == "function" ? t.tool_choice_name : "", t.parallel_tool_calls);
+      } catch (const Error& e) {
+        throw ApiError(400, e.what(), "invalid_request_error", "tools", "unsupported_schema");
+      }
+    } else if (t.tool_choice == "none") {
+      if (const auto id = assistant->tokenizer().token_to_id("<|tool_call>"))
+        job.gen.banned_ids.push_back(*id);
+    }
+  }
   for (const std::string& stop : job.gen.stop_strings)
     if (stop.empty())
       throw ApiError(400, "stop strings must not be empty", "invalid_request_error", "stop");

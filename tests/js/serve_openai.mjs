@@ -4,6 +4,7 @@
 // type, code, param), and a clean exit on SIGTERM with a stream in flight.
 //
 //   node tests/js/serve_openai.mjs path/to/gemstage path/to/tests/fixtures
+import fs from "node:fs";
 import path from "node:path";
 import {
   SLOW, assert, dataUrl, generateJson, importPackage, parseArgs, sleep, startServer,
@@ -276,6 +277,49 @@ await step("tool round trip: tools, assistant tool_calls, tool result; plain and
                                                        tool_choice: { type: "function",
                                                          function: { name: "nope" } } }),
                        400, "invalid_value", "tool_choice.function.name");
+});
+
+await step("tool_choice required / named: every sample at temperature 1 is a valid call", async () => {
+  // The tiny model with the tokenizer that has Gemma's tool-call tokens.
+  const os = await import("node:os");
+  const dir = fs.mkdtempSync(path.join(os.tmpdir(), "gemstage-tools-"));
+  for (const f of fs.readdirSync(model))
+    if (!f.startsWith("tokenizer")) fs.symlinkSync(path.resolve(model, f), path.join(dir, f));
+  const full = path.join(fixtures, "gemma4-tiny", "tokenizer_full");
+  for (const f of fs.readdirSync(full)) fs.copyFileSync(path.join(full, f), path.join(dir, f));
+  const toolServer = await startServer(cli, dir, ["-t", "2"]);
+  const toolClient = new OpenAI({ baseURL: `${toolServer.url}/v1`, apiKey: "unused", maxRetries: 0,
+                                  timeout: 60000 * SLOW });
+  const tools = [
+    { type: "function", function: { name: "get_weather", parameters: { type: "object",
+      properties: { city: { type: "string", maxLength: 10 },
+                    days: { type: "integer", minimum: 1, maximum: 7 } },
+      required: ["city", "days"] } } },
+    { type: "function", function: { name: "get_time", parameters: { type: "object",
+      properties: { tz: { enum: ["UTC", "CET"] } }, required: ["tz"] } } }];
+  const validate = (call) => {
+    const a = JSON.parse(call.function.arguments);
+    if (call.function.name === "get_time") return ["UTC", "CET"].includes(a.tz);
+    return call.function.name === "get_weather" && typeof a.city === "string" &&
+           [...a.city].length <= 10 && Number.isInteger(a.days) && a.days >= 1 && a.days <= 7;
+  };
+  try {
+    for (let seed = 1; seed <= 6; seed++) {
+      const named = seed > 3;
+      const r = await toolClient.chat.completions.create({ model: "model", temperature: 1, seed,
+        max_tokens: 200, messages: [{ role: "user", content: "Weather in Oslo?" }], tools,
+        tool_choice: named ? { type: "function", function: { name: "get_weather" } } : "required",
+        parallel_tool_calls: !named });
+      const c = r.choices[0];
+      eq(c.finish_reason, "tool_calls", `finish_reason (seed ${seed})`);
+      check(c.message.tool_calls?.length >= 1, `no tool call: ${JSON.stringify(c.message)}`);
+      if (named) eq(c.message.tool_calls.map((t) => t.function.name), ["get_weather"], "named");
+      for (const call of c.message.tool_calls) check(validate(call), `invalid ${JSON.stringify(call)}`);
+    }
+  } finally {
+    eq(await toolServer.stop("SIGTERM"), { code: 0, signal: null }, "tool server exit");
+    fs.rmSync(dir, { recursive: true, force: true });
+  }
 });
 
 // A second server with every limit small: API key, body size, image size, context.
