@@ -15,6 +15,7 @@
 #include "core/error.h"
 #include "gemma4/multimodal.h"
 #include "gemma4/registry.h"
+#include "gemma4/unified_embedder.h"
 #include "image/image_processor.h"
 #include "io/file_writer.h"
 #include "io/mapped_file.h"
@@ -527,7 +528,8 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
 void export_bundle(const std::string& hf_dir, const std::string& out_dir,
                    const ExportOptions& opt) {
   const ModelConfig cfg = load_model_config(hf_dir);
-  const TensorStore store = TensorStore::open_dir(hf_dir);
+  TensorStore store = TensorStore::open_dir(hf_dir);
+  canonicalize_checkpoint_keys(cfg, store);
   validate_tensors(tensor_table(cfg), store, cfg);
   export_bundle_from(store, hf_dir, out_dir, opt);
 }
