@@ -8,8 +8,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "audio/audio_decode.h"
@@ -186,6 +189,228 @@ TEST(UnifiedBf16, LogitsCosineTop1AndGreedyIds) {
           seq.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
       row.assign(l.row(0), l.row(0) + V);
     }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// The processor: pixel_values and image_position_ids from image.png exactly as the fixture's
+// (the 168x240 image fills the 70-token budget as is: resize is the identity).
+TEST(UnifiedImage, PatchesFromPngExact) {
+  const UnifiedPatches p = preprocess_unified_image(decode_image_file(unified("image/image.png")),
+                                                    load_processor_config(unified("model")));
+  EXPECT_EQ(p.num_soft_tokens, 70);
+  EXPECT_EQ(p.grid_h, 7);
+  EXPECT_EQ(p.grid_w, 10);
+  const NpyArray pv = load_npy(unified("image/pixel_values.npy"));
+  ASSERT_EQ(pv.shape, (Shape{1, 70, 1728}));
+  EXPECT_EQ(max_abs_diff(p.pixel_values, pv.to_f32()), 0.0);
+  EXPECT_EQ(p.position_ids, load_npy(unified("image/image_position_ids.npy")).to_i64());
+}
+
+// The 12B rule: fill 280 blocks of 48 px, small images scaled up, sides floored to 48.
+TEST(UnifiedImage, ResizeFillsTheBudgetAndScalesUp) {
+  ImageProcessorConfig c;  // patch 16, pooling 3, max_soft_tokens 280: the 12B's
+  const ResizeTarget a = unified_resize_target(100, 100, c);
+  EXPECT_EQ(a.height, 768);
+  EXPECT_EQ(a.width, 768);
+  const ResizeTarget b = unified_resize_target(640, 960, c);
+  EXPECT_EQ(b.height, 624);
+  EXPECT_EQ(b.width, 960);
+  EXPECT_LE((b.height / 48) * (b.width / 48), 280);
+  // A small image is scaled up: 20x30 pixels -> 260 blocks.
+  RgbImage small{30, 20, std::vector<uint8_t>(30 * 20 * 3, 100)};
+  const UnifiedPatches p = preprocess_unified_image(small, c);
+  EXPECT_EQ(p.resized_h, 624);
+  EXPECT_EQ(p.resized_w, 960);
+  EXPECT_EQ(p.num_soft_tokens, 260);
+  EXPECT_EQ(p.pixel_values.size(), size_t{280} * 6912);
+  EXPECT_EQ(p.position_ids[2 * 260], -1);  // padding rows after the real blocks
+  EXPECT_EQ(p.position_ids[2 * 259], 19);  // last block: x = 19, y = 12
+  EXPECT_EQ(p.position_ids[2 * 259 + 1], 12);
+}
+
+// A block is a plain 48x48 pixel cut in (row, column, channel) order.
+TEST(UnifiedImage, BlockIsRowColumnChannel) {
+  ImageProcessorConfig c;
+  c.do_resize = false;
+  RgbImage img{96, 48, std::vector<uint8_t>(96 * 48 * 3)};
+  for (size_t i = 0; i < img.rgb.size(); ++i) img.rgb[i] = static_cast<uint8_t>(i * 7 % 251);
+  const UnifiedPatches p = preprocess_unified_image(img, c);
+  ASSERT_EQ(p.num_soft_tokens, 2);
+  const float r = static_cast<float>(1.0 / 255.0);
+  // Block 1 (x = 1), pixel (row 5, column 7), channel 2.
+  const size_t src = (size_t(5) * 96 + 48 + 7) * 3 + 2;
+  EXPECT_EQ(p.pixel_values[6912 + (5 * 48 + 7) * 3 + 2], static_cast<float>(img.rgb[src]) * r);
+  EXPECT_EQ(p.position_ids[2], 1);
+  EXPECT_EQ(p.position_ids[3], 0);
+}
+
+TEST(UnifiedAudio, FramesFromWavExactPartialFrameKept) {
+  const AudioClip clip = decode_audio_file(unified("audio/audio.wav"));
+  EXPECT_EQ(max_abs_diff(clip.samples, load_npy(unified("audio/audio_waveform.npy")).to_f32()),
+            0.0);
+  const UnifiedAudioInput a = unified_audio_frames(clip.samples, 640);
+  EXPECT_EQ(a.frames, 13);  // ceil(8160 / 640): the partial last frame counts
+  EXPECT_EQ(max_abs_diff(a.samples, load_npy(unified("audio/audio_frames.npy")).to_f32()), 0.0);
+  EXPECT_NE(error_of([] { unified_audio_frames({}, 640); }), "(no error)");
+}
+
+// The embeddings stage runs the embedders itself from pixel_values / audio_frames (the contract
+// inputs), giving the fixture's inputs_embeds; bad positions and masks are named errors.
+TEST(UnifiedStage, EmbeddingsStageRunsTheEmbedders) {
+  auto model = open_model(unified("model"));
+  const Stage& emb = model->embeddings();
+  ThreadPool pool(2);
+  {
+    TensorMap in;
+    const std::vector<int32_t> ids = load_ids(unified("image/input_ids.npy"));
+    in["input_ids"] = HostTensor({static_cast<int64_t>(ids.size())}, ids);
+    const NpyArray pv = load_npy(unified("image/pixel_values.npy"));
+    in["pixel_values"] = HostTensor(pv.shape, pv.to_f32());
+    const NpyArray pos = load_npy(unified("image/image_position_ids.npy"));
+    in["image_position_ids"] = HostTensor(pos.shape, pos.to_i64());
+    TensorMap out = emb.run(pool, std::move(in), nullptr, {}, nullptr);
+    expect_close(out.at("hidden_states").take_float(), unified("image/inputs_embeds.npy"),
+                 tolerances("image").at("inputs_embeds"), "inputs_embeds");
+  }
+  {
+    TensorMap in;
+    const std::vector<int32_t> ids = load_ids(unified("audio/input_ids.npy"));
+    in["input_ids"] = HostTensor({static_cast<int64_t>(ids.size())}, ids);
+    const NpyArray fr = load_npy(unified("audio/audio_frames.npy"));
+    in["audio_frames"] = HostTensor({1, fr.shape[0], fr.shape[1]}, fr.to_f32());
+    in["audio_frames_mask"] =
+        HostTensor({1, fr.shape[0]}, std::vector<uint8_t>(static_cast<size_t>(fr.shape[0]), 1));
+    TensorMap out = emb.run(pool, std::move(in), nullptr, {}, nullptr);
+    expect_close(out.at("hidden_states").take_float(), unified("audio/inputs_embeds.npy"),
+                 tolerances("audio").at("inputs_embeds"), "inputs_embeds");
+    const auto mask = out.at("audio_splice_mask").values<uint8_t>();
+    EXPECT_EQ(std::count(mask.begin(), mask.end(), 1), 13);
+  }
+  {
+    TensorMap in;
+    in["input_ids"] = HostTensor({1}, std::vector<int32_t>{2040});
+    in["pixel_values"] = HostTensor({1, 1, 1728}, std::vector<float>(1728, 0.5f));
+    in["image_position_ids"] = HostTensor({1, 1, 2}, std::vector<int64_t>{16, 0});
+    EXPECT_NE(error_of([&] {
+                emb.run(pool, std::move(in), nullptr, {}, nullptr);
+              }).find("mm_posemb_size"),
+              std::string::npos);
+  }
+}
+
+std::string config_text() {
+  return read_text_file(unified("model/config.json"));
+}
+
+TEST(UnifiedConfig, FieldsRefusedByName) {
+  const ModelConfig c = parse_model_config(config_text(), "config.json");
+  EXPECT_TRUE(c.unified);
+  EXPECT_FALSE(c.text.has_ple());
+  EXPECT_TRUE(c.text.bidirectional_vision);
+  ASSERT_TRUE(c.unified_vision && c.unified_audio);
+  EXPECT_EQ(c.unified_vision->block(), 24);
+  EXPECT_EQ(c.unified_vision->mm_posemb_size, 16);
+  EXPECT_EQ(c.unified_audio->frame_samples, 640);
+  auto with = [&](const std::function<void(nlohmann::json&)>& f) {
+    nlohmann::json j = nlohmann::json::parse(config_text());
+    f(j);
+    return error_of([&] { parse_model_config(j.dump(), "config.json"); });
+  };
+  EXPECT_NE(with([](auto& j) {
+              j["text_config"]["model_type"] = "gemma4_text";
+            }).find("expected 'gemma4_unified_text'"),
+            std::string::npos);
+  EXPECT_NE(with([](auto& j) {
+              j["text_config"]["hidden_size_per_layer_input"] = 16;
+            }).find("hidden_size_per_layer_input"),
+            std::string::npos);
+  EXPECT_NE(with([](auto& j) {
+              j["vision_config"]["model_type"] = "gemma4_vision";
+            }).find("gemma4_unified_vision"),
+            std::string::npos);
+  EXPECT_NE(
+      with([](auto& j) { j["vision_config"]["model_patch_size"] = 16; }).find("model_patch_size"),
+      std::string::npos);
+  nlohmann::json j = nlohmann::json::parse(config_text());
+  j["audio_config"]["brand_new_field"] = 1;
+  const ModelConfig w = parse_model_config(j.dump(), "config.json");
+  EXPECT_TRUE(std::any_of(w.warnings.begin(), w.warnings.end(), [](const std::string& s) {
+    return s.find("brand_new_field") != std::string::npos;
+  }));
+}
+
+TEST(UnifiedConfig, SuppressTokensAndEosFromGenerationConfig) {
+  EXPECT_EQ(load_suppress_tokens(unified("model")), (std::vector<int32_t>{2043, 2042}));
+  // Greedy never picks a suppressed id, even at the top.
+  std::vector<float> logits(2048, 0.0f);
+  logits[2042] = 9;
+  logits[7] = 1;
+  SamplingParams sp = SamplingParams::greedy();
+  sp.suppress_tokens = {2043, 2042};
+  EXPECT_EQ(Sampler(sp).sample(logits.data(), 2048, {}), 7);
+}
+
+// transformers >= 5.12 saves the embedders as model.embed_vision.* and
+// model.embed_vision.multimodal_embedder.embedding_projection: the same model either way.
+TEST(UnifiedLoading, RenamedTensorLayoutGivesTheSameModel) {
+  const std::string dir = temp_dir("unified_renamed");
+  for (const char* f : {"config.json", "generation_config.json", "preprocessor_config.json"})
+    std::filesystem::copy_file(unified(std::string("model/") + f), dir + "/" + f);
+  std::ifstream in(unified("model/model.safetensors"), std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  nlohmann::json h = nlohmann::json::parse(bytes.substr(8, n)), renamed;
+  for (auto it = h.begin(); it != h.end(); ++it) {
+    std::string k = it.key();
+    if (k.rfind("model.vision_embedder.", 0) == 0)
+      k = "model.embed_vision." + k.substr(22);
+    else if (k == "model.embed_vision.embedding_projection.weight")
+      k = "model.embed_vision.multimodal_embedder.embedding_projection.weight";
+    renamed[k] = it.value();
+  }
+  std::string header = renamed.dump();
+  header.append((8 - header.size() % 8) % 8, ' ');
+  const uint64_t hn = header.size();
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&hn), 8);
+  out << header << bytes.substr(8 + n);
+  out.close();
+
+  Sequence renamed_seq(Model::open(dir), 128), seq(open_model(unified("model")), 128);
+  EXPECT_TRUE(
+      renamed_seq.notes().empty() ||
+      std::none_of(renamed_seq.notes().begin(), renamed_seq.notes().end(),
+                   [](const std::string& s) { return s.find("not used") != std::string::npos; }));
+  ThreadPool pool(2);
+  const std::vector<int32_t> ids = load_ids(unified("image/input_ids.npy"));
+  const FloatTensor s1 = fixture_soft_tokens(pool, renamed_seq.model(), "image", ids, nullptr);
+  const FloatTensor s2 = fixture_soft_tokens(pool, seq.model(), "image", ids, nullptr);
+  EXPECT_EQ(max_abs_diff(s1.data, s2.data), 0.0);
+  const FloatTensor l1 = renamed_seq.forward(pool, ids, &s1, false, nullptr);
+  const FloatTensor l2 = seq.forward(pool, ids, &s2, false, nullptr);
+  EXPECT_EQ(max_abs_diff(l1.data, l2.data), 0.0);
+}
+
+// `dump --image` / `--audio` on the CLI: greedy ids (with suppress_tokens) exactly the fixture's.
+TEST(UnifiedCli, DumpImageAndAudioGreedyIds) {
+  for (const char* f : {"image", "audio"}) {
+    const std::string out = temp_dir(std::string("unified_dump_") + f);
+    const std::string media = std::string(f) == "image" ? " --image " + unified("image/image.png")
+                                                        : " --audio " + unified("audio/audio.wav");
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " dump --model " + unified("model") +
+                            " --ids " + unified(std::string(f) + "/input_ids.npy") + media +
+                            " --decode 8 --taps logits,decode_ids --out " + out + " 2>/dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << cmd;
+    EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(),
+              load_npy(unified(std::string(f) + "/decode_ids.npy")).to_i64());
+    EXPECT_LE(max_abs_diff(load_npy(out + "/logits.npy").to_f32(),
+                           load_npy(unified(std::string(f) + "/logits.npy")).to_f32()),
+              tolerances(f).at("logits"));
   }
 }
 
