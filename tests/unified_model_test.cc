@@ -415,3 +415,39 @@ TEST(UnifiedCli, DumpImageAndAudioGreedyIds) {
 }
 
 }  // namespace
+
+namespace {
+
+// A staged bundle of the unified model: export (balanced --stages), check (its probe runs the
+// image and audio embedders and keeps the image block whole in chunks), run-stage of the
+// embeddings stage from the contract's pixel inputs, and parity with the image and audio gates.
+TEST(UnifiedCli, BundleExportCheckRunStageParity) {
+  const std::string b = temp_dir("unified_bundle");
+  const std::string cli = GEMSTAGE_CLI;
+  auto run = [](const std::string& cmd) { return std::system((cmd + " >/dev/null 2>&1").c_str()); };
+  ASSERT_EQ(run(cli + " export -m " + unified("model") + " --out " + b +
+                " --stages 2 --weights f32 --force"),
+            0);
+  EXPECT_EQ(run(cli + " check " + b + " --reference " + unified("model")), 0);
+  const std::string out = temp_dir("unified_run_stage");
+  const std::vector<int32_t> ids = load_ids(unified("image/input_ids.npy"));
+  save_npy(out + "/ids.npy", HostTensor({static_cast<int64_t>(ids.size())}, ids));
+  EXPECT_EQ(
+      run(cli + " run-stage " + b + " embeddings --in input_ids=" + out + "/ids.npy" +
+          " --in pixel_values=" + unified("image/pixel_values.npy") +
+          " --in image_position_ids=" + unified("image/image_position_ids.npy") + " --out " + out),
+      0);
+  FloatTensor hidden(load_npy(out + "/hidden_states.npy").shape);
+  hidden.data = load_npy(out + "/hidden_states.npy").to_f32();
+  expect_close(hidden, unified("image/inputs_embeds.npy"), tolerances("image").at("inputs_embeds"),
+               "run-stage hidden_states");
+  for (const char* f : {"image", "audio"}) {
+    const std::string gates =
+        std::string(" --gate 'logits.max_abs<2e-3' --gate 'teacher_forced>=1'") +
+        (std::string(f) == "image" ? " --gate 'image_gate.delta>0.5'"
+                                   : " --gate 'audio_gate.delta>0.5'");
+    EXPECT_EQ(run(cli + " parity --model " + b + " --reference " + unified(f) + gates), 0) << f;
+  }
+}
+
+}  // namespace
