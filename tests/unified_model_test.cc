@@ -19,6 +19,8 @@
 #include "core/error.h"
 #include "gemma4/config.h"
 #include "gemma4/multimodal.h"
+#include "gemma4/presets.h"
+#include "gemma4/tensor_table.h"
 #include "gemma4/unified_embedder.h"
 #include "image/image_decode.h"
 #include "image/unified_image.h"
@@ -447,6 +449,54 @@ TEST(UnifiedCli, BundleExportCheckRunStageParity) {
         (std::string(f) == "image" ? " --gate 'image_gate.delta>0.5'"
                                    : " --gate 'audio_gate.delta>0.5'");
     EXPECT_EQ(run(cli + " parity --model " + b + " --reference " + unified(f) + gates), 0) << f;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// make-random --preset 12b writes the released 12B's shapes: 11,959,730,224 parameters
+// (shared/docs/gemma4-unified.md: embedding 1.007 B, decoder 10.901 B, image embedder 49.9 M,
+// audio embedder 2.5 M), 8 x (5 sliding + 1 full) layers, k_eq_v full layers.
+TEST(UnifiedPreset, TwelveBHasTheReleasedShapes) {
+  const ModelConfig c = parse_model_config(preset_config("12b").dump(), "12b preset");
+  EXPECT_TRUE(c.unified);
+  int64_t params = 0, vision = 0, audio = 0;
+  for (const TensorSpec& s : tensor_table(c)) {
+    if (s.role != TensorRole::Required) continue;
+    params += shape_numel(s.shape);
+    if (s.held_by == kPartVision) vision += shape_numel(s.shape);
+    if (s.held_by == kPartAudio) audio += shape_numel(s.shape);
+  }
+  EXPECT_EQ(params, 11959730224);
+  EXPECT_EQ(vision,
+            49922304);  // 2 x 6912 + 3840 x 6912 + 3840 + 4 x 3840 + 1120 x 2 x 3840 + 3840^2
+  EXPECT_EQ(audio, 3840 * 640);
+  int full = 0;
+  for (const LayerSpec& l : c.text.layers) {
+    full += l.type == LayerType::Full;
+    if (l.type == LayerType::Full) {
+      EXPECT_TRUE(l.k_eq_v);
+      EXPECT_EQ(l.num_kv_heads, 1);
+      EXPECT_EQ(l.head_dim, 512);
+    } else {
+      EXPECT_EQ(l.num_kv_heads, 8);
+      EXPECT_EQ(l.head_dim, 256);
+    }
+  }
+  EXPECT_EQ(full, 8);
+  EXPECT_EQ(c.text.num_hidden_layers, 48);
+}
+
+// generate with an image and with audio on the unified checkpoint (chat format, the embedders
+// inside the assistant, suppress_tokens in the sampler).
+TEST(UnifiedCli, GenerateWithImageAndAudio) {
+  for (const std::string& media :
+       {" --image " + unified("image/image.png"), " --audio " + unified("audio/audio.wav")}) {
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " generate -m " + unified("model") +
+                            " -p hello" + media + " -n 4 --temp 0 >/dev/null 2>&1";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << cmd;
   }
 }
 
