@@ -501,3 +501,26 @@ TEST(UnifiedCli, GenerateWithImageAndAudio) {
 }
 
 }  // namespace
+
+namespace {
+
+// Without suppress_tokens the image prompt decodes differently (the fixture's
+// decode_ids_nosuppress: <image|>/<audio|> win some steps), so the suppression is load-bearing.
+TEST(UnifiedDecode, WithoutSuppressionTheIdsAreTheNoSuppressReference) {
+  Sequence seq(open_model(unified("model")), 256);
+  ThreadPool pool(2);
+  const std::vector<int32_t> ids = load_ids(unified("image/input_ids.npy"));
+  const FloatTensor soft = fixture_soft_tokens(pool, seq.model(), "image", ids, nullptr);
+  FloatTensor l = seq.forward(pool, ids, &soft, false, nullptr);
+  const std::vector<int64_t> want = load_npy(unified("image/decode_ids_nosuppress.npy")).to_i64();
+  ASSERT_NE(want, load_npy(unified("image/decode_ids.npy")).to_i64());
+  Sampler plain(SamplingParams::greedy());
+  const int64_t V = seq.config().text.vocab_size;
+  for (size_t step = 0; step < want.size(); ++step) {
+    const int32_t next = plain.sample(l.row(0), V, {});
+    EXPECT_EQ(next, want[step]) << "step " << step;
+    l = seq.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
+  }
+}
+
+}  // namespace
