@@ -10,7 +10,9 @@
 #include "gemma4/multimodal.h"
 #include "image/image_decode.h"
 #include "image/image_processor.h"
+#include "image/unified_image.h"
 #include "io/npy.h"
+#include "runtime/sampler.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -75,6 +77,47 @@ std::vector<VisionInput> load_images(const DumpArgs& a, const Sequence& model) {
   return images;
 }
 
+// gemma4_unified: --image files / --pixel-values arrays and --audio files through the model's
+// embedders (no towers); soft tokens in prompt order.
+FloatTensor unified_soft_tokens(const DumpArgs& a, const Sequence& model, const UnifiedEmbedder& u,
+                                std::span<const int32_t> ids, ThreadPool& pool, TapRecorder& taps,
+                                double& audio_seconds) {
+  std::vector<UnifiedImageInput> images;
+  for (size_t i = 0; i < a.pixel_values.size(); ++i) {
+    const int64_t pd = u.vision_config().patch_dim();
+    for (VisionInput& in :
+         vision_inputs_from_arrays(load_npy(a.pixel_values[i]), load_npy(a.image_position_ids[i]),
+                                   pd, a.pixel_values[i], a.image_position_ids[i]))
+      images.push_back({in.max_patches, std::move(in.pixel_values), std::move(in.position_ids)});
+  }
+  if (!a.images.empty()) {
+    const ImageProcessorConfig pc = load_processor_config(model.assets_dir());
+    u.vision_config();  // refuses a model without vision_config
+    for (const std::string& path : a.images) {
+      const UnifiedPatches p = preprocess_unified_image(decode_image_file(path), pc);
+      images.push_back({p.max_soft_tokens, p.pixel_values, p.position_ids});
+    }
+  }
+  for (size_t i = 0; i < images.size(); ++i) try {
+      u.num_image_soft_tokens(images[i]);
+    } catch (const Error& e) {
+      fail("image ", i + 1, ": ", e.what());
+    }
+  std::vector<UnifiedAudioInput> clips;
+  for (const std::string& path : a.audios) {
+    const AudioClip clip = decode_audio_file(path);
+    audio_seconds += clip.seconds();
+    taps.append("audio_waveform", {}, clip.samples.data(),
+                static_cast<int64_t>(clip.samples.size()));
+    clips.push_back(unified_audio_frames(clip.samples, u.audio_config().frame_samples));
+  }
+  FloatTensor vis, aud;
+  if (!images.empty()) vis = u.encode_images(pool, images, &taps);
+  if (!clips.empty()) aud = u.encode_audio(pool, clips, &taps);
+  return merge_soft_tokens(model.config(), ids, images.empty() ? nullptr : &vis,
+                           clips.empty() ? nullptr : &aud);
+}
+
 std::vector<std::string> split_list(const std::string& s) {
   std::vector<std::string> out;
   size_t b = 0;
@@ -120,17 +163,23 @@ int run_dump(const DumpArgs& a) {
 
   TapRecorder taps(split_list(a.taps));
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
-  const std::vector<VisionInput> images = load_images(a, *model);
+  const UnifiedEmbedder* unified = model->model().embeddings().unified();
+  const std::vector<VisionInput> images =
+      unified ? std::vector<VisionInput>{} : load_images(a, *model);
   const int64_t n_placeholders = count_placeholders(model->config(), ids);
   FloatTensor soft;
   double t_vision = 0, t_audio = 0, t_features = 0, audio_seconds = 0;
-  if (!images.empty()) {
+  if (unified) {
+    const double tv = now_seconds();
+    soft = unified_soft_tokens(a, *model, *unified, ids, pool, taps, audio_seconds);
+    t_vision = now_seconds() - tv;
+  } else if (!images.empty()) {
     const double tv = now_seconds();
     soft = model->vision()->encode_all(pool, images, &taps);
     t_vision = now_seconds() - tv;
   }
   // --audio FILE: decoded, featurized (Gemma4AudioFeatureExtractor) and run through the tower.
-  if (!a.audios.empty()) {
+  if (!a.audios.empty() && !unified) {
     if (!model->audio())
       fail(a.model,
            ": this checkpoint has no audio tower (no audio_config), so it cannot take --audio");
@@ -173,12 +222,18 @@ int run_dump(const DumpArgs& a) {
   double t_decode = 0;
   if (a.decode > 0) {
     std::vector<float> row(last.row(last.dim(0) - 1), last.row(last.dim(0) - 1) + V);
+    // generation_config.json suppress_tokens never win (decode_logits stay raw).
+    const std::vector<int32_t> suppress = load_suppress_tokens(model->assets_dir());
+    std::vector<float> choose;
     const double t2 = now_seconds();
     for (int step = 0; step < a.decode; ++step) {
-      const int64_t best = argmax_first(row.data(), V);
+      choose = row;
+      for (int32_t t : suppress)
+        if (t >= 0 && t < V) choose[static_cast<size_t>(t)] = -INFINITY;
+      const int64_t best = argmax_first(choose.data(), V);
       float second = -INFINITY;
       for (int64_t i = 0; i < V; ++i)
-        if (i != best) second = std::max(second, row[static_cast<size_t>(i)]);
+        if (i != best) second = std::max(second, choose[static_cast<size_t>(i)]);
       decode_ids.push_back(best);
       margins.push_back(row[static_cast<size_t>(best)] - second);
       decode_logits.insert(decode_logits.end(), row.begin(), row.end());

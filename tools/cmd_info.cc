@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "gemma4/tensor_table.h"
+#include "gemma4/unified_embedder.h"
 #include "stage/bundle.h"
 #include "stage/model.h"
 #include "tools/cli_common.h"
@@ -62,7 +63,9 @@ int run_info(const InfoArgs& a) {
     auto m = Model::open(a.model);
     c = m->config();
     notes = m->notes();
-    src = std::make_shared<TensorStore>(TensorStore::open_dir(a.model));
+    auto store = std::make_shared<TensorStore>(TensorStore::open_dir(a.model));
+    canonicalize_checkpoint_keys(c, *store);
+    src = store;
   }
   print_model_notes(notes, a.verbose);
   const TextConfig& t = c.text;
@@ -99,7 +102,16 @@ int run_info(const InfoArgs& a) {
               << " heads=" << c.vision->num_attention_heads << " patch=" << c.vision->patch_size
               << " pool=" << c.vision->pooling_kernel_size
               << (c.vision->use_clipped_linears ? " clipped-linears" : "") << "\n";
-  if (c.audio)
+  if (c.unified_vision)
+    std::cout << "vision       no tower: " << c.unified_vision->block() << "-px patches ("
+              << c.unified_vision->patch_dim() << " values) -> embedder width "
+              << c.unified_vision->mm_embed_dim << ", positions "
+              << c.unified_vision->mm_posemb_size << " x 2, at most "
+              << c.unified_vision->num_soft_tokens << " soft tokens per image\n";
+  if (c.unified_audio)
+    std::cout << "audio        no tower: frames of " << c.unified_audio->frame_samples
+              << " samples (16 kHz) -> one soft token each\n\n";
+  else if (c.audio)
     std::cout << "audio        hidden=" << c.audio->hidden_size
               << " layers=" << c.audio->num_hidden_layers
               << " heads=" << c.audio->num_attention_heads << " subsampling=["

@@ -68,7 +68,8 @@ struct Init {
   bool constant = false;
 };
 Init init_for(const std::string& key) {
-  if (ends_with(key, "norm.weight") || key.find(".norm_") != std::string::npos)
+  if (ends_with(key, "norm.weight") || key.find(".norm_") != std::string::npos ||
+      ends_with(key, "_ln1.weight") || ends_with(key, "_ln2.weight"))
     return {1.0f, 0.05f};
   if (ends_with(key, "layer_scalar")) return {1.0f, 0.0f};
   // Multipliers around 1: the router's scales and the vision standardization.
@@ -155,10 +156,11 @@ void write_config_files(const std::string& dir, const nlohmann::json& cfg_json,
                         const std::string& preset) {
   namespace fs = std::filesystem;
   std::ofstream(fs::path(dir) / "config.json") << cfg_json.dump(2);
-  const nlohmann::json gen = {{"bos_token_id", 2},  {"eos_token_id", {1, 106, 50}},
-                              {"pad_token_id", 0},  {"do_sample", true},
-                              {"temperature", 1.0}, {"top_k", 64},
-                              {"top_p", 0.95}};
+  nlohmann::json gen = {{"bos_token_id", 2}, {"eos_token_id", {1, 106, 50}}, {"pad_token_id", 0},
+                        {"do_sample", true}, {"temperature", 1.0},           {"top_k", 64},
+                        {"top_p", 0.95}};
+  // gemma4_unified never generates <audio|> / <image|> (generation_config.json of the 12B).
+  if (preset == "12b") gen["suppress_tokens"] = {258883, 258882};
   std::ofstream(fs::path(dir) / "generation_config.json") << gen.dump(2);
   const int soft = preset == "tiny" ? 70 : 280;
   const nlohmann::json pre = {{"image_processor_type", "Gemma4ImageProcessor"},
@@ -187,6 +189,10 @@ int run_make_random(const MakeRandomArgs& a) {
                                                 : dt == DType::F16 ? "float16"
                                                                    : "bfloat16");
   nlohmann::json cfg_out = cfg_json;
+  if (a.audio && cfg_out.value("model_type", "") == "gemma4_unified")
+    fail(
+        "make-random: --audio adds the E-series audio tower; the 12b preset has its audio "
+        "embedder already");
   if (a.audio) cfg_out["audio_config"] = {{"model_type", "gemma4_audio"}};
   const ModelConfig cfg = parse_model_config(cfg_out.dump(), a.preset + " preset");
   std::vector<TensorSpec> specs = text_tensor_specs(cfg);
@@ -194,6 +200,8 @@ int run_make_random(const MakeRandomArgs& a) {
   specs.insert(specs.end(), vision.begin(), vision.end());
   const auto audio = audio_tensor_specs(cfg);
   specs.insert(specs.end(), audio.begin(), audio.end());
+  const auto unified = unified_tensor_specs(cfg);
+  specs.insert(specs.end(), unified.begin(), unified.end());
   // The hub checkpoint does not store the tied lm_head; it does store KV-shared layers' k/v.
   std::erase_if(specs, [](const TensorSpec& s) { return s.key == "lm_head.weight"; });
   std::sort(specs.begin(), specs.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
@@ -310,8 +318,8 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<MakeRandomArgs>();
   auto* sub = app.add_subcommand("make-random",
                                  "Write a random-weight Gemma 4 checkpoint in the hub layout");
-  sub->add_option("--preset", a->preset, "tiny | e2b | e4b | 26b-a4b | 31b")
-      ->check(CLI::IsMember({"tiny", "e2b", "e4b", "26b-a4b", "31b"}))
+  sub->add_option("--preset", a->preset, "tiny | e2b | e4b | 26b-a4b | 31b | 12b")
+      ->check(CLI::IsMember({"tiny", "e2b", "e4b", "26b-a4b", "31b", "12b"}))
       ->capture_default_str();
   sub->add_option("--seed", a->seed, "random seed")->capture_default_str();
   sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")

@@ -57,6 +57,7 @@ GenerationOptions generation_options(const CommonArgs& a, const Assistant& as) {
     o.sampling.seed =
         static_cast<uint64_t>(now_seconds() * 1e6) ^ static_cast<uint64_t>(::getpid());
   if (!a.ignore_eos) o.stop_ids = as.stop_ids();
+  o.sampling.suppress_tokens = as.suppress_tokens();
   return o;
 }
 

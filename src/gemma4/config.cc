@@ -201,12 +201,12 @@ RopeParams parse_rope(const json& r, const std::string& where, RopeParams def) {
 }
 
 void parse_text(const json& tj, const std::string& where, TextConfig& t,
-                std::vector<std::string>& warnings) {
+                std::vector<std::string>& warnings, const std::string& model_type = "gemma4_text") {
   if (!tj.is_object()) fail(where, " must be an object");
   Reader r{tj, where};
   r.warn_unknown(kKnownTextFields, warnings);
-  const std::string mt = r.get_str("model_type", "gemma4_text");
-  if (mt != "gemma4_text") fail(where, ".model_type is '", mt, "', expected 'gemma4_text'");
+  const std::string mt = r.get_str("model_type", model_type);
+  if (mt != model_type) fail(where, ".model_type is '", mt, "', expected '", model_type, "'");
   t.vocab_size = r.get_positive("vocab_size", t.vocab_size);
   t.hidden_size = r.get_positive("hidden_size", t.hidden_size);
   t.intermediate_size = r.get_positive("intermediate_size", t.intermediate_size);
@@ -435,6 +435,57 @@ void parse_audio(const json& aj, const std::string& where, AudioConfig& a,
     fail(where, ".attention_context_left must be at least 2, found ", a.attention_context_left);
 }
 
+const std::set<std::string> kKnownUnifiedVisionFields = {
+    "model_type",    "initializer_range",   "rms_norm_eps",     "dtype",
+    "torch_dtype",   "num_soft_tokens",     "patch_size",       "pooling_kernel_size",
+    "mm_embed_dim",  "mm_posemb_size",      "output_proj_dims", "model_patch_size",
+    "_name_or_path", "transformers_version"};
+const std::set<std::string> kKnownUnifiedAudioFields = {
+    "model_type",    "initializer_range",       "rms_norm_eps",        "dtype",
+    "torch_dtype",   "audio_embed_dim",         "hidden_size",         "output_proj_dims",
+    "_name_or_path", "audio_samples_per_token", "transformers_version"};
+
+// gemma4_unified's vision_config: the patch embedder's sizes (shared/docs/gemma4-unified.md).
+void parse_unified_vision(const json& vj, const std::string& where, UnifiedVisionConfig& v,
+                          std::vector<std::string>& warnings) {
+  if (!vj.is_object()) fail(where, " must be an object");
+  Reader r{vj, where};
+  r.warn_unknown(kKnownUnifiedVisionFields, warnings);
+  const std::string mt = r.get_str("model_type", "gemma4_unified_vision");
+  if (mt != "gemma4_unified_vision")
+    fail(where, ".model_type is '", mt, "', expected 'gemma4_unified_vision'");
+  v.patch_size = r.get_positive("patch_size", v.patch_size);
+  v.pooling_kernel_size = r.get_positive("pooling_kernel_size", v.pooling_kernel_size);
+  v.mm_embed_dim = r.get_positive("mm_embed_dim", v.mm_embed_dim);
+  v.mm_posemb_size = r.get_positive("mm_posemb_size", v.mm_posemb_size);
+  v.num_soft_tokens = r.get_positive("num_soft_tokens", v.num_soft_tokens);
+  v.rms_norm_eps = r.get_num("rms_norm_eps", v.rms_norm_eps);
+  // Bounds before any shape is formed: a patch vector holds 3 * block^2 values.
+  if (v.patch_size > 1024 || v.pooling_kernel_size > 64 || v.mm_embed_dim > (1 << 20) ||
+      v.mm_posemb_size > (1 << 20))
+    fail(where, ": patch_size ", v.patch_size, " / pooling_kernel_size ", v.pooling_kernel_size,
+         " / mm_embed_dim ", v.mm_embed_dim, " / mm_posemb_size ", v.mm_posemb_size,
+         " are out of range");
+  if (r.present("model_patch_size") && r.get_int("model_patch_size", 0) != v.block())
+    fail(where, ".model_patch_size is ", r.get_int("model_patch_size", 0),
+         " but patch_size * pooling_kernel_size is ", v.block());
+}
+
+// gemma4_unified's audio_config: the raw-frame embedder (no tower).
+void parse_unified_audio(const json& aj, const std::string& where, UnifiedAudioConfig& a,
+                         std::vector<std::string>& warnings) {
+  if (!aj.is_object()) fail(where, " must be an object");
+  Reader r{aj, where};
+  r.warn_unknown(kKnownUnifiedAudioFields, warnings);
+  const std::string mt = r.get_str("model_type", "gemma4_unified_audio");
+  if (mt != "gemma4_unified_audio")
+    fail(where, ".model_type is '", mt, "', expected 'gemma4_unified_audio'");
+  // The tiny fixture sets take the frame size from audio_embed_dim (the embedder's input).
+  a.frame_samples = r.get_positive("audio_embed_dim", a.frame_samples);
+  a.rms_norm_eps = r.get_num("rms_norm_eps", a.rms_norm_eps);
+  if (a.frame_samples > (1 << 20)) fail(where, ".audio_embed_dim is out of range");
+}
+
 }  // namespace
 
 void derive_layer_specs(TextConfig& t, const std::string& source) {
@@ -487,17 +538,35 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
   if (j.contains("architectures") && j["architectures"].is_array() && !j["architectures"].empty() &&
       j["architectures"][0].is_string())
     c.architecture = j["architectures"][0].get<std::string>();
-  if (mt == "gemma4") {
+  if (mt == "gemma4" || mt == "gemma4_unified") {
     top.warn_unknown(kKnownTopFields, c.warnings);
     if (!j.contains("text_config") || !j["text_config"].is_object())
       fail(source, ": a gemma4 config needs a text_config object");
     c.multimodal = true;
-    parse_text(j["text_config"], source + ": text_config", c.text, c.warnings);
-    if (top.present("vision_config")) {
+    c.unified = mt == "gemma4_unified";
+    parse_text(j["text_config"], source + ": text_config", c.text, c.warnings,
+               c.unified ? "gemma4_unified_text" : "gemma4_text");
+    if (c.unified) {
+      // No towers: image patches and raw audio frames go through small embedders.
+      if (c.text.has_ple())
+        fail(source, ": text_config.hidden_size_per_layer_input is ",
+             c.text.hidden_size_per_layer_input,
+             "; gemma4_unified has no per-layer embeddings (0)");
+      if (top.present("vision_config")) {
+        c.unified_vision = UnifiedVisionConfig{};
+        parse_unified_vision(j["vision_config"], source + ": vision_config", *c.unified_vision,
+                             c.warnings);
+      }
+      if (top.present("audio_config")) {
+        c.unified_audio = UnifiedAudioConfig{};
+        parse_unified_audio(j["audio_config"], source + ": audio_config", *c.unified_audio,
+                            c.warnings);
+      }
+    } else if (top.present("vision_config")) {
       c.vision = VisionConfig{};
       parse_vision(j["vision_config"], source + ": vision_config", *c.vision, c.warnings);
     }
-    c.has_audio = top.present("audio_config");
+    c.has_audio = !c.unified && top.present("audio_config");
     if (c.has_audio) {
       c.audio = AudioConfig{};
       parse_audio(j["audio_config"], source + ": audio_config", *c.audio, c.warnings);
@@ -524,7 +593,8 @@ ModelConfig parse_model_config(const std::string& json_text, const std::string& 
     parse_text(j, source, c.text, c.warnings);
   } else {
     fail(source, ": model_type is '", mt,
-         "'; gemstage runs Gemma 4 checkpoints (model_type 'gemma4' or 'gemma4_text')");
+         "'; gemstage runs Gemma 4 checkpoints (model_type 'gemma4', 'gemma4_unified' or "
+         "'gemma4_text')");
   }
   return c;
 }

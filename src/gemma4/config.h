@@ -114,6 +114,25 @@ struct AudioConfig {
   int subsample_out_dim() const { return subsampling_channels[0] / 4 * subsampling_channels[1]; }
 };
 
+// gemma4_unified (12B) has no towers: 48-px image patches and raw audio frames go through small
+// embedders into the decoder (shared/docs/gemma4-unified.md). Defaults are the 12B's.
+struct UnifiedVisionConfig {
+  int patch_size = 16;
+  int pooling_kernel_size = 3;
+  int mm_embed_dim = 3840;     // patch_dense's output width
+  int mm_posemb_size = 1120;   // rows of each factorised position table
+  int num_soft_tokens = 280;   // the per-image budget
+  double rms_norm_eps = 1e-6;  // the scale-free RMSNorm before the projection
+
+  int block() const { return patch_size * pooling_kernel_size; }  // pixels per side of a patch
+  int patch_dim() const { return 3 * block() * block(); }
+};
+
+struct UnifiedAudioConfig {
+  int frame_samples = 640;  // samples per soft token (audio_embed_dim): 40 ms at 16 kHz
+  double rms_norm_eps = 1e-6;
+};
+
 struct ModelConfig {
   std::string source;        // path of config.json, for messages
   std::string architecture;  // Gemma4ForConditionalGeneration / Gemma4ForCausalLM
@@ -122,6 +141,12 @@ struct ModelConfig {
   std::optional<VisionConfig> vision;
   bool has_audio = false;  // audio_config present (then `audio` is set)
   std::optional<AudioConfig> audio;
+  // gemma4_unified (Gemma4UnifiedForConditionalGeneration): embedders instead of towers.
+  bool unified = false;
+  std::optional<UnifiedVisionConfig> unified_vision;
+  std::optional<UnifiedAudioConfig> unified_audio;
+  // Audio rows get soft tokens (an audio tower, or the unified audio embedder).
+  bool takes_audio() const { return audio.has_value() || unified_audio.has_value(); }
   int image_token_id = 258880, video_token_id = 258884, audio_token_id = 258881;
   int boi_token_id = 255999, eoi_token_id = 258882, boa_token_id = 256000, eoa_token_id = 258883;
   std::vector<std::string> warnings;  // unknown fields and the like, for the CLI to print

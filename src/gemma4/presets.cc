@@ -68,8 +68,10 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
     d = {2816, 30, 16, 8, 256, 512, 2112, 0, 6, 262144, 0, 1024, false, 2, 128, 8, 704};
   else if (preset == "31b")
     d = {5376, 60, 32, 16, 256, 512, 21504, 0, 6, 262144, 0, 1024, false, 4};
+  else if (preset == "12b")  // gemma4_unified (docs: gemma4-unified.md)
+    d = {3840, 48, 16, 8, 256, 512, 15360, 0, 6, 262144, 0, 1024, false, 1};
   else
-    fail("unknown preset '", preset, "' (use tiny, e2b, e4b, 26b-a4b or 31b)");
+    fail("unknown preset '", preset, "' (use tiny, e2b, e4b, 26b-a4b, 31b or 12b)");
   const bool large = d.global_kv > 0;
   auto or_null = [](int v) { return v > 0 ? json(v) : json(nullptr); };
   const int full_L = d.L;
@@ -152,6 +154,30 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
             {"video_token_id", tiny ? 2044 : 258884},
             {"eos_token_id", {1, 106}}};
   if (!tiny) c["vision_soft_tokens_per_image"] = 280;
+  if (preset == "12b") {
+    // No towers: the image and audio embedders of Gemma4UnifiedForConditionalGeneration.
+    c["architectures"] = {"Gemma4UnifiedForConditionalGeneration"};
+    c["model_type"] = "gemma4_unified";
+    c["text_config"]["model_type"] = "gemma4_unified_text";
+    c["vision_config"] = {{"model_type", "gemma4_unified_vision"},
+                          {"patch_size", 16},
+                          {"pooling_kernel_size", 3},
+                          {"mm_embed_dim", 3840},
+                          {"mm_posemb_size", 1120},
+                          {"num_soft_tokens", 280},
+                          {"model_patch_size", 48},
+                          {"output_proj_dims", 3840},
+                          {"rms_norm_eps", 1e-6},
+                          {"initializer_range", 0.02}};
+    c["audio_config"] = {{"model_type", "gemma4_unified_audio"},
+                         {"audio_embed_dim", 640},
+                         {"audio_samples_per_token", 640},
+                         {"hidden_size", 640},
+                         {"output_proj_dims", 640},
+                         {"rms_norm_eps", 1e-6},
+                         {"initializer_range", 0.02}};
+    c.erase("vision_soft_tokens_per_image");
+  }
   return c;
 }
 

@@ -7,7 +7,8 @@
 
 namespace gemstage {
 
-// preset: "tiny" (the fixture's shape), "e2b", "e4b", "26b-a4b" (mixture of experts) or "31b".
+// preset: "tiny" (the fixture's shape), "e2b", "e4b", "26b-a4b" (mixture of experts), "31b" or
+// "12b" (gemma4_unified: no towers, image and audio embedders).
 // num_layers > 0 shortens the text stack (keeping the sliding/full pattern and the share of
 // KV-shared layers) for tests.
 nlohmann::json preset_config(const std::string& preset, int num_layers = 0,

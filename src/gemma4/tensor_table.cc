@@ -2,6 +2,7 @@
 
 #include "gemma4/audio_model.h"
 #include "gemma4/registry.h"
+#include "gemma4/unified_embedder.h"
 #include "gemma4/vision_model.h"
 #include "kernels/weight_rows.h"
 
@@ -19,6 +20,8 @@ constexpr const char* kInfoKvUnused = "text: KV-shared layers' unused k/v (ignor
 constexpr const char* kInfoFinalNorm = "text: final norm";
 constexpr const char* kInfoVision = "vision tower + embedder";
 constexpr const char* kInfoAudio = "audio tower + embedder";
+constexpr const char* kInfoUnifiedVision = "image embedder (no tower)";
+constexpr const char* kInfoUnifiedAudio = "audio embedder (no tower)";
 // lm_head.weight sits outside the text prefix and has always been counted as "other".
 constexpr const char* kInfoOther = "other";
 
@@ -358,12 +361,60 @@ std::vector<TensorSpec> audio_tensor_specs(const ModelConfig& c, AudioWeights* b
   return s;
 }
 
+std::vector<TensorSpec> unified_tensor_specs(const ModelConfig& c, UnifiedVisionWeights* vision,
+                                             UnifiedAudioWeights* audio) {
+  using enum TensorStorage;
+  std::vector<TensorSpec> s;
+  if (!c.unified) return s;
+  const int64_t D = c.text.hidden_size;
+  auto add = [&](std::string key, Shape shape, PartMask part, TensorStorage storage,
+                 TensorSlot slot) {
+    s.push_back({.key = std::move(key),
+                 .shape = std::move(shape),
+                 .held_by = part,
+                 .storage = storage,
+                 .info_part = part == kPartVision ? kInfoUnifiedVision : kInfoUnifiedAudio,
+                 .slot = slot});
+  };
+  if (c.unified_vision) {
+    const UnifiedVisionConfig& v = *c.unified_vision;
+    UnifiedVisionWeights scratch;
+    UnifiedVisionWeights& w = vision ? *vision : scratch;
+    const int64_t pd = v.patch_dim(), E = v.mm_embed_dim;
+    const std::string p = "model.vision_embedder.";
+    add(p + "patch_ln1.weight", {pd}, kPartVision, VisionVector, floats_slot(w.patch_ln1_weight));
+    add(p + "patch_ln1.bias", {pd}, kPartVision, VisionVector, floats_slot(w.patch_ln1_bias));
+    add(p + "patch_dense.weight", {E, pd}, kPartVision, VisionMatrix, view_slot(w.patch_dense));
+    add(p + "patch_dense.bias", {E}, kPartVision, VisionVector, floats_slot(w.patch_dense_bias));
+    add(p + "patch_ln2.weight", {E}, kPartVision, VisionVector, floats_slot(w.patch_ln2_weight));
+    add(p + "patch_ln2.bias", {E}, kPartVision, VisionVector, floats_slot(w.patch_ln2_bias));
+    add(p + "pos_embedding", {v.mm_posemb_size, 2, E}, kPartVision, VisionMatrix,
+        view_slot(w.pos_embedding));
+    add(p + "pos_norm.weight", {E}, kPartVision, VisionVector, floats_slot(w.pos_norm_weight));
+    add(p + "pos_norm.bias", {E}, kPartVision, VisionVector, floats_slot(w.pos_norm_bias));
+    add("model.embed_vision.embedding_projection.weight", {D, E}, kPartVision, VisionMatrix,
+        view_slot(w.embedding_projection));
+  }
+  if (c.unified_audio) {
+    UnifiedAudioWeights scratch;
+    UnifiedAudioWeights& w = audio ? *audio : scratch;
+    add("model.embed_audio.embedding_projection.weight", {D, c.unified_audio->frame_samples},
+        kPartAudio, VisionMatrix, view_slot(w.embedding_projection));
+  }
+  // Slots into the scratch structs would dangle: only the given targets keep theirs.
+  for (TensorSpec& e : s)
+    if ((e.held_by == kPartVision && !vision) || (e.held_by == kPartAudio && !audio)) e.slot = {};
+  return s;
+}
+
 std::vector<TensorSpec> tensor_table(const ModelConfig& c) {
   std::vector<TensorSpec> s = text_tensor_specs(c);
   std::vector<TensorSpec> v = vision_tensor_specs(c);
   s.insert(s.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
   std::vector<TensorSpec> a = audio_tensor_specs(c);
   s.insert(s.end(), std::make_move_iterator(a.begin()), std::make_move_iterator(a.end()));
+  std::vector<TensorSpec> u = unified_tensor_specs(c);
+  s.insert(s.end(), std::make_move_iterator(u.begin()), std::make_move_iterator(u.end()));
   return s;
 }
 

@@ -22,9 +22,11 @@
 
 namespace gemstage {
 
-struct TextWeights;    // gemma4/registry.h
-struct VisionWeights;  // gemma4/vision_model.h
-struct AudioWeights;   // gemma4/audio_model.h
+struct TextWeights;           // gemma4/registry.h
+struct VisionWeights;         // gemma4/vision_model.h
+struct AudioWeights;          // gemma4/audio_model.h
+struct UnifiedVisionWeights;  // gemma4/unified_embedder.h
+struct UnifiedAudioWeights;   // gemma4/unified_embedder.h
 
 enum class TensorRole {
   Required,  // must be present with this shape
@@ -94,6 +96,11 @@ std::vector<TensorSpec> vision_tensor_specs(const ModelConfig& c, VisionWeights*
 // The audio tower's and embedder's tensors (none without an audio_config). Stored like the
 // vision tower's: matrices f32/bf16 (VisionMatrix), everything else f32 (VisionVector).
 std::vector<TensorSpec> audio_tensor_specs(const ModelConfig& c, AudioWeights* bind = nullptr);
+// gemma4_unified's image and audio embedders (as released: model.vision_embedder.*,
+// model.embed_vision.* / model.embed_audio.* projections), stored like the towers' tensors.
+std::vector<TensorSpec> unified_tensor_specs(const ModelConfig& c,
+                                             UnifiedVisionWeights* vision = nullptr,
+                                             UnifiedAudioWeights* audio = nullptr);
 // Text, vision, audio: the whole table in export order.
 std::vector<TensorSpec> tensor_table(const ModelConfig& c);
 

@@ -123,15 +123,15 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
         std::memcpy(out.hidden_states.row(r), soft_tokens->row(k++),
                     static_cast<size_t>(D) * sizeof(float));
         // Audio rows get their own mask on models with an audio tower (see EmbeddingsOutput).
-        const bool audio_row =
-            model_cfg_.audio && input_ids[static_cast<size_t>(r)] == model_cfg_.audio_token_id;
+        const bool audio_row = model_cfg_.takes_audio() &&
+                               input_ids[static_cast<size_t>(r)] == model_cfg_.audio_token_id;
         (audio_row ? out.audio_splice_mask : out.image_splice_mask)[static_cast<size_t>(r)] = 1;
       }
   }
   if (taps) {
     taps->append_ids("image_splice_mask", std::vector<int64_t>(out.image_splice_mask.begin(),
                                                                out.image_splice_mask.end()));
-    if (model_cfg_.audio)
+    if (model_cfg_.takes_audio())
       taps->append_ids("audio_splice_mask", std::vector<int64_t>(out.audio_splice_mask.begin(),
                                                                  out.audio_splice_mask.end()));
     taps->append("inputs_embeds", {D}, out.hidden_states.data.data(), S);

@@ -162,13 +162,33 @@ TensorStore TensorStore::open_dir(const std::string& dir) {
 const SafetensorsEntry* TensorStore::entry(const std::string& key) const {
   auto it = where_.find(key);
   if (it == where_.end()) return nullptr;
-  return &files_[it->second]->entries().at(key);
+  return &files_[it->second]->entries().at(stored_key(key));
 }
 
 WeightView TensorStore::view(const std::string& key) const {
   auto it = where_.find(key);
   if (it == where_.end()) fail("checkpoint has no tensor ", key);
-  return files_[it->second]->view(key);
+  return files_[it->second]->view(stored_key(key));
+}
+
+std::string TensorStore::stored_key(const std::string& key) const {
+  auto it = stored_.find(key);
+  return it == stored_.end() ? key : it->second;
+}
+
+void TensorStore::rename_keys(const std::function<std::string(const std::string&)>& canonical) {
+  std::map<std::string, size_t> where;
+  std::map<std::string, std::string> stored;
+  for (const auto& [key, file] : where_) {
+    const std::string name = canonical(key);
+    const std::string in_file = stored_key(key);
+    if (!where.emplace(name, file).second)
+      fail(files_[file]->path(), ": tensors ", stored.count(name) ? stored[name] : name, " and ",
+           in_file, " are the same tensor ", name, " in two naming layouts; keep one");
+    if (name != in_file) stored[name] = in_file;
+  }
+  where_ = std::move(where);
+  stored_ = std::move(stored);
 }
 
 std::string TensorStore::file_of(const std::string& key) const {

@@ -2,6 +2,7 @@
 // Every header is validated before any tensor data is touched; tensors stay in the mmap.
 #pragma once
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -62,10 +63,17 @@ class TensorStore : public TensorSource {
   WeightView view(const std::string& key) const override;
   std::string file_of(const std::string& key) const override;
   std::vector<std::string> keys() const override;
+  // Serves each tensor under canonical(stored key) from now on (a model whose checkpoints come
+  // in two naming layouts; the file still holds the stored name). Two keys mapping to one name
+  // are refused, naming both.
+  void rename_keys(const std::function<std::string(const std::string&)>& canonical);
 
  private:
+  std::string stored_key(const std::string& key) const;
+
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;
+  std::map<std::string, std::string> stored_;  // served name -> name in the file, when renamed
 };
 
 }  // namespace gemstage

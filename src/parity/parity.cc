@@ -15,6 +15,7 @@
 #include "gemma4/multimodal.h"
 #include "image/image_decode.h"
 #include "image/image_processor.h"
+#include "image/unified_image.h"
 #include "trace/taps.h"
 
 namespace gemstage {
@@ -352,6 +353,33 @@ ImageSet load_images(const Sequence& model, const ReferenceDump& ref, const Pari
   const VisionTower* vision = model.vision();
   std::vector<std::string> files = opt.images;
   if (files.empty() && !ref.image_file.empty()) files.push_back(ref.image_file);
+  const UnifiedEmbedder* unified = model.model().embeddings().unified();
+  if (!files.empty() && unified) {
+    // gemma4_unified: 48-px patches for the image embedder (VisionInput carries the same three
+    // fields: max_patches = the max_soft_tokens rows).
+    const ImageProcessorConfig pc = load_processor_config(model.assets_dir());
+    unified->vision_config();  // refuses a model without vision_config
+    for (const std::string& f : files) {
+      const RgbImage img = decode_image_file(f);
+      const UnifiedPatches p = preprocess_unified_image(img, pc);
+      s.images.push_back({p.max_soft_tokens, p.pixel_values, p.position_ids});
+      RgbImage gray = img;
+      std::fill(gray.rgb.begin(), gray.rgb.end(), uint8_t{128});
+      const UnifiedPatches g = preprocess_unified_image(gray, pc);
+      s.blanks.push_back({g.max_soft_tokens, g.pixel_values, g.position_ids});
+      s.source += (s.source.empty() ? "" : ", ") + f;
+    }
+    return s;
+  }
+  if (!ref.pixel_values.empty() && files.empty() && unified) {
+    const int64_t pd = unified->vision_config().patch_dim();
+    s.images =
+        vision_inputs_from_arrays(load_npy(ref.pixel_values), load_npy(ref.image_position_ids), pd,
+                                  ref.pixel_values, ref.image_position_ids);
+    for (const VisionInput& in : s.images) s.blanks.push_back(blank_from_arrays(in, pd));
+    s.source = ref.pixel_values + " + " + ref.image_position_ids;
+    return s;
+  }
   if (!files.empty()) {
     if (!vision) fail(model.path(), ": this model has no vision tower, so it cannot take images");
     const ImageProcessorConfig pc = load_processor_config(model.assets_dir());
@@ -394,6 +422,21 @@ AudioSet load_audio(const Sequence& model, const ReferenceDump& ref, const Parit
   std::vector<std::string> files = opt.audios;
   if (files.empty() && !ref.audio_file.empty()) files.push_back(ref.audio_file);
   if (files.empty()) return s;
+  if (const UnifiedEmbedder* unified = model.model().embeddings().unified()) {
+    // gemma4_unified: the raw frames for the audio embedder, carried in AudioInput (features =
+    // [frames, frame_samples] samples, every frame real).
+    const int F = unified->audio_config().frame_samples;
+    for (const std::string& f : files) {
+      const AudioClip clip = decode_audio_file(f);
+      const UnifiedAudioInput on = unified_audio_frames(clip.samples, F);
+      s.clips.push_back({on.frames, on.samples, on.mask});
+      const UnifiedAudioInput off =
+          unified_audio_frames(std::vector<float>(clip.samples.size(), 0.0f), F);
+      s.blanks.push_back({off.frames, off.samples, off.mask});
+      s.source += (s.source.empty() ? "" : ", ") + f;
+    }
+    return s;
+  }
   if (!model.audio())
     fail(model.path(),
          ": this model has no audio tower (no audio_config), so it cannot take audio");
@@ -422,9 +465,23 @@ Run teacher_force(Sequence& model, ThreadPool& pool, const std::vector<int32_t>&
   const int64_t V = model.config().text.vocab_size;
   model.reset(S + std::max<int64_t>(n_steps, 1) + 1);
   FloatTensor soft, audio_soft;
-  if (!images.empty()) soft = model.vision()->encode_all(pool, images, taps);
+  const UnifiedEmbedder* unified = model.model().embeddings().unified();
+  if (!images.empty() && unified) {
+    std::vector<UnifiedImageInput> u;
+    for (const VisionInput& in : images)
+      u.push_back({in.max_patches, in.pixel_values, in.position_ids});
+    soft = unified->encode_images(pool, u, taps);
+  } else if (!images.empty()) {
+    soft = model.vision()->encode_all(pool, images, taps);
+  }
   if (!clips.empty()) {
-    audio_soft = model.audio()->encode_all(pool, clips, taps);
+    if (unified) {
+      std::vector<UnifiedAudioInput> u;
+      for (const AudioInput& a : clips) u.push_back({a.frames, a.features, a.mask});
+      audio_soft = unified->encode_audio(pool, u, taps);
+    } else {
+      audio_soft = model.audio()->encode_all(pool, clips, taps);
+    }
     soft = merge_soft_tokens(model.config(), prompt, images.empty() ? nullptr : &soft, &audio_soft);
   }
   Run r;

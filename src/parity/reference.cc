@@ -144,6 +144,9 @@ ReferenceDump load_reference(const std::string& dir) {
   for (const char* n : {"image.png", "image.jpg", "image.jpeg"})
     if (r.image_file.empty() && fs::exists(fs::path(dir) / n))
       r.image_file = (fs::path(dir) / n).string();
+  // The gemma4-tiny-unified fixtures name their clip audio.wav.
+  if (r.audio_file.empty() && fs::exists(fs::path(dir) / "audio.wav"))
+    r.audio_file = (fs::path(dir) / "audio.wav").string();
   return r;
 }
 

@@ -5,6 +5,8 @@
 #include "audio/audio_features.h"
 #include "core/error.h"
 #include "gemma4/multimodal.h"
+#include "image/unified_image.h"
+#include "runtime/sampler.h"
 
 namespace gemstage {
 
@@ -31,6 +33,7 @@ std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_
   const fs::path cfg = fs::path(dir) / "config.json";
   a->chat_ids_ = resolve_chat_token_ids(a->tok_, fs::exists(cfg) ? cfg.string() : std::string());
   a->stop_ids_ = load_stop_token_ids(a->tok_, dir);
+  a->suppress_tokens_ = load_suppress_tokens(dir);
   a->renderer_ = ConversationRenderer::for_model_dir(dir);
   a->image_cfg_ = load_processor_config(dir);
   a->name_ = fs::path(path).lexically_normal().filename().string();
@@ -48,9 +51,30 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
   std::vector<ChatMessage> rendered;
   std::vector<VisionInput> images;
   std::vector<AudioInput> clips;
+  // gemma4_unified: patches and raw frames for its embedders (no towers).
+  const UnifiedEmbedder* unified = model_->embeddings().unified();
+  std::vector<UnifiedImageInput> unified_images;
+  std::vector<UnifiedAudioInput> unified_clips;
   for (const ChatInput& m : messages) {
     ChatMessage cm{m.role, {}};
     for (const ChatInputPart& p : m.parts) {
+      if (unified && (p.audio || p.image)) {
+        if (p.audio) {
+          if (!unified->has_audio())
+            fail(model_->path(), ": this model has no audio_config, so it cannot take audio");
+          unified_clips.push_back(
+              unified_audio_frames(p.audio->samples, unified->audio_config().frame_samples));
+          cm.parts.push_back(ChatPart::Audio(
+              static_cast<int32_t>(unified->num_audio_soft_tokens(unified_clips.back()))));
+        } else {
+          if (!unified->has_vision())
+            fail(model_->path(), ": this model has no vision_config, so it cannot take images");
+          const UnifiedPatches up = preprocess_unified_image(*p.image, image_cfg_);
+          unified_images.push_back({up.max_soft_tokens, up.pixel_values, up.position_ids});
+          cm.parts.push_back(ChatPart::Image(up.num_soft_tokens));
+        }
+        continue;
+      }
       if (p.audio) {
         if (!model_->audio())
           fail(model_->path(),
@@ -77,14 +101,16 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
   }
   PreparedPrompt out;
   out.ids = render_chat(tok_, chat_ids_, rendered, options).ids;
-  out.images = static_cast<int>(images.size());
-  out.audios = static_cast<int>(clips.size());
+  out.images = static_cast<int>(images.size() + unified_images.size());
+  out.audios = static_cast<int>(clips.size() + unified_clips.size());
   FloatTensor image_soft, audio_soft;
   if (!images.empty()) image_soft = model_->embeddings().encode_images(pool, images, nullptr);
   if (!clips.empty()) audio_soft = model_->embeddings().encode_audio(pool, clips, nullptr);
+  if (!unified_images.empty()) image_soft = unified->encode_images(pool, unified_images, nullptr);
+  if (!unified_clips.empty()) audio_soft = unified->encode_audio(pool, unified_clips, nullptr);
   out.soft_tokens =
-      merge_soft_tokens(model_->config(), out.ids, images.empty() ? nullptr : &image_soft,
-                        clips.empty() ? nullptr : &audio_soft);
+      merge_soft_tokens(model_->config(), out.ids, image_soft.data.empty() ? nullptr : &image_soft,
+                        audio_soft.data.empty() ? nullptr : &audio_soft);
   return out;
 }
 

@@ -55,6 +55,8 @@ class Assistant {
   int64_t max_context() const { return max_context_; }
   const Tokenizer& tokenizer() const { return tok_; }
   const std::vector<int32_t>& stop_ids() const { return stop_ids_; }
+  // generation_config.json suppress_tokens (SamplingParams::suppress_tokens).
+  const std::vector<int32_t>& suppress_tokens() const { return suppress_tokens_; }
   const std::string& model_name() const { return name_; }
 
   // Renders the Gemma 4 chat format (images decoded into soft tokens by the vision tower, audio
@@ -79,6 +81,7 @@ class Assistant {
   ChatTokenIds chat_ids_;
   ConversationRenderer renderer_;
   std::vector<int32_t> stop_ids_;
+  std::vector<int32_t> suppress_tokens_;
   ImageProcessorConfig image_cfg_;
   std::string name_;
 };

@@ -2,10 +2,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <filesystem>
+#include <limits>
+#include <nlohmann/json.hpp>
 #include <numeric>
 #include <unordered_set>
 
 #include "core/error.h"
+#include "io/mapped_file.h"
 
 namespace gemstage {
 
@@ -26,6 +30,29 @@ double Sampler::uniform() {
   return static_cast<double>(z >> 11) * (1.0 / 9007199254740992.0);
 }
 
+std::vector<int32_t> load_suppress_tokens(const std::string& model_dir) {
+  const std::filesystem::path path = std::filesystem::path(model_dir) / "generation_config.json";
+  std::vector<int32_t> ids;
+  if (model_dir.empty() || !std::filesystem::exists(path)) return ids;
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(read_text_file(path.string(), size_t{1} << 20));
+  } catch (const nlohmann::json::exception& e) {
+    fail(path.string(), ": not valid JSON (", e.what(), ")");
+  }
+  if (!j.is_object() || !j.contains("suppress_tokens") || j["suppress_tokens"].is_null())
+    return ids;
+  const auto& s = j["suppress_tokens"];
+  if (!s.is_array()) fail(path.string(), ": suppress_tokens must be a list of token ids");
+  for (const auto& x : s) {
+    if (!x.is_number_integer() || x.get<int64_t>() < 0 || x.get<int64_t>() > (int64_t{1} << 31) - 1)
+      fail(path.string(), ": suppress_tokens entries must be non-negative token ids, found ",
+           x.dump());
+    ids.push_back(x.get<int32_t>());
+  }
+  return ids;
+}
+
 int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t> history) {
   if (V <= 0) fail("sampler: empty vocabulary");
   work_.assign(logits, logits + V);
@@ -40,6 +67,8 @@ int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t>
       l = l > 0 ? l / p_.repetition_penalty : l * p_.repetition_penalty;
     }
   }
+  for (int32_t t : p_.suppress_tokens)
+    if (t >= 0 && t < V) work_[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
   if (p_.temperature == 0.0f) {
     int64_t best = 0;
     for (int64_t i = 1; i < V; ++i)

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <span>
+#include <string>
 #include <vector>
 
 namespace gemstage {
@@ -17,6 +18,9 @@ struct SamplingParams {
   float repetition_penalty = 1.0f;  // 1: off (HF/CTRL style: divide positive, multiply negative)
   int repeat_last_n = 64;           // how much history the penalty sees; -1: all
   uint64_t seed = 0;
+  // generation_config.json suppress_tokens: their logits are -inf at every step, greedy
+  // included (gemma4_unified suppresses <audio|> and <image|>, which are never generated).
+  std::vector<int32_t> suppress_tokens;
 
   static SamplingParams greedy() {
     SamplingParams p;
@@ -24,6 +28,10 @@ struct SamplingParams {
     return p;
   }
 };
+
+// generation_config.json's suppress_tokens in a checkpoint or bundle directory (empty when the
+// file or the field is absent); a malformed field is an error naming the file.
+std::vector<int32_t> load_suppress_tokens(const std::string& model_dir);
 
 class Sampler {
  public:

@@ -340,6 +340,7 @@ void Server::Impl::load() {
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
     defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
+    defaults.sampling.suppress_tokens = a.suppress_tokens();
     defaults.cancel = nullptr;
     engine_thread = std::thread([this] { engine(); });
     ready.store(true);

@@ -15,7 +15,9 @@
 #include "core/error.h"
 #include "gemma4/multimodal.h"
 #include "gemma4/registry.h"
+#include "gemma4/unified_embedder.h"
 #include "image/image_processor.h"
+#include "image/unified_image.h"
 #include "io/file_writer.h"
 #include "io/mapped_file.h"
 #include "io/progress.h"
@@ -176,7 +178,19 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   ThreadPool pool(default_thread_count());
   FloatTensor soft;
   std::string image_note;
-  if (const VisionTower* vision = pipe->vision()) {
+  const UnifiedEmbedder* unified = pipe->model().embeddings().unified();
+  if (unified && unified->has_vision()) {
+    // gemma4_unified: a synthetic 144x96 image through the processor and the image embedder.
+    ImageProcessorConfig pc = load_processor_config(dir);
+    pc.max_soft_tokens = std::min(pc.max_soft_tokens, 70);
+    RgbImage img{144, 96, std::vector<uint8_t>(144 * 96 * 3)};
+    for (size_t i = 0; i < img.rgb.size(); ++i)
+      img.rgb[i] = static_cast<uint8_t>((i * 7 + (i / 432) * 3) & 0xff);
+    const UnifiedPatches up = preprocess_unified_image(img, pc);
+    soft = unified->encode_images(
+        pool, {UnifiedImageInput{up.max_soft_tokens, up.pixel_values, up.position_ids}}, nullptr);
+    image_note = "a synthetic 144x96 image through the image embedder: ";
+  } else if (const VisionTower* vision = pipe->vision()) {
     ImageProcessorConfig pc = load_processor_config(dir);
     pc.max_soft_tokens = std::min(pc.max_soft_tokens, 70);
     RgbImage img{144, 96, std::vector<uint8_t>(144 * 96 * 3)};
@@ -220,6 +234,18 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     ids.push_back(c.eoa_token_id);
     image_note += "a synthetic 1 s clip through the audio tower: ";
   }
+  if (unified && unified->has_audio()) {
+    // gemma4_unified: a synthetic 0.5 s clip (a partial last frame) through the audio embedder.
+    std::vector<float> wave(8100);
+    for (size_t i = 0; i < wave.size(); ++i)
+      wave[i] = 0.3f * std::sin(0.07f * static_cast<float>(i));
+    audio_soft = unified->encode_audio(
+        pool, {unified_audio_frames(wave, unified->audio_config().frame_samples)}, nullptr);
+    ids.push_back(c.boa_token_id);
+    for (int64_t i = 0; i < audio_soft.dim(0); ++i) ids.push_back(c.audio_token_id);
+    ids.push_back(c.eoa_token_id);
+    image_note += "a synthetic 0.5 s clip through the audio embedder: ";
+  }
   const int64_t n_audio = audio_soft.numel() ? audio_soft.dim(0) : 0;
   const FloatTensor all_soft =
       merge_soft_tokens(c, ids, n_img ? &soft : nullptr, n_audio ? &audio_soft : nullptr);
@@ -253,7 +279,8 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     // The image block: the image's rows see each other on sliding layers, so a prefill in chunks
     // smaller than the image must keep it whole and give the one-pass logits.
     auto chunked = Sequence::open(dir, ctx);
-    const FloatTensor last = chunked->prefill(pool, ids, &soft, 2, false, nullptr);
+    const FloatTensor last =
+        chunked->prefill(pool, ids, all_soft.numel() ? &all_soft : nullptr, 2, false, nullptr);
     const int64_t V = last.dim(1);
     double d = 0;
     for (int64_t v = 0; v < V; ++v)
@@ -270,7 +297,7 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     if ((mask[r] != 0) != (ids[r] == c.image_token_id))
       fail("row ", r, ": image_splice_mask is ", mask[r], " but the row ",
            ids[r] == c.image_token_id ? "is" : "is not", " an image placeholder");
-  if (c.audio) {
+  if (c.takes_audio()) {
     const auto amask = taps.get_ids("audio_splice_mask");
     for (size_t r = 0; r < ids.size(); ++r)
       if ((amask[r] != 0) != (ids[r] == c.audio_token_id))
@@ -527,7 +554,8 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
 void export_bundle(const std::string& hf_dir, const std::string& out_dir,
                    const ExportOptions& opt) {
   const ModelConfig cfg = load_model_config(hf_dir);
-  const TensorStore store = TensorStore::open_dir(hf_dir);
+  TensorStore store = TensorStore::open_dir(hf_dir);
+  canonicalize_checkpoint_keys(cfg, store);
   validate_tensors(tensor_table(cfg), store, cfg);
   export_bundle_from(store, hf_dir, out_dir, opt);
 }

@@ -66,6 +66,44 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
                             "instead of pixel_values when one prompt's images span several calls",
                             true});
       }
+      if (c.unified_vision) {
+        const std::string pin = std::to_string(c.unified_vision->patch_dim());
+        k.inputs.push_back({"pixel_values",
+                            {"N_img", "max_patches", pin},
+                            "f32",
+                            "48-px patches in (row, column, channel) order, values in [0,1], "
+                            "zero-padded; the image embedder runs inside this stage",
+                            true});
+        k.inputs.push_back({"image_position_ids",
+                            {"N_img", "max_patches", "2"},
+                            "i64",
+                            "(x, y) = (block column, block row), -1 for padding",
+                            true});
+        k.inputs.push_back({"image_soft_tokens",
+                            {"N_soft", D},
+                            "f32",
+                            "image embedder output for this call's placeholder rows, in order",
+                            true});
+      }
+      if (c.unified_audio) {
+        k.inputs.push_back({"audio_frames",
+                            {"N_aud", "T_frames", std::to_string(c.unified_audio->frame_samples)},
+                            "f32",
+                            "16 kHz mono samples cut into frames, the last partial frame "
+                            "zero-padded; the audio embedder runs inside this stage",
+                            true});
+        k.inputs.push_back({"audio_frames_mask",
+                            {"N_aud", "T_frames"},
+                            "u8",
+                            "1 for each real frame (a prefix of each clip's frames)",
+                            true});
+        k.inputs.push_back(
+            {"audio_soft_tokens",
+             {"N_asoft", D},
+             "f32",
+             "audio embedder output for this call's audio placeholder rows, in order",
+             true});
+      }
       if (c.audio) {
         k.inputs.push_back({"audio_features",
                             {"N_aud", "F_mel", "128"},
@@ -101,7 +139,7 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
            {"S"},
            "i32",
            "token identity used for the PLE lookup: pad_token_id at every placeholder row"});
-      if (c.audio) {
+      if (c.takes_audio()) {
         // Audio models say which tower filled a row; the vision-only contract is unchanged, so
         // bundles exported before audio existed still check.
         k.outputs.push_back(

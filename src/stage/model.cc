@@ -4,6 +4,7 @@
 
 #include "core/error.h"
 #include "gemma4/registry.h"
+#include "gemma4/unified_embedder.h"
 #include "stage/bundle.h"
 #include "stage/weights_file.h"
 
@@ -28,6 +29,7 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
     m->config_ = std::make_unique<ModelConfig>(load_model_config(path));
     const ModelConfig& c = *m->config_;
     auto store = std::make_shared<TensorStore>(TensorStore::open_dir(path));
+    canonicalize_checkpoint_keys(c, *store);
     const auto unknown = validate_tensors(tensor_table(c), *store, c);
     m->notes_ = c.warnings;
     for (const auto& k : unknown)

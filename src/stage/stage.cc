@@ -28,6 +28,8 @@ Stage::Stage(const ModelConfig& config, StageDecl decl, std::shared_ptr<TensorSo
     vision_ = std::make_unique<VisionTower>(config_, bind_vision_weights(config_, *weights_));
   if (decl_.role == StageRole::Embeddings && config_.audio)
     audio_ = std::make_unique<AudioTower>(config_, bind_audio_weights(config_, *weights_));
+  if (decl_.role == StageRole::Embeddings && config_.unified)
+    unified_ = std::make_unique<UnifiedEmbedder>(config_, *weights_);
 }
 
 Stage::~Stage() = default;
@@ -83,7 +85,27 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
     fail(where,
          ": give either pixel_values (the tower runs here) or image_soft_tokens (already "
          "encoded), not both");
-  if (pixels) {
+  if (pixels && unified_) {
+    // gemma4_unified: the image embedder runs here (no tower).
+    const HostTensor pix = take(in, "pixel_values");
+    const HostTensor pos = take(in, "image_position_ids");
+    const int64_t n_img = pix.shape()[0], np = pix.shape()[1], pd = pix.shape()[2];
+    std::vector<UnifiedImageInput> images(static_cast<size_t>(n_img));
+    const auto pv = pix.values<float>();
+    const auto pp = pos.values<int64_t>();
+    for (int64_t b = 0; b < n_img; ++b) {
+      UnifiedImageInput& im = images[static_cast<size_t>(b)];
+      im.max_patches = np;
+      im.pixel_values.assign(pv.begin() + b * np * pd, pv.begin() + (b + 1) * np * pd);
+      im.position_ids.assign(pp.begin() + b * np * 2, pp.begin() + (b + 1) * np * 2);
+      try {
+        unified_->num_image_soft_tokens(im);  // validates the positions
+      } catch (const Error& e) {
+        fail(where, ": image ", b, ": ", e.what());
+      }
+    }
+    soft = unified_->encode_images(pool, images, taps);
+  } else if (pixels) {
     const HostTensor pix = take(in, "pixel_values");
     const HostTensor pos = take(in, "image_position_ids");
     const int64_t n_img = pix.shape()[0], np = pix.shape()[1], pd = pix.shape()[2];
@@ -107,6 +129,34 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
   }
   const auto id_values = ids.values<int32_t>();
   FloatTensor audio_soft;
+  if (in.count("audio_frames") != in.count("audio_frames_mask"))
+    fail(where, ": audio_frames and audio_frames_mask come together; got only ",
+         in.count("audio_frames") ? "audio_frames" : "audio_frames_mask");
+  if (in.count("audio_frames") && in.count("audio_soft_tokens"))
+    fail(where,
+         ": give either audio_frames (the embedder runs here) or audio_soft_tokens (already "
+         "encoded), not both");
+  if (in.count("audio_frames")) {
+    // gemma4_unified: raw frames through the audio embedder (no tower).
+    const HostTensor f = take(in, "audio_frames");
+    const HostTensor m = take(in, "audio_frames_mask");
+    const int64_t n_clip = f.shape()[0], frames = f.shape()[1], F = f.shape()[2];
+    std::vector<UnifiedAudioInput> clips(static_cast<size_t>(n_clip));
+    const auto fv = f.values<float>();
+    const auto mv = m.values<uint8_t>();
+    for (int64_t b = 0; b < n_clip; ++b) {
+      UnifiedAudioInput& a = clips[static_cast<size_t>(b)];
+      a.frames = frames;
+      a.samples.assign(fv.begin() + b * frames * F, fv.begin() + (b + 1) * frames * F);
+      a.mask.assign(mv.begin() + b * frames, mv.begin() + (b + 1) * frames);
+      try {
+        unified_->num_audio_soft_tokens(a);  // validates the mask
+      } catch (const Error& e) {
+        fail(where, ": audio clip ", b, ": ", e.what());
+      }
+    }
+    in["audio_soft_tokens"] = HostTensor::from(unified_->encode_audio(pool, clips, taps));
+  }
   const bool feats = in.count("audio_features") != 0, fmask = in.count("audio_features_mask") != 0;
   if (feats != fmask)
     fail(where, ": audio_features and audio_features_mask come together; got only ",
@@ -184,7 +234,8 @@ TensorMap Stage::run_embeddings(ThreadPool& pool, TensorMap& in, const TextRunOp
     e.per_layer_inputs.data.assign(static_cast<size_t>(shape_numel(pli_shape)), 0.0f);
   out["per_layer_inputs"] = HostTensor(pli_shape, std::move(e.per_layer_inputs.data));
   out["ple_token_ids"] = HostTensor({S}, std::move(e.ple_token_ids));
-  if (config_.audio) out["audio_splice_mask"] = HostTensor({S}, std::move(e.audio_splice_mask));
+  if (config_.takes_audio())
+    out["audio_splice_mask"] = HostTensor({S}, std::move(e.audio_splice_mask));
   out["image_splice_mask"] = HostTensor({S}, std::move(e.image_splice_mask));
   return out;
 }

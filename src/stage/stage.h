@@ -22,6 +22,7 @@
 #include "core/thread_pool.h"
 #include "gemma4/audio_model.h"
 #include "gemma4/text_model.h"
+#include "gemma4/unified_embedder.h"
 #include "gemma4/vision_model.h"
 #include "io/safetensors.h"
 #include "stage/contract.h"
@@ -68,6 +69,8 @@ class Stage {
                            TapRecorder* taps) const;
   // The audio tower (embeddings stage of a model with audio_config), else null.
   const AudioTower* audio() const { return audio_.get(); }
+  // The image and audio embedders of a gemma4_unified model (embeddings stage), else null.
+  const UnifiedEmbedder* unified() const { return unified_.get(); }
   const TextModel& text() const { return *text_; }
 
   // Bytes of every matrix this stage reads for one decoded token.
@@ -86,6 +89,7 @@ class Stage {
   std::unique_ptr<TextModel> text_;
   std::unique_ptr<VisionTower> vision_;
   std::unique_ptr<AudioTower> audio_;
+  std::unique_ptr<UnifiedEmbedder> unified_;
 };
 
 }  // namespace gemstage
