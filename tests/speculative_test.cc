@@ -232,9 +232,9 @@ TEST(Speculative, GreedyIdenticalToPlainPastRingWrap) {
     const auto model = target_model(s);
     const std::vector<int32_t> prompt = load_ids(set_file(s, "input_ids"));
     const int64_t ring = model->config().text.sliding_window + kRollbackSlack;
-    const int64_t n_new = ring + 200;
+    const int64_t n_new = ring + 40;
     const auto plain = plain_greedy(pool, model, prompt, n_new);
-    for (int K : {1, 3, 6}) {
+    for (int K : {2, 5}) {
       for (bool adaptive : {false, true}) {
         Sequence seq(model);
         SpeculativeOptions opt;
@@ -244,9 +244,28 @@ TEST(Speculative, GreedyIdenticalToPlainPastRingWrap) {
         const auto out =
             speculative_generate(pool, seq, drafter(s.assistant), prompt, n_new, nullptr, opt, &st);
         EXPECT_EQ(out, plain) << s.name << " K=" << K << " adaptive=" << adaptive;
-        if (!adaptive) {
-          EXPECT_GT(st.rounds, 0);
-          EXPECT_LT(st.accepted, st.drafted);  // rollbacks did happen
+        if (adaptive) continue;
+        EXPECT_GT(st.rounds, 0);
+        EXPECT_LT(st.accepted, st.drafted);  // rollbacks did happen
+        // After many rollbacks past the ring's wrap, the donor layers hold what a fresh prefill
+        // of the same ids holds over the whole span the drafter and the target read.
+        Sequence fresh(model);
+        fresh.forward(pool, seq.tokens(), nullptr, false, nullptr);
+        const AssistantDonors donors = assistant_donor_layers(model->config().text);
+        const int64_t n = seq.n_past(), W = model->config().text.sliding_window;
+        for (int layer : {donors.sliding, donors.full}) {
+          const LayerKvCache* a = seq.layer_cache(layer);
+          const LayerKvCache* b = fresh.layer_cache(layer);
+          ASSERT_TRUE(a && b);
+          ASSERT_EQ(a->size(), n);
+          for (int64_t pos = n - W - 1; pos < n; ++pos) {
+            const std::vector<float> ka(a->k_at<float>(pos), a->k_at<float>(pos) + a->width());
+            const std::vector<float> kb(b->k_at<float>(pos), b->k_at<float>(pos) + b->width());
+            const std::vector<float> va(a->v_at<float>(pos), a->v_at<float>(pos) + a->width());
+            const std::vector<float> vb(b->v_at<float>(pos), b->v_at<float>(pos) + b->width());
+            EXPECT_LE(max_abs_diff(ka, kb), 1e-4) << s.name << " layer " << layer << " pos " << pos;
+            EXPECT_LE(max_abs_diff(va, vb), 1e-4) << s.name << " layer " << layer << " pos " << pos;
+          }
         }
       }
     }
@@ -254,14 +273,20 @@ TEST(Speculative, GreedyIdenticalToPlainPastRingWrap) {
 }
 
 TEST(Speculative, MismatchedPairRefusedNamingBothAndTheField) {
-  const AssistantModel& dense = drafter("assistant_dense");
   const auto e_target = target_model(kSets[0]);
-  const std::string msg = error_of([&] {
-    check_assistant_matches(dense.config(), e_target->config(), "DRAFTER_DIR", "TARGET_DIR");
-  });
+  AssistantConfig wide = drafter("assistant_e").config();
+  wide.backbone_hidden_size += 32;
+  const std::string msg = error_of(
+      [&] { check_assistant_matches(wide, e_target->config(), "DRAFTER_DIR", "TARGET_DIR"); });
   EXPECT_NE(msg.find("DRAFTER_DIR"), std::string::npos) << msg;
   EXPECT_NE(msg.find("TARGET_DIR"), std::string::npos) << msg;
   EXPECT_NE(msg.find("backbone_hidden_size"), std::string::npos) << msg;
+  // The dense drafter on the E-series target: same hidden size, other head dims.
+  const std::string msg_pair = error_of([&] {
+    check_assistant_matches(drafter("assistant_dense").config(), e_target->config(), "DRAFTER_DIR",
+                            "TARGET_DIR");
+  });
+  EXPECT_NE(msg_pair.find("head_dim"), std::string::npos) << msg_pair;
   // Same hidden size, other head dims: the head-dim check names its field.
   AssistantConfig c = drafter("assistant_e").config();
   for (LayerSpec& ls : c.text.layers)
@@ -335,8 +360,8 @@ TEST(Speculative, SampledOutputFollowsTargetDistribution) {
   const auto model = target_model(s);
   const std::vector<int32_t> prompt = load_ids(set_file(s, "input_ids"));
   SamplingParams sp;
-  sp.temperature = 0.4f;
-  sp.top_k = 8;
+  sp.temperature = 1.0f;
+  sp.top_k = 2;
   sp.top_p = 1.0f;
   const int runs = 400;
   std::map<int32_t, int> spec_counts[2], plain_counts[2];
@@ -374,9 +399,9 @@ TEST(Speculative, SampledOutputFollowsTargetDistribution) {
   EXPECT_GT(accepted, 0);
   EXPECT_LT(accepted, drafted);
   // Total variation distance between the empirical distributions of the second and third
-  // tokens (at most top_k = 8 outcomes each): for equal distributions and 400 samples each it
-  // stays below ~0.1; accepting every draft, or resampling without removing the rejected
-  // draft, moves far more mass than 0.2.
+  // tokens (a handful of outcomes with top_k = 2): for equal distributions and 400 samples each it
+  // stays below ~0.06; accepting every draft, or resampling without removing the rejected
+  // draft, moves far more mass than 0.12.
   for (int pos = 0; pos < 2; ++pos) {
     std::map<int32_t, double> diff;
     for (const auto& [k, c] : spec_counts[pos]) diff[k] += c;
@@ -384,9 +409,7 @@ TEST(Speculative, SampledOutputFollowsTargetDistribution) {
     double tv = 0;
     for (const auto& [k, d] : diff) tv += std::fabs(d);
     tv /= 2.0 * runs;
-    EXPECT_LT(tv, 0.2) << "token " << pos + 1;
-    for (const auto& [k, d] : diff) std::cerr << k << ":" << spec_counts[pos][k] << "/" << plain_counts[pos][k] << " ";
-    std::cerr << "\n";
+    EXPECT_LT(tv, 0.12) << "token " << pos + 1;
   }
 }
 
