@@ -413,5 +413,33 @@ TEST(Speculative, SampledOutputFollowsTargetDistribution) {
   }
 }
 
+// generate -md: the same ids as plain greedy generate, and the drafter's statistics reported;
+// a drafter made for another target is refused naming the field.
+TEST(Speculative, GenerateWithDrafterMatchesPlain) {
+  const std::string dir = testing::temp_dir("spec_cli");
+  auto run = [&](const std::string& args, const std::string& name) {
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " generate -m " + fx("gemma4-tiny/model") +
+                            " --json -t 2 -p \"Tell me a story\" --temp 0 -n 24 " + args + " > " +
+                            dir + "/" + name + ".out 2> " + dir + "/" + name + ".err < /dev/null";
+    return std::system(cmd.c_str());
+  };
+  auto slurp = [&](const std::string& name) {
+    std::ifstream in(dir + "/" + name);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  ASSERT_EQ(run("", "plain"), 0) << slurp("plain.err");
+  ASSERT_EQ(run("-md " + fx("gemma4-tiny-assistant/assistant_e") + " --draft-max 3", "spec"), 0)
+      << slurp("spec.err");
+  const auto plain = nlohmann::json::parse(slurp("plain.out"));
+  const auto spec = nlohmann::json::parse(slurp("spec.out"));
+  EXPECT_EQ(spec["tokens"], plain["tokens"]);
+  EXPECT_EQ(spec["text"], plain["text"]);
+  EXPECT_EQ(spec["finish_reason"], plain["finish_reason"]);
+  EXPECT_GT(spec["drafted"].get<int64_t>(), 0);
+  EXPECT_NE(slurp("spec.err").find("drafts accepted"), std::string::npos);
+  EXPECT_NE(run("-md " + fx("gemma4-tiny-assistant/assistant_dense"), "bad"), 0);
+  EXPECT_NE(slurp("bad.err").find("head_dim"), std::string::npos) << slurp("bad.err");
+}
+
 }  // namespace
 }  // namespace gemstage
