@@ -18,9 +18,13 @@ struct TargetRows {
 };
 
 TargetRows run_target(ThreadPool& pool, Sequence& target, std::span<const int32_t> ids,
-                      bool all_rows) {
-  TapRecorder taps({"final_hidden"});
+                      bool all_rows, bool want_hidden = true) {
   TargetRows r;
+  if (!want_hidden) {
+    r.logits = target.forward(pool, ids, nullptr, all_rows, nullptr);
+    return r;
+  }
+  TapRecorder taps({"final_hidden"});
   r.logits = target.forward(pool, ids, nullptr, all_rows, &taps);
   r.hidden = taps.get("final_hidden");
   return r;
@@ -121,8 +125,10 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     const auto t0 = std::chrono::steady_clock::now();
     if (k == 0) {
       const int32_t in[1] = {x};
-      TargetRows r = run_target(pool, target, in, false);
-      h.assign(r.hidden.row(0), r.hidden.row(0) + r.hidden.dim(1));
+      // While paused for more than this step, the next step is plain too and needs no h.
+      const bool want_hidden = !(opt.adaptive && pause > 1);
+      TargetRows r = run_target(pool, target, in, false, want_hidden);
+      if (want_hidden) h.assign(r.hidden.row(0), r.hidden.row(0) + r.hidden.dim(1));
       x = choose(r.logits, 0);
       // Recorded as a round without drafts, as the fixtures record the last step.
       if (rounds) rounds->push_back({P, in[0], {}, 0, {x}});
@@ -205,9 +211,11 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
         pause = pause_len;
         pause_len = std::min<int64_t>(pause_len * 2, 512);
         round_tokens_s = 0;
-      } else if (plain_s > 0) {
+      } else if (plain_s > 0 && n > 0) {
+        // Only a round that accepted drafts and beat plain steps restores short pauses: a
+        // round without accepted drafts can only look cheaper through timing noise.
         pause_len = 16;
-      } else if (n == 0) {
+      } else if (plain_s == 0 && n == 0) {
         pause = 1;  // measure a plain step to compare against
       }
     }
