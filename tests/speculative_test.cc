@@ -441,5 +441,27 @@ TEST(Speculative, GenerateWithDrafterMatchesPlain) {
   EXPECT_NE(slurp("bad.err").find("head_dim"), std::string::npos) << slurp("bad.err");
 }
 
+// dump --model-draft writes the spec_* taps as the fixtures name and shape them.
+TEST(Speculative, DumpWritesSpecRoundTaps) {
+  const std::string dir = testing::temp_dir("spec_dump");
+  for (const FixtureSet& s : {kSets[0], kSets[3]}) {
+    const std::string out = dir + "/" + s.name;
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " dump -m " + fx(s.target) + " --ids " +
+                            set_file(s, "input_ids") + " --decode 16 -t 2 -md " +
+                            fx("gemma4-tiny-assistant/" + s.assistant) +
+                            " --taps spec_round_drafts,spec_round_accepted,spec_new_ids,"
+                            "spec_round_target_ids --out " +
+                            out + " > " + out + ".log 2>&1 < /dev/null";
+    ASSERT_EQ(std::system(cmd.c_str()), 0) << s.name;
+    for (const char* tap :
+         {"spec_round_drafts", "spec_round_accepted", "spec_new_ids", "spec_round_target_ids"}) {
+      const NpyArray got = load_npy(out + "/" + tap + ".npy");
+      const NpyArray want = load_npy(set_file(s, tap));
+      EXPECT_EQ(got.shape, want.shape) << s.name << " " << tap;
+      EXPECT_EQ(got.to_i64(), want.to_i64()) << s.name << " " << tap;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace gemstage
