@@ -227,15 +227,15 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, DraftFixture, ::testing::ValuesIn(kSets),
 // adaptive controller on, and far past the sliding ring's size (window + kRollbackSlack rows),
 // so rollbacks of rejected rows happen after the ring has wrapped many times.
 TEST(Speculative, GreedyIdenticalToPlainPastRingWrap) {
-  ThreadPool pool(2);
+  ThreadPool pool(1);
   for (const FixtureSet& s : {kSets[1], kSets[3]}) {
     const auto model = target_model(s);
     const std::vector<int32_t> prompt = load_ids(set_file(s, "input_ids"));
     const int64_t ring = model->config().text.sliding_window + kRollbackSlack;
     const int64_t n_new = ring + 40;
     const auto plain = plain_greedy(pool, model, prompt, n_new);
-    for (int K : {2, 5}) {
-      for (bool adaptive : {false, true}) {
+    for (const auto& [K, adaptive] : {std::pair{5, false}, std::pair{2, true}}) {
+      {
         Sequence seq(model);
         SpeculativeOptions opt;
         opt.draft_max = K;

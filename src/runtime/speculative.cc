@@ -121,6 +121,8 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     const int64_t remaining = n_new - static_cast<int64_t>(out.size());
     int64_t k = std::min<int64_t>(opt.adaptive ? k_cur : opt.draft_max, remaining - 1);
     if (opt.adaptive && pause > 0) k = 0;
+    // The verify's k+1 rows must fit the context; the last row then is its last position.
+    k = std::min<int64_t>(k, target.max_context() - P - 1);
     if (k < std::max(opt.draft_min, 1)) k = 0;
     const auto t0 = std::chrono::steady_clock::now();
     if (k == 0) {
