@@ -114,7 +114,7 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
   // steps, and is probed again after a pause that doubles each time it does not pay.
   int k_cur = std::max(opt.draft_max, 0);
   double plain_s = 0, round_tokens_s = 0;  // seconds per token: plain steps, drafting rounds
-  int64_t pause = 0, pause_len = 16;
+  int64_t pause = 0, pause_len = 16, zero_rounds = 0;
 
   while (static_cast<int64_t>(out.size()) < n_new) {
     const int64_t P = target.n_past();
@@ -209,7 +209,10 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     if (stop || !emit(next)) break;
     if (opt.adaptive) {
       k_cur = n == k ? std::min(k_cur + 1, opt.draft_max) : std::max(k_cur - 1, 1);
-      if (plain_s > 0 && round_tokens_s > plain_s) {
+      // Three rounds in a row without an accepted draft also switch drafting off: such rounds
+      // cost more than plain steps, and the plain-step time they are compared with may be stale.
+      zero_rounds = n == 0 ? zero_rounds + 1 : 0;
+      if ((plain_s > 0 && round_tokens_s > plain_s) || zero_rounds >= 3) {
         pause = pause_len;
         pause_len = std::min<int64_t>(pause_len * 2, 512);
         round_tokens_s = 0;
