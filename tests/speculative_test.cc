@@ -272,6 +272,45 @@ TEST(Speculative, GreedyIdenticalToPlainPastRingWrap) {
   }
 }
 
+// The drafter reads bf16 KV rows too (the default for quantized targets): its drafts from the
+// fixture starts stay those of the f32 reference: every first step, and nearly all chained ones
+// (bf16 rounding of the target's own K/V and hidden states moves later steps' logits, which the
+// chain feeds forward, so one late step may flip).
+TEST(Speculative, DrafterReadsBf16Caches) {
+  ThreadPool pool(1);
+  for (const FixtureSet& s : {kSets[0], kSets[2]}) {
+    const AssistantModel& a = drafter(s.assistant);
+    const auto model = target_model(s);
+    const std::vector<int32_t> prompt = load_ids(set_file(s, "input_ids"));
+    const auto starts = load_npy(set_file(s, "draft_start_positions")).to_i64();
+    const auto tokens = load_npy(set_file(s, "draft_input_tokens")).to_i64();
+    const auto ids = load_npy(set_file(s, "draft_ids")).to_i64();
+    const AssistantDonors donors = assistant_donor_layers(model->config().text);
+    int same = 0;
+    for (size_t si = 0; si < starts.size(); ++si) {
+      Sequence seq(model, 0, KvType::BF16);
+      TapRecorder taps({"final_hidden"});
+      seq.forward(pool, std::span<const int32_t>(prompt).first(static_cast<size_t>(starts[si])),
+                  nullptr, false, &taps);
+      const FloatTensor fh = taps.get("final_hidden");
+      std::vector<float> h(fh.row(0), fh.row(0) + fh.dim(1));
+      DraftContext ctx{&model->embeddings_model().weights().embed_tokens,
+                       seq.layer_cache(donors.sliding), seq.layer_cache(donors.full), starts[si]};
+      ASSERT_EQ(ctx.sliding->kv_type(), KvType::BF16);
+      int32_t tok = static_cast<int32_t>(tokens[si]);
+      for (size_t k = 0; k < 4; ++k) {
+        DraftStepRecord rec;
+        tok = a.step(pool, ctx, tok, h, &rec);
+        if (k == 0) {
+          EXPECT_EQ(tok, ids[si * 4]) << s.name << " start " << si;
+        }
+        same += tok == ids[si * 4 + k];
+      }
+    }
+    EXPECT_GE(same, 10) << s.name << ": drafts equal to the f32 reference, of 12";
+  }
+}
+
 TEST(Speculative, MismatchedPairRefusedNamingBothAndTheField) {
   const auto e_target = target_model(kSets[0]);
   AssistantConfig wide = drafter("assistant_e").config();
