@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "kernels/cpu_features.h"
+#include "runtime/speculative.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -29,8 +30,54 @@ struct BenchArgs {
   bool json = false;
   bool warmup = true;
   std::string cache_type = "auto";
-  std::string isa;  // empty: GEMSTAGE_ISA or the CPU's best tier
+  std::string isa;          // empty: GEMSTAGE_ISA or the CPU's best tier
+  std::string model_draft;  // a gemma4_assistant drafter: decode with and without it
+  int draft_max = 4;
 };
+
+// Decode speed with and without a speculative drafter, interleaved per repetition so both see
+// the same machine load: plain greedy steps against speculative_generate (adaptive) from the
+// same prompt, with the drafter's acceptance.
+void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
+                   const std::vector<int32_t>& prompt, const std::vector<int64_t>& gens,
+                   std::ostream& out) {
+  const auto drafter = AssistantModel::open(a.model_draft);
+  check_assistant_matches(drafter->config(), p.config(), a.model_draft, a.model);
+  out << "| drafter | test | plain t/s | drafter t/s | ratio | acceptance |\n"
+         "| --- | ---: | ---: | ---: | ---: | ---: |\n";
+  for (int64_t ng : gens) {
+    if (ng <= 1) continue;
+    double plain_s = 0, spec_s = 0;
+    SpeculativeStats st;
+    for (int rep = 0; rep < a.reps; ++rep) {
+      const int64_t ctx = static_cast<int64_t>(prompt.size()) + ng + a.draft_max + 2;
+      Sequence plain(p.shared_model(), ctx, p.kv_type());
+      FloatTensor l = plain.forward(pool, prompt, nullptr, false, nullptr);
+      double t0 = now_seconds();
+      for (int64_t i = 1; i < ng; ++i) {
+        const float* row = l.row(0);
+        const int32_t next = static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row);
+        l = plain.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
+      }
+      plain_s += now_seconds() - t0;
+      Sequence spec(p.shared_model(), ctx, p.kv_type());
+      SpeculativeOptions opt;
+      opt.draft_max = a.draft_max;
+      bool first = true;
+      speculative_generate(pool, spec, *drafter, prompt, ng, nullptr, opt, &st, nullptr,
+                           [&](int32_t) {
+                             if (first) t0 = now_seconds();  // after the prefill, as above
+                             first = false;
+                             return true;
+                           });
+      spec_s += now_seconds() - t0;
+    }
+    const double n = static_cast<double>((ng - 1) * a.reps);
+    out << "| " << a.model_draft << " | tg" << ng << " | " << std::fixed << std::setprecision(2)
+        << n / plain_s << " | " << n / spec_s << " | " << std::setprecision(3) << plain_s / spec_s
+        << " | " << st.acceptance() << " (" << st.accepted << "/" << st.drafted << ") |\n";
+  }
+}
 
 std::vector<int64_t> int_list(const std::string& s, const char* flag) {
   std::vector<int64_t> out;
@@ -279,6 +326,7 @@ int run_bench(const BenchArgs& a) {
                      {"decode_bound_ts", gbs * 1e9 / bpt}});
     }
     std::cout << out.dump(2) << "\n";
+    if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cerr);
     return 0;
   }
   std::cout << "| model | threads | isa | test | t/s |\n| --- | ---: | --- | ---: | ---: |\n";
@@ -300,6 +348,7 @@ int run_bench(const BenchArgs& a) {
   std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
             << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
+  if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cout);
   return 0;
 }
 
@@ -324,6 +373,11 @@ void add_bench_command(CLI::App& app, Registry& reg) {
                   "report the tokens/s of all K together")
       ->capture_default_str();
   add_cache_type(sub, a->cache_type);
+  sub->add_option("--model-draft", a->model_draft,
+                  "also decode with this gemma4_assistant drafter (also -md): t/s with and without "
+                  "it and its acceptance, from a random 32-token prompt");
+  sub->add_option("--draft-max", a->draft_max, "drafts per round at most (default 4)")
+      ->check(CLI::Range(1, 64));
   sub->add_option("--isa", a->isa,
                   "kernel tier: scalar, avx2, avx512, amx or neon (default: GEMSTAGE_ISA, else the "
                   "best this CPU supports; one the CPU lacks is an error)");

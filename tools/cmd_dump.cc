@@ -13,6 +13,7 @@
 #include "image/unified_image.h"
 #include "io/npy.h"
 #include "runtime/sampler.h"
+#include "runtime/speculative.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -33,7 +34,44 @@ struct DumpArgs {
   std::vector<std::string> images;                            // image files, preprocessed here
   std::vector<std::string> audios;                            // audio files, in prompt order
   bool verbose = false;
+  std::string model_draft;  // with --decode: a speculative decode too (spec_* taps)
+  int draft_max = 4;
 };
+
+// The spec_* taps of shared/docs/gemma4-mtp.md: a greedy speculative decode of n_new tokens with
+// a constant draft length, on a fresh sequence of the same model; rows padded with -1.
+void record_speculative(const DumpArgs& a, ThreadPool& pool, const Sequence& model,
+                        std::span<const int32_t> ids, int n_new, TapRecorder& taps) {
+  const auto drafter = AssistantModel::open(a.model_draft);
+  check_assistant_matches(drafter->config(), model.config(), a.model_draft, a.model);
+  Sequence seq(model.shared_model(),
+               std::min<int64_t>(model.max_context(),
+                                 static_cast<int64_t>(ids.size()) + n_new + a.draft_max + 1),
+               model.kv_type());
+  SpeculativeOptions opt;
+  opt.draft_max = a.draft_max;
+  opt.adaptive = false;
+  std::vector<SpeculativeRound> rounds;
+  const auto out =
+      speculative_generate(pool, seq, *drafter, ids, n_new, nullptr, opt, nullptr, &rounds);
+  std::vector<int64_t> pos, in, nd, acc, drafts, tids;
+  const size_t K = static_cast<size_t>(a.draft_max);
+  for (const SpeculativeRound& r : rounds) {
+    pos.push_back(r.position);
+    in.push_back(r.input_token);
+    nd.push_back(static_cast<int64_t>(r.drafts.size()));
+    acc.push_back(r.accepted);
+    for (size_t i = 0; i < K; ++i) drafts.push_back(i < r.drafts.size() ? r.drafts[i] : -1);
+    for (size_t i = 0; i <= K; ++i) tids.push_back(i < r.target_ids.size() ? r.target_ids[i] : -1);
+  }
+  taps.append_ids("spec_new_ids", std::vector<int64_t>(out.begin(), out.end()));
+  taps.append_ids("spec_round_positions", pos);
+  taps.append_ids("spec_round_input_tokens", in);
+  taps.append_ids("spec_round_num_drafts", nd);
+  taps.append_ids("spec_round_accepted", acc);
+  taps.append_ids("spec_round_drafts", drafts, {static_cast<int64_t>(K)});
+  taps.append_ids("spec_round_target_ids", tids, {static_cast<int64_t>(K + 1)});
+}
 
 // The images of the prompt, in prompt order, as the vision tower takes them.
 std::vector<VisionInput> load_images(const DumpArgs& a, const Sequence& model) {
@@ -250,7 +288,12 @@ int run_dump(const DumpArgs& a) {
     std::vector<int64_t> seq(ids.begin(), ids.end());
     seq.insert(seq.end(), decode_ids.begin(), decode_ids.end());
     taps.append_ids("sequence_ids", seq);
+    if (!a.model_draft.empty()) {
+      if (n_soft) fail("--model-draft runs text prompts only (no images or audio)");
+      record_speculative(a, pool, *model, ids, a.decode, taps);
+    }
   }
+  if (!a.model_draft.empty() && a.decode <= 0) fail("--model-draft needs --decode N");
   taps.write_dir(a.out);
 
   std::cerr << "load " << t_load << " s; ";
@@ -285,6 +328,12 @@ void add_dump_command(CLI::App& app, Registry& reg) {
   sub->add_option("--taps", a->taps, "comma-separated tap names, or 'all'")->capture_default_str();
   sub->add_option("--decode", a->decode,
                   "greedy decode N tokens with the KV cache (decode_ids, decode_logits)");
+  sub->add_option("--model-draft", a->model_draft,
+                  "with --decode: also a greedy speculative decode with this gemma4_assistant "
+                  "drafter (also -md), writing the spec_* taps (spec_round_drafts, "
+                  "spec_round_accepted, ...)");
+  sub->add_option("--draft-max", a->draft_max, "drafts per speculative round (default 4)")
+      ->check(CLI::Range(1, 64));
   sub->add_option("--chunk", a->chunk, "prefill chunk size (0 = whole prompt in one pass)");
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
   add_cache_type(sub, a->cache_type);

@@ -9,6 +9,7 @@
 #include "io/mapped_file.h"
 #include "runtime/assistant.h"
 #include "runtime/generation.h"
+#include "runtime/speculative.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 #include "tools/generation_args.h"
@@ -35,6 +36,10 @@ struct GenerateArgs : CommonArgs {
   std::vector<std::string> images, audios;
   bool raw = false, json = false;
   std::string json_schema, json_schema_file;  // constrained output (llama.cpp's -j / -jf)
+  // Speculative decoding with a gemma4_assistant drafter (shared/docs/gemma4-mtp.md).
+  std::string model_draft;
+  int draft_max = 4, draft_min = 0;
+  bool no_draft_adapt = false;
 };
 
 // The grammar --json-schema / --json-schema-file ask for; "{}" means any JSON object.
@@ -62,6 +67,86 @@ std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
   }
 }
 
+// generate with a drafter: the target verifies the drafter's proposals; the ids are the ones
+// plain decoding gives (greedy) or are distributed as its samples are (sampling).
+int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& pool,
+                             const PreparedPrompt& p) {
+  if (!a.images.empty() || !a.audios.empty())
+    fail("--model-draft runs text prompts only (no --image / --audio)");
+  if (output_grammar(a))
+    fail("--model-draft cannot be combined with --json-schema yet (drafts are not constrained)");
+  const auto drafter = AssistantModel::open(a.model_draft);
+  check_assistant_matches(drafter->config(), as.model().config(), a.model_draft, a.model);
+  auto sequence = as.new_sequence();
+  const GenerationOptions opt = generation_options(a, as);
+  SpeculativeOptions so;
+  so.draft_max = a.draft_max;
+  so.draft_min = a.draft_min;
+  so.adaptive = !a.no_draft_adapt;
+  const int64_t room =
+      sequence->max_context() - static_cast<int64_t>(p.ids.size()) - a.draft_max - 1;
+  if (room <= 0) fail("the prompt leaves no room in the context (raise --ctx-size / -c)");
+  const int64_t n_new = std::min<int64_t>(opt.max_tokens, room);
+  std::optional<Sampler> sampler;
+  if (opt.sampling.temperature > 0) sampler.emplace(opt.sampling);
+  StreamDecoder decoder(as.tokenizer(), /*skip_special=*/!opt.keep_special_text);
+  GenerationResult r;
+  r.prompt_tokens = static_cast<int64_t>(p.ids.size());
+  r.finish_reason = "length";
+  const double t0 = now_seconds();
+  double t_first = 0;
+  SpeculativeStats stats;
+  speculative_generate(
+      pool, *sequence, *drafter, p.ids, n_new, sampler ? &*sampler : nullptr, so, &stats, nullptr,
+      [&](int32_t id) {
+        if (r.tokens.empty()) t_first = now_seconds();
+        if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) {
+          r.finish_reason = "stop";
+          return false;
+        }
+        r.tokens.push_back(id);
+        // Ids the tokenizer does not name (padding rows of a larger vocabulary) decode to
+        // nothing, as in plain generation.
+        const std::string piece = as.tokenizer().has_id(id) ? decoder.push(id) : std::string();
+        r.text += piece;
+        if (!a.json) std::cout << piece << std::flush;
+        for (const std::string& stop : opt.stop_strings)
+          if (!stop.empty() && r.text.find(stop) != std::string::npos) {
+            r.text.resize(r.text.find(stop));
+            r.finish_reason = "stop";
+            return false;
+          }
+        return true;
+      });
+  if (r.finish_reason == "length") {
+    const std::string rest = decoder.flush();
+    r.text += rest;
+    if (!a.json) std::cout << rest;
+  }
+  const double t1 = now_seconds();
+  r.prefill_seconds = t_first > 0 ? t_first - t0 : t1 - t0;
+  r.decode_seconds = t_first > 0 ? t1 - t_first : 0;
+  if (a.json) {
+    const nlohmann::json j = {{"text", r.text},
+                              {"tokens", r.tokens},
+                              {"prompt_ids", p.ids},
+                              {"finish_reason", r.finish_reason},
+                              {"prompt_tokens", r.prompt_tokens},
+                              {"completion_tokens", r.tokens.size()},
+                              {"draft_rounds", stats.rounds},
+                              {"drafted", stats.drafted},
+                              {"draft_accepted", stats.accepted}};
+    std::cout << j.dump() << "\n";
+  } else {
+    std::cout << "\n";
+  }
+  print_stats(r);
+  std::cerr << "drafter: " << stats.rounds << " rounds, " << stats.accepted << " of "
+            << stats.drafted << " drafts accepted (" << 100.0 * stats.acceptance() << "%), "
+            << stats.plain_steps << " plain steps\n";
+  return 0;
+}
+
 int run_generate(const GenerateArgs& a) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
   print_model_notes(as->model().notes(), a.verbose);
@@ -82,6 +167,7 @@ int run_generate(const GenerateArgs& a) {
     msgs.push_back(std::move(user));
     p = as->prepare_chat(pool, msgs, {true, a.think});
   }
+  if (!a.model_draft.empty()) return run_generate_speculative(a, *as, pool, p);
   auto sequence = as->new_sequence();
   GenerationSession session(*sequence, as->tokenizer());
   GenerationOptions opt = generation_options(a, *as);
@@ -205,6 +291,17 @@ void add_generate_command(CLI::App& app, Registry& reg) {
                   "object), enforced while sampling");
   sub->add_option("--json-schema-file", a->json_schema_file,
                   "the same, with the schema read from a file");
+  sub->add_option(
+      "--model-draft", a->model_draft,
+      "speculative decoding with this gemma4_assistant (MTP) drafter checkpoint (also -md)");
+  sub->add_option("--draft-max", a->draft_max, "drafts per round at most (default 4)")
+      ->check(CLI::Range(1, 64));
+  sub->add_option("--draft-min", a->draft_min,
+                  "draft only when at least this many drafts fit (default 0)")
+      ->check(CLI::Range(0, 64));
+  sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
+                "keep the draft length fixed (default: adapt it to the acceptance and stop "
+                "drafting while it does not pay)");
   reg.add(sub, [a] { return run_generate(*a); });
 }
 

@@ -52,6 +52,10 @@ int main(int argc, char** argv) {
       if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
     }
+  // llama.cpp's -md (--model-draft) likewise.
+  static char model_draft[] = "--model-draft";
+  for (char*& arg : args)
+    if (std::strcmp(arg, "-md") == 0) arg = model_draft;
   try {
     app.parse(argc, args.data());
   } catch (const CLI::ParseError& e) {

@@ -54,6 +54,18 @@ std::vector<int32_t> load_suppress_tokens(const std::string& model_dir) {
 }
 
 int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t> history) {
+  std::vector<double> prob;
+  const double total = distribution(logits, V, history, prob);
+  double r = uniform() * total;
+  for (size_t i = 0; i < prob.size(); ++i) {
+    r -= prob[i];
+    if (r < 0) return idx_[i];
+  }
+  return idx_[prob.size() - 1];
+}
+
+double Sampler::distribution(const float* logits, int64_t V, std::span<const int32_t> history,
+                             std::vector<double>& prob) {
   if (V <= 0) fail("sampler: empty vocabulary");
   work_.assign(logits, logits + V);
   if (p_.repetition_penalty != 1.0f) {
@@ -73,7 +85,9 @@ int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t>
     int64_t best = 0;
     for (int64_t i = 1; i < V; ++i)
       if (work_[static_cast<size_t>(i)] > work_[static_cast<size_t>(best)]) best = i;
-    return static_cast<int32_t>(best);
+    idx_.assign(1, static_cast<int32_t>(best));
+    prob.assign(1, 1.0);
+    return 1.0;
   }
   for (float& l : work_) l /= p_.temperature;
   // Candidates sorted by logit, descending (stable: ties keep the lower id first).
@@ -94,7 +108,7 @@ int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t>
     });
   }
   idx_.resize(keep);
-  std::vector<double> prob(keep);
+  prob.assign(keep, 0.0);
   const double mx = work_[static_cast<size_t>(idx_[0])];
   double sum = 0;
   for (size_t i = 0; i < keep; ++i)
@@ -116,14 +130,11 @@ int32_t Sampler::sample(const float* logits, int64_t V, std::span<const int32_t>
     while (n < keep && prob[n] >= floor_p) ++n;
     keep = n;
   }
+  prob.resize(keep);
+  idx_.resize(keep);
   double total = 0;
   for (size_t i = 0; i < keep; ++i) total += prob[i];
-  double r = uniform() * total;
-  for (size_t i = 0; i < keep; ++i) {
-    r -= prob[i];
-    if (r < 0) return idx_[i];
-  }
-  return idx_[keep - 1];
+  return total;
 }
 
 }  // namespace gemstage

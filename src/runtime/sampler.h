@@ -39,6 +39,14 @@ class Sampler {
   // history: tokens so far (prompt + generated), for the repetition penalty.
   int32_t sample(const float* logits, int64_t vocab, std::span<const int32_t> history);
   const SamplingParams& params() const { return p_; }
+  // The distribution sample() draws from: candidates() (ids) with weights `prob` whose sum is
+  // returned (divide by it for probabilities); greedy gives the argmax alone with weight 1.
+  // Speculative decoding's acceptance rule needs the target's distribution itself.
+  double distribution(const float* logits, int64_t vocab, std::span<const int32_t> history,
+                      std::vector<double>& prob);
+  const std::vector<int32_t>& candidates() const { return idx_; }
+  // A uniform draw in [0, 1) from this sampler's seeded generator.
+  double next_uniform() { return uniform(); }
 
  private:
   double uniform();  // [0, 1)

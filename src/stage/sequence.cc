@@ -231,4 +231,11 @@ FloatTensor Sequence::prefill(ThreadPool& pool, std::span<const int32_t> ids,
                         });
 }
 
+const LayerKvCache* Sequence::layer_cache(int layer) const {
+  if (layer < 0 || layer >= config().text.num_hidden_layers) return nullptr;
+  for (const auto& c : caches_)
+    if (c && c->own(layer)) return c->own(layer);
+  return nullptr;
+}
+
 }  // namespace gemstage

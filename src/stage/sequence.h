@@ -65,6 +65,9 @@ class Sequence {
   void set_kv_type(KvType t);
   // Forgets positions n.. in every stage's caches; false (nothing changed) if they cannot.
   bool truncate(int64_t n);
+  // The KV cache layer `layer` keeps, in whichever stage holds it; null if none does (a
+  // KV-shared layer). The MTP drafter reads its donor layers through this.
+  const LayerKvCache* layer_cache(int layer) const;
 
   // Runs one call's ids at positions n_past().. through every stage; soft_tokens fill the
   // placeholder rows of these ids in order. Returns logits for every row or only the last.

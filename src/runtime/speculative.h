@@ -1,0 +1,69 @@
+// Speculative decoding with a Gemma 4 MTP drafter (shared/docs/gemma4-mtp.md): the drafter
+// proposes k tokens from the target's newest token and post-norm hidden state, reading the
+// target's committed K/V; the target runs [x_P, d_1..d_k] as one call of k+1 rows, keeps the
+// longest prefix of drafts it agrees with plus its own next token, and its caches are rolled back
+// past the rejected rows (Sequence::truncate; sliding rings keep kRollbackSlack rows for this).
+//
+// Greedy: the output is the target's own greedy output. Sampling: the standard speculative
+// acceptance rule for a deterministic drafter (q is a point mass on the draft d): accept d with
+// probability p(d); on a rejection draw from p with d removed, renormalized; after k accepted
+// drafts draw the extra token from the last row's p. Each emitted token is then distributed as
+// the target's sampler would draw it.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "core/thread_pool.h"
+#include "gemma4/assistant_model.h"
+#include "runtime/sampler.h"
+#include "stage/sequence.h"
+
+namespace gemstage {
+
+struct SpeculativeOptions {
+  int draft_max = 4;  // K: drafts per round at most
+  int draft_min = 0;  // a round that would draft fewer runs a plain target step instead
+  // Adapt k to the measured acceptance and switch drafting off while rounds produce tokens more
+  // slowly than plain steps (probing again after a growing pause).
+  bool adaptive = true;
+};
+
+// One drafting round, as the fixtures' spec_round_* taps record it.
+struct SpeculativeRound {
+  int64_t position = 0;     // P
+  int32_t input_token = 0;  // x_P
+  std::vector<int32_t> drafts;
+  int accepted = 0;
+  std::vector<int32_t> target_ids;  // the target's choice at each verify row
+};
+
+struct SpeculativeStats {
+  int64_t rounds = 0, drafted = 0, accepted = 0;
+  int64_t plain_steps = 0;  // target steps without drafts
+  double acceptance() const {
+    return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
+  }
+};
+
+// Generates n_new tokens after `prompt`, which is run on `target` from its current n_past()
+// (usually a fresh sequence). sampler null: greedy. on_token returning false stops early.
+// Rounds are appended to *rounds when given. Returns the new ids.
+std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
+                                          const AssistantModel& drafter,
+                                          std::span<const int32_t> prompt, int64_t n_new,
+                                          Sampler* sampler, const SpeculativeOptions& opt,
+                                          SpeculativeStats* stats = nullptr,
+                                          std::vector<SpeculativeRound>* rounds = nullptr,
+                                          const std::function<bool(int32_t)>& on_token = {});
+
+// The acceptance rule for one verify row: given the target's weights `prob` over `ids` (as
+// Sampler::distribution returns them, summing to `total`) and the draft d, returns d if accepted
+// (u < p(d)), else a token drawn from p with d removed using u2. Exposed for tests.
+int32_t speculative_accept_or_resample(std::span<const int32_t> ids, std::span<const double> prob,
+                                       double total, int32_t draft, double u, double u2,
+                                       bool* accepted);
+
+}  // namespace gemstage
