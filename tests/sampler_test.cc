@@ -6,6 +6,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "runtime/generation.h"
 
 using namespace gemstage;
 
@@ -85,4 +86,20 @@ TEST(Sampler, RejectsBadParameters) {
   p = {};
   p.temperature = -1.0f;
   EXPECT_THROW(Sampler{p}, Error);
+}
+
+TEST(Sampler, TokenLogprobIsTheLogSoftmaxAndTheTopAreSorted) {
+  // log-softmax of {1, 3, 2, 3}: log Z = log(e + 2e^3 + e^2).
+  const float logits[] = {1.0f, 3.0f, 2.0f, 3.0f};
+  const double log_z = std::log(std::exp(1.0) + 2 * std::exp(3.0) + std::exp(2.0));
+  const TokenLogprob t = token_logprob(logits, 4, 2, 3);
+  EXPECT_EQ(t.id, 2);
+  EXPECT_NEAR(t.logprob, 2.0 - log_z, 1e-6);
+  ASSERT_EQ(t.top.size(), 3u);
+  EXPECT_EQ(t.top[0].first, 1);  // ties: the lower id first
+  EXPECT_EQ(t.top[1].first, 3);
+  EXPECT_EQ(t.top[2].first, 2);
+  EXPECT_NEAR(t.top[0].second, 3.0 - log_z, 1e-6);
+  EXPECT_TRUE(token_logprob(logits, 4, 0, 0).top.empty());
+  EXPECT_EQ(token_logprob(logits, 4, 0, 10).top.size(), 4u);
 }

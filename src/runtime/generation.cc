@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 
 #include "core/error.h"
@@ -75,6 +76,7 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     finish("cancelled", false, on_text);
     return std::nullopt;
   }
+  const float* raw_logits = logits;
   if (!opt_.banned_ids.empty()) {
     masked_.assign(logits, logits + vocab);
     for (const int32_t b : opt_.banned_ids)
@@ -110,6 +112,8 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     return std::nullopt;
   }
   res_.tokens.push_back(id);
+  if (opt_.top_logprobs >= 0)
+    res_.logprobs.push_back(token_logprob(raw_logits, vocab, id, opt_.top_logprobs));
   history_.push_back(id);
   std::string& text = res_.text;
   // Ids the tokenizer does not name (padding rows of a larger model vocabulary) decode to
@@ -136,6 +140,28 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     return std::nullopt;
   }
   return id;
+}
+
+TokenLogprob token_logprob(const float* logits, int64_t vocab, int32_t id, int top) {
+  TokenLogprob out;
+  out.id = id;
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < vocab; ++i) mx = std::max(mx, logits[i]);
+  double sum = 0;
+  for (int64_t i = 0; i < vocab; ++i) sum += std::exp(static_cast<double>(logits[i]) - mx);
+  const double log_z = static_cast<double>(mx) + std::log(sum);
+  out.logprob = static_cast<float>(logits[id] - log_z);
+  const auto k = static_cast<size_t>(std::min<int64_t>(std::max(top, 0), vocab));
+  if (k == 0) return out;
+  std::vector<int32_t> idx(static_cast<size_t>(vocab));
+  for (int64_t i = 0; i < vocab; ++i) idx[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  std::partial_sort(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(k), idx.end(),
+                    [&](int32_t a, int32_t b) {
+                      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+                    });
+  for (size_t j = 0; j < k; ++j)
+    out.top.emplace_back(idx[j], static_cast<float>(logits[idx[j]] - log_z));
+  return out;
 }
 
 GenerationSession::GenerationSession(Sequence& sequence, const Tokenizer& tokenizer)
@@ -200,6 +226,7 @@ GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector
              logits.row(logits.dim(0) - 1), V, seq_.n_past() + 1 <= seq_.max_context(), on_text))
     logits = seq_.forward(pool, std::span<const int32_t>(&*id, 1), nullptr, false, nullptr);
   res.tokens = stream.result().tokens;
+  res.logprobs = stream.result().logprobs;
   res.text = stream.result().text;
   res.finish_reason = stream.result().finish_reason;
   res.decode_seconds = now() - t1;

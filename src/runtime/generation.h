@@ -38,12 +38,27 @@ struct GenerationOptions {
   std::shared_ptr<const ToolCallGrammar> tool_call_grammar;
   // Ids never sampled (tool_choice "none" bans <|tool_call>).
   std::vector<int32_t> banned_ids;
+  // Record each generated token's log-probability and this many most likely alternatives
+  // (OpenAI's logprobs / top_logprobs); -1: off.
+  int top_logprobs = -1;
 };
 
+// A generated token's log-probability under the model's own distribution (the softmax of its
+// logits, before temperature, penalties or constraints), and the most likely alternatives.
+struct TokenLogprob {
+  int32_t id = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // most likely first
+};
+
+// The log-softmax of `logits` at `id`, and the `top` most likely ids.
+TokenLogprob token_logprob(const float* logits, int64_t vocab, int32_t id, int top);
+
 struct GenerationResult {
-  std::vector<int32_t> tokens;  // generated ids, without the stop id
-  std::string text;             // decoded, cut before a stop string
-  std::string finish_reason;    // "stop", "length", "context" (context limit) or "cancelled"
+  std::vector<int32_t> tokens;         // generated ids, without the stop id
+  std::vector<TokenLogprob> logprobs;  // one per token when GenerationOptions::top_logprobs >= 0
+  std::string text;                    // decoded, cut before a stop string
+  std::string finish_reason;           // "stop", "length", "context" (context limit) or "cancelled"
   int64_t prompt_tokens = 0, reused_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
 };

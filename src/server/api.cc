@@ -229,10 +229,18 @@ void parse_common(const json& body, GenerationRequest& r) {
                       "' is not supported (the sampler has no frequency/presence penalty); "
                       "omit it or send 0");
   if (const json* rf = member(body, "response_format")) s.json_grammar = parse_response_format(*rf);
-  if (const json* lp = member(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
-    bad_request("logprobs", "unsupported_value", "'logprobs' is not supported");
-  if (member(body, "top_logprobs"))
-    bad_request("top_logprobs", "unsupported_value", "'top_logprobs' is not supported");
+  // Chat's form: logprobs true, then top_logprobs 0-20 (the legacy completions form, an integer
+  // logprobs, is refused by parse_completion_request).
+  const json* lp = member(body, "logprobs");
+  const bool want_logprobs = lp && lp->is_boolean() && lp->get<bool>();
+  if (lp && !lp->is_boolean() && !lp->is_number_integer()) wrong_type("logprobs", "a boolean", *lp);
+  if (const auto top = get_int(body, "top_logprobs", 0, 20)) {
+    if (!want_logprobs)
+      bad_request("top_logprobs", "invalid_value", "'top_logprobs' needs 'logprobs': true");
+    s.top_logprobs = static_cast<int>(*top);
+  } else if (want_logprobs) {
+    s.top_logprobs = 0;
+  }
 }
 
 // Accepted role names; "developer" is OpenAI's newer name for the system message.
@@ -430,6 +438,9 @@ CompletionRequest parse_completion_request(const json& body) {
                 "'prompt' must be one string (batches and token-id arrays are not supported)");
   else
     wrong_type("prompt", "a string", *prompt);
+  if (const json* lp = member(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
+    bad_request("logprobs", "unsupported_value",
+                "'logprobs' is not supported on /v1/completions; use /v1/chat/completions");
   if (const auto echo = get_bool(body, "echo", "echo"); echo && *echo)
     bad_request("echo", "unsupported_value", "'echo' is not supported");
   if (const auto suffix = get_string(body, "suffix"); suffix && !suffix->empty())
@@ -506,6 +517,7 @@ GenerationOptions apply_overrides(const GenerationOptions& defaults, const Sampl
   g.sampling.seed = o.seed.value_or(fallback_seed);
   if (o.stop) g.stop_strings = *o.stop;
   g.json_grammar = o.json_grammar;
+  g.top_logprobs = o.top_logprobs.value_or(-1);
   return g;
 }
 
@@ -595,6 +607,24 @@ std::string wire_json(const json& j) {
 std::string sse_event(const json& chunk) {
   // dump() escapes newlines inside strings, so one event is always one "data:" line.
   return "data: " + wire_json(chunk) + "\n\n";
+}
+
+json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens) {
+  auto entry = [&](int32_t id, float logprob) {
+    const std::string text = tokenizer.has_id(id) ? tokenizer.token_bytes(id) : std::string();
+    json bytes = json::array();
+    for (unsigned char b : text) bytes.push_back(b);
+    return json{{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+  };
+  json content = json::array();
+  for (const TokenLogprob& t : tokens) {
+    json e = entry(t.id, t.logprob);
+    json top = json::array();
+    for (const auto& [id, lp] : t.top) top.push_back(entry(id, lp));
+    e["top_logprobs"] = std::move(top);
+    content.push_back(std::move(e));
+  }
+  return {{"content", std::move(content)}, {"refusal", nullptr}};
 }
 
 std::string sse_named_event(const std::string& name, const json& data) {

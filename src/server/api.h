@@ -11,6 +11,7 @@
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -78,6 +79,8 @@ struct SamplingOverrides {
   std::optional<std::vector<std::string>> stop;
   // response_format json_object / json_schema: the output is one such JSON value.
   std::shared_ptr<const JsonGrammar> json_grammar;
+  // logprobs: true, with top_logprobs alternatives (0-20) per token.
+  std::optional<int> top_logprobs;
 };
 
 // The fields chat and text completions share.
@@ -182,6 +185,10 @@ std::vector<nlohmann::json> chat_delta_chunks(const ResponseMeta& m, const Outpu
 // JSON text for the wire. Invalid UTF-8 (which can reach an error message quoting a client's
 // bytes) is replaced rather than thrown on, so building a reply can never fail.
 std::string wire_json(const nlohmann::json& j);
+
+// A choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
+// "refusal": null}, tokens as their text (special tokens by name) and raw bytes.
+nlohmann::json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens);
 
 // "data: <json>\n\n", the server-sent-events framing of one stream chunk.
 std::string sse_event(const nlohmann::json& chunk);

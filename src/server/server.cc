@@ -139,8 +139,9 @@ struct Job {
   bool started = false;  // the prompt is prepared and fits: the reply is a 200 from here on
   bool done = false;
   std::optional<ApiError> error;
-  std::string pending;  // generated text the HTTP thread has not taken yet
-  std::string text;     // the whole reply, once done
+  std::string pending;                 // generated text the HTTP thread has not taken yet
+  std::vector<TokenLogprob> logprobs;  // every generated token's, when the request asked
+  std::string text;                    // the whole reply, once done
   int64_t prompt_tokens = 0, completion_tokens = 0;
   std::string finish_reason;
 
@@ -746,6 +747,13 @@ void Server::Impl::step() {
                                    job.cv.notify_all();
                                    return !job.cancel.load();
                                  });
+      if (job.gen.top_logprobs >= 0) {
+        const std::vector<TokenLogprob>& all = s.stream->result().logprobs;
+        std::lock_guard<std::mutex> lk(job.mu);
+        job.logprobs.insert(job.logprobs.end(),
+                            all.begin() + static_cast<std::ptrdiff_t>(job.logprobs.size()),
+                            all.end());
+      }
       if (!s.next_id) end_job(s, s.stream->result().finish_reason);
     }
   }
@@ -857,6 +865,8 @@ struct StreamState {
   ResponseMeta meta;
   bool chat = true, include_usage = false, sent_role = false;
   std::unique_ptr<ClientSocket> client;
+  size_t logprobs_sent = 0;                         // of job->logprobs
+  const Tokenizer* tokenizer = nullptr;             // to name the logprobs' tokens
   std::function<void()> on_close;                   // the server's open-stream count
   std::unique_ptr<OutputStreamParser> tool_parser;  // tool path: raw text -> deltas
   std::function<std::string()> new_call_id;
@@ -881,13 +891,19 @@ struct StreamProgress {
   std::optional<ApiError> error;
   std::string finish;
   int64_t prompt_tokens = 0, completion_tokens = 0;
+  std::vector<TokenLogprob> logprobs;  // of the tokens since the last look
 };
 
-StreamProgress take_progress(Job& j) {
+StreamProgress take_progress(Job& j, size_t* logprobs_sent = nullptr) {
   StreamProgress p;
   std::unique_lock<std::mutex> lk(j.mu);
   j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
   p.piece.swap(j.pending);
+  if (logprobs_sent && *logprobs_sent < j.logprobs.size()) {
+    p.logprobs.assign(j.logprobs.begin() + static_cast<std::ptrdiff_t>(*logprobs_sent),
+                      j.logprobs.end());
+    *logprobs_sent = j.logprobs.size();
+  }
   p.done = j.done;
   p.error = j.error;
   p.finish = j.finish_reason;
@@ -967,8 +983,18 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
         !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
       return gone();
   }
-  StreamProgress p = take_progress(j);
+  StreamProgress p = take_progress(j, st.chat ? &st.logprobs_sent : nullptr);
   const std::string& piece = p.piece;
+  // The tokens' logprobs ride on this step's first chunk, or on an empty one of their own.
+  std::optional<json> logprobs;
+  if (!p.logprobs.empty()) logprobs = logprobs_json(*st.tokenizer, p.logprobs);
+  auto with_logprobs = [&](json chunk) {
+    if (logprobs) {
+      chunk["choices"][0]["logprobs"] = std::move(*logprobs);
+      logprobs.reset();
+    }
+    return chunk;
+  };
   const bool done = p.done;
   const std::optional<ApiError>& error = p.error;
   const std::string& finish = p.finish;
@@ -982,12 +1008,14 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
       d.tool_calls.insert(d.tool_calls.end(), rest.tool_calls.begin(), rest.tool_calls.end());
     }
     for (const json& chunk : chat_delta_chunks(st.meta, d, st.new_call_id))
-      if (!write(chunk)) return gone();
+      if (!write(with_logprobs(chunk))) return gone();
   } else if (!piece.empty()) {
     const json chunk = st.chat ? chat_chunk_json(st.meta, {{"content", piece}}, std::nullopt)
                                : text_completion_chunk_json(st.meta, piece, std::nullopt);
-    if (!write(chunk)) return gone();
+    if (!write(with_logprobs(chunk))) return gone();
   }
+  if (logprobs && !write(with_logprobs(chat_chunk_json(st.meta, {{"content", ""}}, std::nullopt))))
+    return gone();
   if (!done) return st.client->alive() ? true : gone();
   if (error || finish == "cancelled") {
     // Cut short (shutdown, or a fault after the 200 went out): an error event, and no
@@ -1115,7 +1143,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       res.set_content(wire_json(out), "application/json");
       return;
     }
-    const json out =
+    json out =
         job->tool_request
             ? chat_tool_completion_json(meta, job->generation_prefix + job->text,
                                         job->finish_reason == "stop", job->prompt_tokens,
@@ -1123,6 +1151,8 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
         : chat
             ? chat_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens)
             : text_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens);
+    if (chat && job->gen.top_logprobs >= 0)
+      out["choices"][0]["logprobs"] = logprobs_json(assistant->tokenizer(), job->logprobs);
     res.set_content(wire_json(out), "application/json");
     return;
   }
@@ -1132,6 +1162,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   st->meta = meta;
   st->chat = chat;
   st->include_usage = include_usage;
+  st->tokenizer = &assistant->tokenizer();
   st->client = std::move(client);
   if (job->tool_request) {
     std::lock_guard<std::mutex> lk(job->mu);

@@ -242,6 +242,31 @@ await step("response_format json_object and json_schema: valid at temperature 1,
   check(finished >= 5, `only ${finished} of 8 samples finished`);
 });
 
+await step("logprobs / top_logprobs: one entry per token, streamed the same", async () => {
+  const body = { model: "model", messages: [{ role: "user", content: prompt }], temperature: 0,
+                 max_tokens: 6, logprobs: true, top_logprobs: 3 };
+  const r = await client.chat.completions.create(body);
+  const content = r.choices[0].logprobs.content;
+  eq(content.length, r.usage.completion_tokens, "one entry per generated token");
+  for (const e of content) {
+    check(e.logprob <= 0 && Number.isFinite(e.logprob), `logprob ${e.logprob}`);
+    eq(e.top_logprobs.length, 3, "top_logprobs");
+    check(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob, "top_logprobs sorted");
+    check(e.logprob <= e.top_logprobs[0].logprob + 1e-6, "the token is at most as likely as the top");
+    const mass = e.top_logprobs.reduce((a, t) => a + Math.exp(t.logprob), 0);
+    check(mass <= 1 + 1e-5, `top mass ${mass}`);
+    if (!e.token.includes("\uFFFD")) eq(Buffer.from(e.bytes).toString("utf8"), e.token, "bytes");
+  }
+  const stream = await client.chat.completions.create({ ...body, stream: true });
+  const streamed = [];
+  for await (const chunk of stream) streamed.push(...(chunk.choices[0]?.logprobs?.content ?? []));
+  eq(streamed.map((e) => e.logprob), content.map((e) => e.logprob), "streamed logprobs");
+  await expectApiError(client.chat.completions.create({ ...body, logprobs: false }), 400,
+                       "invalid_value", "top_logprobs");
+  await expectApiError(client.chat.completions.create({ ...body, top_logprobs: 21 }), 400,
+                       "invalid_value", "top_logprobs");
+});
+
 await step("tool round trip: tools, assistant tool_calls, tool result; plain and streamed", async () => {
   // The request an agent sends after running the call it got back. A random-weight model rarely
   // writes a well-formed call itself, so this checks the round trip's shapes (tests/
