@@ -609,6 +609,18 @@ std::string sse_event(const json& chunk) {
   return "data: " + wire_json(chunk) + "\n\n";
 }
 
+void refuse_media_with_tools(const json& chat_body, const std::string& param) {
+  if (chat_body.contains("tools") || chat_body.contains("tool_choice"))
+    bad_request(param, "unsupported_value",
+                "images together with tools are not supported yet; send the images without "
+                "tools, or the tool conversation without images");
+  for (const json& m : chat_body.value("messages", json::array()))
+    if (m.contains("tool_calls") || m.value("role", "") == "tool" ||
+        m.contains("reasoning_content"))
+      bad_request(param, "unsupported_value",
+                  "images together with tool calls or reasoning are not supported yet");
+}
+
 json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens) {
   auto entry = [&](int32_t id, float logprob) {
     const std::string text = tokenizer.has_id(id) ? tokenizer.token_bytes(id) : std::string();

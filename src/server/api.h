@@ -186,6 +186,10 @@ std::vector<nlohmann::json> chat_delta_chunks(const ResponseMeta& m, const Outpu
 // bytes) is replaced rather than thrown on, so building a reply can never fail.
 std::string wire_json(const nlohmann::json& j);
 
+// A chat body with images must not also have tools, tool calls, tool results or reasoning: the
+// tool path renders text only. A 400 naming `param` (the dialect's field) otherwise.
+void refuse_media_with_tools(const nlohmann::json& chat_body, const std::string& param);
+
 // A choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
 // "refusal": null}, tokens as their text (special tokens by name) and raw bytes.
 nlohmann::json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens);

@@ -239,14 +239,7 @@ Request to_chat_body(const json& body) {
       c["parallel_tool_calls"] = !d->get<bool>();
     }
   }
-  if (r.has_media && (c.contains("tools") || c.contains("tool_choice")))
-    bad_request("messages", "unsupported_value",
-                "images together with tools are not supported yet; send the images without "
-                "tools, or the tool conversation without images");
-  for (const json& m : c["messages"])
-    if (r.has_media && (m.contains("tool_calls") || m["role"] == "tool"))
-      bad_request("messages", "unsupported_value",
-                  "images together with tool calls are not supported yet");
+  if (r.has_media) refuse_media_with_tools(c, "messages");
   return r;
 }
 

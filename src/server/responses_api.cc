@@ -266,15 +266,7 @@ Request to_chat_body(const json& body) {
       wrong_type("tool_choice", "a string or an object", *tc);
     }
   }
-  if (r.has_media && (c.contains("tools") || c.contains("tool_choice")))
-    bad_request("input", "unsupported_value",
-                "images together with tools are not supported yet; send the images without "
-                "tools, or the tool conversation without images");
-  for (const json& m : c["messages"])
-    if (r.has_media &&
-        (m.contains("tool_calls") || m["role"] == "tool" || m.contains("reasoning_content")))
-      bad_request("input", "unsupported_value",
-                  "images together with function calls are not supported yet");
+  if (r.has_media) refuse_media_with_tools(c, "input");
   return r;
 }
 

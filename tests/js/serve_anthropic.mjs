@@ -7,28 +7,13 @@
 import fs from "node:fs";
 import path from "node:path";
 import {
-  SLOW, assert, generateJson, importPackage, parseArgs, startServer,
+  checks, SLOW, generateJson, importPackage, parseArgs, startServer,
 } from "./serve_helpers.mjs";
 
 const NAME = "serve_anthropic";
 const { cli, fixtures, model } = parseArgs(NAME);
 const { default: Anthropic } = await importPackage(NAME, "@anthropic-ai/sdk");
-const check = (cond, message) => assert(NAME, cond, message);
-const eq = (got, want, what) =>
-  check(JSON.stringify(got) === JSON.stringify(want),
-        `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
-
-let passed = 0;
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-  } catch (e) {
-    check(false, `${name}: ${e.stack ?? e}`);
-  }
-  passed++;
-  console.log(`ok ${passed} - ${name} (${Date.now() - t0} ms)`);
-}
+const { check, eq, step, passed: passedCount } = checks(NAME);
 
 // An APIError with this status and Anthropic error type.
 async function expectApiError(promise, status, type, pattern) {
@@ -179,4 +164,4 @@ await step("errors in Anthropic's shape: key, required fields, roles, blocks", a
 });
 
 eq(await server.stop("SIGTERM"), { code: 0, signal: null }, "exit status after SIGTERM");
-console.log(`serve_anthropic: all ${passed} checks passed`);
+console.log(`serve_anthropic: all ${passedCount()} checks passed`);

@@ -47,6 +47,27 @@ process.on("exit", () => {
   for (const p of running) p.kill("SIGKILL");
 });
 
+// The checks a numbered test script uses: check(cond, message), eq(got, want, what) by JSON
+// text, step(name, fn) which prints "ok N - name (ms)" or fails with the stack, and passed().
+export function checks(name) {
+  const check = (cond, message) => assert(name, cond, message);
+  const eq = (got, want, what) =>
+    check(JSON.stringify(got) === JSON.stringify(want),
+          `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
+  let count = 0;
+  async function step(title, fn) {
+    const t0 = Date.now();
+    try {
+      await fn();
+    } catch (e) {
+      check(false, `${title}: ${e.stack ?? e}`);
+    }
+    count++;
+    console.log(`ok ${count} - ${title} (${Date.now() - t0} ms)`);
+  }
+  return { check, eq, step, passed: () => count };
+}
+
 export function assert(name, cond, message) {
   if (!cond) {
     for (const p of running) p.kill("SIGKILL");

@@ -7,31 +7,17 @@
 import fs from "node:fs";
 import path from "node:path";
 import {
-  SLOW, assert, dataUrl, generateJson, importPackage, parseArgs, sleep, startServer,
+  checks, SLOW, dataUrl, generateJson, importPackage, parseArgs, sleep, startServer,
 } from "./serve_helpers.mjs";
 
 const NAME = "serve_openai";
 const { cli, fixtures, model } = parseArgs(NAME);
 const { default: OpenAI } = await importPackage(NAME, "openai");
-const check = (cond, message) => assert(NAME, cond, message);
-const eq = (got, want, what) =>
-  check(JSON.stringify(got) === JSON.stringify(want),
-        `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
+const { check, eq, step, passed: passedCount } = checks(NAME);
 
 const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
 const smallPng = path.join(fixtures, "image", "decode", "rgb_interlaced.png");
 const prompt = "Hello there, how are you?";
-let passed = 0;
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-  } catch (e) {
-    check(false, `${name}: ${e.stack ?? e}`);
-  }
-  passed++;
-  console.log(`ok ${passed} - ${name} (${Date.now() - t0} ms)`);
-}
 
 // An APIError with this status and error code (and param), in OpenAI's error shape.
 async function expectApiError(promise, status, code, param) {
@@ -403,4 +389,4 @@ await step("SIGTERM with a stream in flight: the stream ends and the server exit
   check(/SIGTERM/.test(server.stderr()) && /stopped/.test(server.stderr()), server.stderr());
 });
 
-console.log(`serve_openai: all ${passed} checks passed`);
+console.log(`serve_openai: all ${passedCount()} checks passed`);

@@ -6,28 +6,13 @@
 //   node tests/js/serve_responses.mjs path/to/gemstage path/to/tests/fixtures
 import path from "node:path";
 import {
-  SLOW, assert, dataUrl, generateJson, importPackage, parseArgs, startServer,
+  checks, SLOW, dataUrl, generateJson, importPackage, parseArgs, startServer,
 } from "./serve_helpers.mjs";
 
 const NAME = "serve_responses";
 const { cli, fixtures, model } = parseArgs(NAME);
 const { default: OpenAI } = await importPackage(NAME, "openai");
-const check = (cond, message) => assert(NAME, cond, message);
-const eq = (got, want, what) =>
-  check(JSON.stringify(got) === JSON.stringify(want),
-        `${what}: got ${JSON.stringify(got)}, want ${JSON.stringify(want)}`);
-
-let passed = 0;
-async function step(name, fn) {
-  const t0 = Date.now();
-  try {
-    await fn();
-  } catch (e) {
-    check(false, `${name}: ${e.stack ?? e}`);
-  }
-  passed++;
-  console.log(`ok ${passed} - ${name} (${Date.now() - t0} ms)`);
-}
+const { check, eq, step, passed: passedCount } = checks(NAME);
 
 async function expectApiError(promise, status, code, param) {
   try {
@@ -173,4 +158,4 @@ await step("errors name the Responses field", async () => {
 });
 
 eq(await server.stop("SIGTERM"), { code: 0, signal: null }, "exit status after SIGTERM");
-console.log(`serve_responses: all ${passed} checks passed`);
+console.log(`serve_responses: all ${passedCount()} checks passed`);
