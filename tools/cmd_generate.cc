@@ -42,6 +42,24 @@ struct GenerateArgs : CommonArgs {
   bool no_draft_adapt = false;
 };
 
+// The end of a generate run on stdout: with --json one object (text, ids, finish reason, usage,
+// plus `extra`), otherwise the newline after the streamed text.
+void print_result(const GenerateArgs& a, const GenerationResult& r, const PreparedPrompt& p,
+                  const nlohmann::json& extra = nlohmann::json::object()) {
+  if (!a.json) {
+    std::cout << "\n";
+    return;
+  }
+  nlohmann::json j = {{"text", r.text},
+                      {"tokens", r.tokens},
+                      {"prompt_ids", p.ids},
+                      {"finish_reason", r.finish_reason},
+                      {"prompt_tokens", r.prompt_tokens},
+                      {"completion_tokens", r.tokens.size()}};
+  j.update(extra);
+  std::cout << j.dump() << "\n";
+}
+
 // The grammar --json-schema / --json-schema-file ask for; "{}" means any JSON object.
 std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
   if (a.json_schema.empty() && a.json_schema_file.empty()) return nullptr;
@@ -126,20 +144,10 @@ int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& p
   const double t1 = now_seconds();
   r.prefill_seconds = t_first > 0 ? t_first - t0 : t1 - t0;
   r.decode_seconds = t_first > 0 ? t1 - t_first : 0;
-  if (a.json) {
-    const nlohmann::json j = {{"text", r.text},
-                              {"tokens", r.tokens},
-                              {"prompt_ids", p.ids},
-                              {"finish_reason", r.finish_reason},
-                              {"prompt_tokens", r.prompt_tokens},
-                              {"completion_tokens", r.tokens.size()},
-                              {"draft_rounds", stats.rounds},
-                              {"drafted", stats.drafted},
-                              {"draft_accepted", stats.accepted}};
-    std::cout << j.dump() << "\n";
-  } else {
-    std::cout << "\n";
-  }
+  print_result(a, r, p,
+               {{"draft_rounds", stats.rounds},
+                {"drafted", stats.drafted},
+                {"draft_accepted", stats.accepted}});
   print_stats(r);
   std::cerr << "drafter: " << stats.rounds << " rounds, " << stats.accepted << " of "
             << stats.drafted << " drafts accepted (" << 100.0 * stats.acceptance() << "%), "
@@ -177,17 +185,7 @@ int run_generate(const GenerateArgs& a) {
         if (!a.json) std::cout << piece << std::flush;
         return true;
       });
-  if (a.json) {
-    const nlohmann::json j = {{"text", r.text},
-                              {"tokens", r.tokens},
-                              {"prompt_ids", p.ids},
-                              {"finish_reason", r.finish_reason},
-                              {"prompt_tokens", r.prompt_tokens},
-                              {"completion_tokens", r.tokens.size()}};
-    std::cout << j.dump() << "\n";
-  } else {
-    std::cout << "\n";
-  }
+  print_result(a, r, p);
   print_stats(r);
   return 0;
 }
