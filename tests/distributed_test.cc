@@ -70,14 +70,14 @@ TEST(Wire, ForwardRoundTripsBitExactAndPassesTheReceivingContract) {
   ASSERT_FALSE(call.inputs.empty());
   WireMessage m;
   m.op = WireOp::Forward;
-  m.sequence_id = 42;
-  m.row_sequence = {7, 7, 9};
+  m.stage = "layers_0_3";
+  m.sequences = {7, 9};
   m.tensors = call.inputs;
   const auto bytes = encode_wire_message(m);
   const WireMessage back = decode_for_stage(bytes, call.stage, "input", "rank 1");
   EXPECT_EQ(back.op, WireOp::Forward);
-  EXPECT_EQ(back.sequence_id, 42u);
-  EXPECT_EQ(back.row_sequence, (std::vector<uint64_t>{7, 7, 9}));
+  EXPECT_EQ(back.stage, "layers_0_3");
+  EXPECT_EQ(back.sequences, (std::vector<uint64_t>{7, 9}));
   ASSERT_EQ(back.tensors.size(), call.inputs.size());
   for (const auto& [name, t] : call.inputs) {
     const HostTensor& u = back.tensors.at(name);
@@ -117,7 +117,8 @@ TEST(Wire, ReceivingContractRejectsAMissingTensorAndAWrongDtype) {
 TEST(Wire, EveryTruncationAndCorruptLengthIsAnErrorNotACrash) {
   WireMessage m;
   m.op = WireOp::Result;
-  m.sequence_id = 3;
+  m.stage = "layers_0_3";
+  m.sequences = {3};
   m.tensors.emplace("hidden_states", HostTensor(Shape{1, 2, 4}, std::vector<float>(8, 1.5f)));
   m.tensors.emplace("positions", HostTensor(Shape{2}, std::vector<int32_t>{4, 5}));
   const auto bytes = encode_wire_message(m);
@@ -144,7 +145,7 @@ TEST(Wire, EveryTruncationAndCorruptLengthIsAnErrorNotACrash) {
 TEST(Wire, FailureCarriesItsMessage) {
   WireMessage m;
   m.op = WireOp::Failure;
-  m.sequence_id = 11;
+  m.sequences = {11};
   m.error = "stage layers_3_6 on host b: out of memory";
   const WireMessage back = decode_wire_message(encode_wire_message(m), "rank 0");
   EXPECT_EQ(back.op, WireOp::Failure);

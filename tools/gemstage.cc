@@ -4,9 +4,13 @@
 #include <CLI/CLI.hpp>
 #include <cstring>
 #include <iostream>
+#include <memory>
 #include <vector>
 
 #include "core/error.h"
+#ifdef GEMSTAGE_HAVE_MPI
+#include "distributed/mpi_launch.h"
+#endif
 #include "io/mapped_file.h"
 #include "kernels/cpu_features.h"
 #include "tools/commands.h"
@@ -25,6 +29,19 @@ int main(int argc, char** argv) {
   gemstage::install_mapped_file_fault_handler();
   CLI::App app{"gemstage: Gemma 4 E-series as a pipeline of checked stages"};
   app.require_subcommand(1);
+  // Options of a run spread over the ranks of an MPI job (issue 22), taken after any subcommand.
+  app.fallthrough();
+  std::string placement;
+  double stage_timeout = 30;
+  app.add_option("--placement", placement,
+                 "under mpirun: which rank runs which stages, e.g. "
+                 "\"0=embeddings,final_norm_head 1=layers_0_13 2=layers_13_35\" (default: rank 0 "
+                 "the embeddings and head, the other ranks the transformer stages in order)");
+  app.add_option("--stage-timeout", stage_timeout,
+                 "under mpirun: seconds a rank may stay silent (no answer, no heartbeat) before "
+                 "its stage counts as failed")
+      ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
   gemstage::cli::Registry reg;
   gemstage::cli::add_info_command(app, reg);
   gemstage::cli::add_dump_command(app, reg);
@@ -61,9 +78,38 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
+#ifdef GEMSTAGE_HAVE_MPI
+  std::unique_ptr<gemstage::DistributedSession> distributed;
+#endif
   try {
     // A bad GEMSTAGE_ISA fails here, before any work, not inside the first kernel call.
     gemstage::cpu_tier();
+    if (gemstage::launched_as_mpi_ranks() || !placement.empty()) {
+#ifdef GEMSTAGE_HAVE_MPI
+      CLI::App* sub = nullptr;
+      for (auto& [s, action] : reg.commands)
+        if (s->parsed()) sub = s;
+      const std::string name = sub ? sub->get_name() : "";
+      if (name != "serve" && name != "generate" && name != "dump" && name != "bench" &&
+          name != "parity")
+        gemstage::fail("`", name,
+                       "` runs in one process; under mpirun only serve, generate, dump, ",
+                       "bench and parity spread stages over ranks");
+      if (!gemstage::launched_as_mpi_ranks())
+        gemstage::fail("--placement needs several ranks: mpirun -np K gemstage ", name, " ...");
+      gemstage::DistributedOptions d;
+      d.bundle = sub->get_option("--model")->as<std::string>();
+      d.threads = sub->get_option("--threads")->as<int>();
+      d.placement = placement;
+      d.stage_timeout_seconds = stage_timeout;
+      distributed = gemstage::DistributedSession::start(d);
+      if (distributed->is_worker()) return distributed->run_worker();
+#else
+      gemstage::fail(
+          "this gemstage was built without MPI (apt-get install libopenmpi-dev "
+          "openmpi-bin, then rebuild) and cannot run stages on several ranks");
+#endif
+    }
     for (auto& [sub, action] : reg.commands)
       if (sub->parsed()) return action();
   } catch (const gemstage::Error& e) {

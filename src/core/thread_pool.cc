@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -65,7 +66,15 @@ class FlushSubnormals {
 
 int default_thread_count() {
   const unsigned h = std::thread::hardware_concurrency();
-  return h == 0 ? 1 : static_cast<int>(h);
+  const int cores = h == 0 ? 1 : static_cast<int>(h);
+  // Ranks of one mpirun job on this host share its cores (Open MPI and MPICH/Slurm-style
+  // launchers say how many there are); each taking all of them would oversubscribe the host.
+  for (const char* var : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"})
+    if (const char* v = std::getenv(var)) {
+      const int ranks = std::atoi(v);
+      if (ranks > 1) return std::max(1, cores / ranks);
+    }
+  return cores;
 }
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {

@@ -59,7 +59,8 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
-// A sensible default thread count: the hardware's, at least 1.
+// A sensible default thread count: the hardware's, at least 1, shared among the ranks of an
+// MPI job on this host.
 int default_thread_count();
 
 }  // namespace gemstage

@@ -72,11 +72,31 @@ Placement parse_placement(const std::string& spec, const std::vector<std::string
   return p;
 }
 
+std::string placement_spec(const Placement& p) {
+  std::string s;
+  for (const auto& [rank, ids] : p) {
+    if (ids.empty()) continue;
+    if (!s.empty()) s += ' ';
+    s += std::to_string(rank) + '=';
+    for (size_t i = 0; i < ids.size(); ++i) s += (i ? "," : "") + ids[i];
+  }
+  return s;
+}
+
+void check_front_placement(const Placement& p, const std::string& embeddings_id) {
+  for (const auto& [rank, ids] : p)
+    if (rank != 0 && std::find(ids.begin(), ids.end(), embeddings_id) != ids.end())
+      fail("--placement: stage '", embeddings_id, "' is on rank ", rank,
+           "; it must be on rank 0, which holds the tokenizer and the image and audio towers");
+}
+
 std::string encode_rank_identity(const RankIdentity& id) {
   nlohmann::json j{{"rank", id.rank},
                    {"host", id.host},
                    {"manifest_sha256", id.manifest_sha256},
-                   {"stages_held", id.stages_held}};
+                   {"stages_held", id.stages_held},
+                   {"decode_weight_bytes", id.decode_weight_bytes},
+                   {"error", id.error}};
   return j.dump();
 }
 
@@ -88,6 +108,8 @@ RankIdentity decode_rank_identity(const std::string& bytes, const std::string& w
     id.host = j.at("host").get<std::string>();
     id.manifest_sha256 = j.at("manifest_sha256").get<std::string>();
     id.stages_held = j.at("stages_held").get<std::vector<std::string>>();
+    id.decode_weight_bytes = j.value("decode_weight_bytes", std::map<std::string, double>{});
+    id.error = j.value("error", "");
     return id;
   } catch (const nlohmann::json::exception& e) {
     fail(where, ": bad rank identity: ", e.what());
@@ -101,6 +123,9 @@ void check_handshake(const std::string& manifest_sha256, const Placement& placem
   for (const auto& id : ranks) {
     const auto it = placement.find(id.rank);
     if (it == placement.end()) fail("handshake: rank ", id.rank, " on ", id.host, " not placed");
+    if (!id.error.empty())
+      fail("handshake: rank ", id.rank, " on host ", id.host,
+           " could not open its stages: ", id.error);
     if (id.manifest_sha256 != manifest_sha256)
       fail("handshake: rank ", id.rank, " on host ", id.host, " opened another bundle (manifest ",
            id.manifest_sha256, ", rank 0 has ", manifest_sha256, ")");

@@ -23,12 +23,22 @@ Placement default_placement(const std::vector<std::string>& stage_ids,
 Placement parse_placement(const std::string& spec, const std::vector<std::string>& stage_ids,
                           int ranks);
 
+// The placement as "--placement" text (what rank 0 sends every worker, so all agree on it).
+std::string placement_spec(const Placement& p);
+
+// Rank 0 runs the embeddings stage (the vision and audio towers the front calls directly live in
+// it) and the tokenizer; throws naming the rank that holds it otherwise.
+void check_front_placement(const Placement& p, const std::string& embeddings_id);
+
 // What each rank reports at start.
 struct RankIdentity {
   int rank = 0;
   std::string host;
   std::string manifest_sha256;
   std::vector<std::string> stages_held;  // stage ids whose weight files this rank opened
+  // Per held stage: bytes of every matrix it reads for one decoded token.
+  std::map<std::string, double> decode_weight_bytes;
+  std::string error;  // why the rank could not open its stages; empty when it did
 };
 
 std::string encode_rank_identity(const RankIdentity& id);

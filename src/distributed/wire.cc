@@ -26,9 +26,8 @@ class Writer {
  public:
   void raw(const void* p, size_t n) {
     if (n == 0) return;
-    const size_t at = out.size();
-    out.resize(at + n);
-    std::memcpy(out.data() + at, p, n);
+    const auto* b = static_cast<const uint8_t*>(p);
+    out.insert(out.end(), b, b + n);
   }
   template <typename T>
   void put(T v) {
@@ -80,24 +79,41 @@ const char* wire_op_name(WireOp op) {
       return "forward";
     case WireOp::FreeSequence:
       return "free";
-    case WireOp::RollBack:
-      return "roll back";
+    case WireOp::Truncate:
+      return "truncate";
     case WireOp::Result:
       return "result";
     case WireOp::Failure:
       return "failure";
+    case WireOp::Commit:
+      return "commit";
+    case WireOp::Drop:
+      return "drop";
+    case WireOp::CanTruncate:
+      return "can-truncate";
+    case WireOp::Shutdown:
+      return "shutdown";
+    case WireOp::Heartbeat:
+      return "heartbeat";
   }
   return "?";
+}
+
+bool wire_op_has_reply(WireOp op) {
+  return op == WireOp::CreateSequence || op == WireOp::Forward || op == WireOp::CanTruncate ||
+         op == WireOp::Truncate;
 }
 
 std::vector<uint8_t> encode_wire_message(const WireMessage& m) {
   Writer w;
   w.raw(kMagic, 4);
   w.put<uint8_t>(static_cast<uint8_t>(m.op));
-  w.put<uint64_t>(m.sequence_id);
+  w.put<uint16_t>(static_cast<uint16_t>(m.stage.size()));
+  w.raw(m.stage.data(), m.stage.size());
+  w.put<uint32_t>(static_cast<uint32_t>(m.sequences.size()));
+  for (uint64_t s : m.sequences) w.put<uint64_t>(s);
   w.put<int64_t>(m.length);
-  w.put<uint32_t>(static_cast<uint32_t>(m.row_sequence.size()));
-  for (uint64_t s : m.row_sequence) w.put<uint64_t>(s);
+  w.put<uint8_t>(static_cast<uint8_t>(m.kv_type));
   w.put<uint32_t>(static_cast<uint32_t>(m.error.size()));
   w.raw(m.error.data(), m.error.size());
   w.put<uint32_t>(static_cast<uint32_t>(m.tensors.size()));
@@ -135,18 +151,26 @@ WireMessage decode_wire_message(std::span<const uint8_t> bytes, const std::strin
     fail(where, ": not a gemstage wire message (bad magic; peer runs another version?)");
   WireMessage m;
   const auto op = r.get<uint8_t>("op");
-  if (op < 1 || op > 6) fail(where, ": wire message op ", int(op), " unknown");
+  if (op < 1 || op > 11) fail(where, ": wire message op ", int(op), " unknown");
   m.op = static_cast<WireOp>(op);
-  m.sequence_id = r.get<uint64_t>("sequence_id");
+  const auto stage_len = r.get<uint16_t>("stage id length");
+  if (stage_len > kWireMaxNameBytes)
+    fail(where, ": stage id length ", stage_len, " exceeds ", kWireMaxNameBytes);
+  m.stage.resize(stage_len);
+  r.raw(m.stage.data(), stage_len, "stage id");
+  const auto n_seq = r.get<uint32_t>("sequence count");
+  if (n_seq > kWireMaxSequences || uint64_t{n_seq} * 8 > r.left())
+    fail(where, ": sequence count ", n_seq, " exceeds the message (", r.left(), " bytes left)");
+  m.sequences.resize(n_seq);
+  if (n_seq > 0) r.raw(m.sequences.data(), size_t{n_seq} * 8, "sequences");
   m.length = r.get<int64_t>("length");
   if (m.length < 0) fail(where, ": wire message length ", m.length, " is negative");
-  const auto rows = r.get<uint32_t>("row_sequence count");
-  if (uint64_t{rows} * 8 > r.left())
-    fail(where, ": row_sequence count ", rows, " exceeds the message (", r.left(), " bytes left)");
-  m.row_sequence.resize(rows);
-  if (rows > 0) r.raw(m.row_sequence.data(), size_t{rows} * 8, "row_sequence");
+  const auto kv = r.get<uint8_t>("kv_type");
+  if (kv != static_cast<uint8_t>(KvType::F32) && kv != static_cast<uint8_t>(KvType::BF16))
+    fail(where, ": kv_type code ", int(kv), " unknown");
+  m.kv_type = static_cast<KvType>(kv);
   const auto error_len = r.get<uint32_t>("error length");
-  if (error_len > r.left())
+  if (error_len > kWireMaxErrorBytes || error_len > r.left())
     fail(where, ": error length ", error_len, " exceeds the message (", r.left(), " bytes left)");
   m.error.resize(error_len);
   r.raw(m.error.data(), error_len, "error");
@@ -203,13 +227,17 @@ WireMessage decode_wire_message(std::span<const uint8_t> bytes, const std::strin
   return m;
 }
 
-WireMessage decode_for_stage(std::span<const uint8_t> bytes, const StageDecl& stage,
-                             const char* side, const std::string& where) {
-  WireMessage m = decode_wire_message(bytes, where);
+void check_wire_tensors(const WireMessage& m, const StageDecl& stage, const char* side) {
   const bool input = std::strcmp(side, "input") == 0;
   DimBindings dims;
   check_call_tensors(stage, side, input ? stage.contract.inputs : stage.contract.outputs, m.tensors,
                      dims);
+}
+
+WireMessage decode_for_stage(std::span<const uint8_t> bytes, const StageDecl& stage,
+                             const char* side, const std::string& where) {
+  WireMessage m = decode_wire_message(bytes, where);
+  check_wire_tensors(m, stage, side);
   return m;
 }
 

@@ -294,6 +294,14 @@ struct Server::Impl {
   void ensure_model_files_intact() {
     const std::string changed = model_files_changed();
     if (!changed.empty()) throw ApiError(503, changed, "server_error", {}, "model_file_changed");
+    const std::string down = stage_failure();
+    if (!down.empty()) throw ApiError(503, down, "server_error", {}, "stage_failed");
+  }
+  // A stage on another rank of an MPI job that stopped answering (stage/remote_stage.h): every
+  // request is then refused with a 503 naming the stage, rank and host, and /health says so, so a
+  // supervisor restarts the job (README "Stages on several hosts").
+  std::string stage_failure() const {
+    return ready.load() && assistant ? assistant->model().stage_failure() : std::string();
   }
 
   void setup_routes();
@@ -719,8 +727,13 @@ void Server::Impl::step() {
                            "out_of_memory"));
       continue;
     } catch (const std::exception& e) {
+      // A stage on a rank that stopped answering is the service's failure, not the request's.
+      const bool stage_down = !stage_failure().empty();
       for (Slot* s : owners)
-        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
+        if (s->job)
+          end_job(*s, "",
+                  stage_down ? ApiError(503, e.what(), "server_error", {}, "stage_failed")
+                             : ApiError(500, e.what(), "server_error"));
       continue;
     }
     rows_run += call_rows;
@@ -1337,6 +1350,9 @@ void Server::Impl::setup_routes() {
     } else if (const std::string changed = model_files_changed(); !changed.empty()) {
       res.status = 503;
       j = {{"status", "model_file_changed"}, {"error", changed}};
+    } else if (const std::string down = stage_failure(); !down.empty()) {
+      res.status = 503;
+      j = {{"status", "stage_failed"}, {"error", down}};
     } else {
       std::lock_guard<std::mutex> lk(q_mu);
       json states = json::array();

@@ -1,6 +1,8 @@
 #include "stage/model.h"
 
 #include <filesystem>
+#include <mutex>
+#include <optional>
 
 #include "core/error.h"
 #include "gemma4/registry.h"
@@ -12,7 +14,44 @@ namespace gemstage {
 
 Model::~Model() = default;
 
+namespace {
+struct ProcessPlacement {
+  std::mutex mu;
+  std::string bundle;
+  std::optional<StagePlacementOptions> placement;
+};
+ProcessPlacement& process_placement() {
+  static ProcessPlacement p;
+  return p;
+}
+bool same_path(const std::string& a, const std::string& b) {
+  std::error_code ec1, ec2;
+  const auto ca = std::filesystem::weakly_canonical(a, ec1);
+  const auto cb = std::filesystem::weakly_canonical(b, ec2);
+  return ec1 || ec2 ? a == b : ca == cb;
+}
+}  // namespace
+
+void set_process_stage_placement(const std::string& bundle, StagePlacementOptions placement) {
+  ProcessPlacement& p = process_placement();
+  std::lock_guard<std::mutex> lk(p.mu);
+  p.bundle = bundle;
+  p.placement = std::move(placement);
+}
+
 std::shared_ptr<const Model> Model::open(const std::string& path) {
+  ProcessPlacement& p = process_placement();
+  std::optional<StagePlacementOptions> placement;
+  {
+    std::lock_guard<std::mutex> lk(p.mu);
+    if (p.placement && same_path(path, p.bundle)) placement = p.placement;
+  }
+  return open(path, placement ? *placement : StagePlacementOptions{});
+}
+
+std::shared_ptr<const Model> Model::open(const std::string& path,
+                                         const StagePlacementOptions& placement) {
+  const bool placed = !placement.local.empty() || placement.remote;
   std::shared_ptr<Model> m(new Model());
   m->path_ = path;
   std::vector<std::pair<StageDecl, std::shared_ptr<TensorSource>>> plan;
@@ -22,10 +61,22 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
     m->config_ = std::make_unique<ModelConfig>(bm.config);
     m->notes_ = bm.config.warnings;
     m->max_context_ = bm.max_context;
+    // A stage placed in another process is not even mapped here: each process's memory is its
+    // own stages' weights and caches.
     for (const BundleStage& bs : bm.stages)
-      plan.emplace_back(bs.decl, std::make_shared<WeightsFile>(
-                                     (std::filesystem::path(path) / bs.weights_file).string()));
+      plan.emplace_back(bs.decl, !placed || placement.local.count(bs.decl.id)
+                                     ? std::make_shared<WeightsFile>(
+                                           (std::filesystem::path(path) / bs.weights_file).string())
+                                     : nullptr);
+    // Remote stages are never opened here; their weights format still sets the KV row type.
+    m->default_kv_type_ =
+        bm.weights_format == "q8_0" || bm.weights_format == "q4_0" ? KvType::BF16 : KvType::F32;
   } else {
+    if (placed)
+      fail(path,
+           ": only a bundle's stages run in separate processes; export one first "
+           "(gemstage export -m ",
+           path, " -o BUNDLE --stages N)");
     m->config_ = std::make_unique<ModelConfig>(load_model_config(path));
     const ModelConfig& c = *m->config_;
     auto store = std::make_shared<TensorStore>(TensorStore::open_dir(path));
@@ -53,13 +104,15 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
   }
   for (auto& [decl, source] : plan) {
     m->decls_.push_back(decl);
-    m->stages_.push_back(std::make_unique<Stage>(*m->config_, decl, source));
+    const bool here = !placed || placement.local.count(decl.id) > 0;
+    m->stages_.push_back(here ? std::make_unique<Stage>(*m->config_, decl, source) : nullptr);
+    m->remote_.push_back(!here && placement.remote ? placement.remote(decl) : nullptr);
   }
   check_contract_chain(m->decls_, *m->config_);
   if (m->decls_.empty() || m->decls_.front().role != StageRole::Embeddings)
     fail(path, ": the first stage must be the embeddings stage");
   for (const auto& s : m->stages_) {
-    if (s->role() != StageRole::TransformerLayers) continue;
+    if (!s || s->role() != StageRole::TransformerLayers) continue;
     const auto& layer = s->text().weights().layers[static_cast<size_t>(s->decl().layers.begin)];
     const DType w = layer.q_proj.dtype;
     m->default_kv_type_ = w == DType::Q8_0 || w == DType::Q4_0 ? KvType::BF16 : KvType::F32;
@@ -70,20 +123,30 @@ std::shared_ptr<const Model> Model::open(const std::string& path) {
 
 const Stage* Model::find_stage(const std::string& id) const {
   for (const auto& s : stages_)
-    if (s->id() == id) return s.get();
+    if (s && s->id() == id) return s.get();
   return nullptr;
 }
 
 const Stage& Model::embeddings() const {
   for (const auto& s : stages_)
-    if (s->role() == StageRole::Embeddings) return *s;
-  fail(path_, ": no embeddings stage");
+    if (s && s->role() == StageRole::Embeddings) return *s;
+  fail(path_, ": no embeddings stage in this process (it runs on rank 0 of a distributed run)");
 }
 
 double Model::decode_weight_bytes() const {
   double b = 0;
-  for (const auto& s : stages_) b += s->decode_weight_bytes();
+  for (const auto& s : stages_)
+    if (s) b += s->decode_weight_bytes();
+  for (const auto& r : remote_)
+    if (r) b += r->decode_weight_bytes();
   return b;
+}
+
+std::string Model::stage_failure() const {
+  for (const auto& r : remote_)
+    if (r)
+      if (std::string f = r->failure(); !f.empty()) return f;
+  return {};
 }
 
 }  // namespace gemstage

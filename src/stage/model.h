@@ -14,6 +14,7 @@
 #include "gemma4/config.h"
 #include "io/safetensors.h"
 #include "stage/contract.h"
+#include "stage/remote_stage.h"
 #include "stage/stage.h"
 
 namespace gemstage {
@@ -21,7 +22,13 @@ namespace gemstage {
 class Model {
  public:
   // path: an HF checkpoint directory or a gemstage bundle.
+  // Opens every stage here, unless the process placed this bundle's stages across processes
+  // (set_process_stage_placement).
   static std::shared_ptr<const Model> open(const std::string& path);
+  // Opens a bundle's `placement.local` stages here and the others through placement.remote (or
+  // not at all, without it: a worker process that runs only its own stages).
+  static std::shared_ptr<const Model> open(const std::string& path,
+                                           const StagePlacementOptions& placement);
   ~Model();
 
   const ModelConfig& config() const { return *config_; }
@@ -32,7 +39,13 @@ class Model {
   const std::vector<std::string>& notes() const { return notes_; }
 
   const std::vector<StageDecl>& stage_decls() const { return decls_; }
+  // One entry per stage decl: the stage opened here, or null where it runs elsewhere
+  // (remote_stages()) or, in a worker process, not at all.
   const std::vector<std::unique_ptr<Stage>>& stages() const { return stages_; }
+  // One entry per stage decl: the handle of a stage another process runs, else null.
+  const std::vector<std::unique_ptr<RemoteStage>>& remote_stages() const { return remote_; }
+  // Empty while every remote stage answers; else why one stopped (its RemoteStage::failure).
+  std::string stage_failure() const;
   // The stage with this id; null if there is none.
   const Stage* find_stage(const std::string& id) const;
   const Stage& embeddings() const;
@@ -61,10 +74,16 @@ class Model {
   // Stages keep references into the config, so it stays at one address.
   std::unique_ptr<ModelConfig> config_;
   std::vector<std::unique_ptr<Stage>> stages_;
+  std::vector<std::unique_ptr<RemoteStage>> remote_;
   std::vector<StageDecl> decls_;
   std::vector<std::string> notes_;
   int64_t max_context_ = 0;
   KvType default_kv_type_ = KvType::F32;
 };
+
+// The process's part in a run spread over processes (src/distributed sets it once, before any
+// command opens its model): Model::open(bundle) then opens the bundle as `placement` says. Other
+// paths (a drafter, a reference checkpoint) still open whole. One per process: one mpirun rank.
+void set_process_stage_placement(const std::string& bundle, StagePlacementOptions placement);
 
 }  // namespace gemstage

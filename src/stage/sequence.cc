@@ -1,6 +1,7 @@
 #include "stage/sequence.h"
 
 #include <algorithm>
+#include <atomic>
 #include <numeric>
 
 #include "core/error.h"
@@ -8,9 +9,14 @@
 
 namespace gemstage {
 
+namespace {
+std::atomic<uint64_t> next_remote_id{1};
+}  // namespace
+
 Sequence::Sequence(std::shared_ptr<const Model> model, int64_t max_context,
                    std::optional<KvType> kv_type)
     : model_(std::move(model)),
+      remote_id_(next_remote_id.fetch_add(1)),
       max_context_(max_context > 0 ? max_context : model_->max_context()),
       kv_type_(kv_type.value_or(model_->default_kv_type())) {
   if (model_->is_bundle() && max_context_ > model_->max_context())
@@ -19,7 +25,20 @@ Sequence::Sequence(std::shared_ptr<const Model> model, int64_t max_context,
   build_caches();
 }
 
-Sequence::~Sequence() = default;
+Sequence::~Sequence() {
+  close_remote();
+}
+
+std::vector<RemoteStage*> Sequence::remote_stages() const {
+  std::vector<RemoteStage*> r;
+  for (const auto& s : model_->remote_stages())
+    if (s) r.push_back(s.get());
+  return r;
+}
+
+void Sequence::close_remote() noexcept {
+  for (RemoteStage* r : remote_stages()) r->close_sequence(remote_id_);
+}
 
 std::unique_ptr<Sequence> Sequence::open(const std::string& path, int64_t max_context) {
   return std::make_unique<Sequence>(Model::open(path), max_context);
@@ -27,8 +46,16 @@ std::unique_ptr<Sequence> Sequence::open(const std::string& path, int64_t max_co
 
 void Sequence::build_caches() {
   caches_.clear();
-  for (const auto& s : model_->stages()) caches_.push_back(s->new_cache(max_context_, kv_type_));
   tokens_.clear();
+  for (const auto& s : model_->stages())
+    caches_.push_back(s ? s->new_cache(max_context_, kv_type_) : nullptr);
+  // Once a remote stage failed (its rank died or hangs) the sequence cannot run, and every
+  // forward says why; resetting it must not fail on top, so a caller's clean-up path stays safe.
+  try {
+    for (RemoteStage* r : remote_stages()) r->open_sequence(remote_id_, max_context_, kv_type_);
+  } catch (const Error&) {
+    if (model_->stage_failure().empty()) throw;
+  }
 }
 
 void Sequence::reset(int64_t max_context) {
@@ -52,8 +79,18 @@ bool Sequence::truncate(int64_t n) {
   if (n < 0 || n > n_past()) return false;
   for (const auto& c : caches_)
     if (c && !c->can_truncate(n)) return false;
-  for (const auto& c : caches_)
-    if (c) c->truncate(n);
+  const std::vector<RemoteStage*> remote = remote_stages();
+  try {
+    for (RemoteStage* r : remote)
+      if (!r->can_truncate(remote_id_, n)) return false;
+    for (const auto& c : caches_)
+      if (c) c->truncate(n);
+    for (RemoteStage* r : remote) r->truncate(remote_id_, n);
+  } catch (const Error&) {
+    // A remote stage failed (see build_caches): nothing to keep; the next forward says why.
+    if (model_->stage_failure().empty()) throw;
+    return false;
+  }
   tokens_.resize(static_cast<size_t>(n));
   return true;
 }
@@ -118,11 +155,21 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
   TensorMap flow;  // what the previous stage produced
   TensorMap logits;
   const auto& stages = model.stages();
+  const auto& remote = model.remote_stages();
+  // The number each sequence goes by in the processes that run remote stages.
+  std::vector<uint64_t> remote_ids;
+  for (const BatchEntry& e : batch) remote_ids.push_back(e.sequence->remote_id_);
   try {
     for (size_t i = 0; i < stages.size(); ++i) {
-      const Stage& st = *stages[i];
+      const StageDecl& decl = model.stage_decls()[i];
+      // A stage runs here, or in the process that holds it, on the same contract tensors.
+      auto run_stage = [&](TensorMap in, std::span<KvCache* const> caches) {
+        if (stages[i]) return stages[i]->run(pool, std::move(in), caches, opt, taps);
+        if (remote[i]) return remote[i]->run(std::move(in), remote_ids);
+        fail(model.path(), ": stage ", decl.id, " is not open in this process");
+      };
       TensorMap in;
-      switch (st.role()) {
+      switch (decl.role) {
         case StageRole::Embeddings:
           in["input_ids"] = HostTensor({S}, ids);
           if (!soft.empty()) {
@@ -150,11 +197,11 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
               in["audio_soft_tokens"] = HostTensor({n_audio, D}, std::move(aud));
             }
           }
-          flow = st.run(pool, std::move(in), nullptr, opt, taps);
+          flow = run_stage(std::move(in), {});
           break;
         case StageRole::TransformerLayers: {
           // Only this stage's slice of the per-layer inputs crosses the boundary.
-          const LayerRange r = st.decl().layers;
+          const LayerRange r = decl.layers;
           const HostTensor& all = flow.at("per_layer_inputs");
           const int64_t L = all.shape()[1], P = all.shape()[2], n = r.end - r.begin;
           std::vector<float> slice(static_cast<size_t>(S * n * P));
@@ -168,7 +215,7 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
           for (const BatchEntry& e : batch) caches.push_back(e.sequence->caches_[i].get());
           if (batch.size() > 1) in["row_sequence"] = HostTensor({S}, row_sequence);
           if (any_group) in["vision_groups"] = HostTensor({S}, groups);
-          TensorMap out = st.run(pool, std::move(in), caches, opt, taps);
+          TensorMap out = run_stage(std::move(in), caches);
           flow["hidden_states"] = std::move(out.at("hidden_states"));
           break;
         }
@@ -187,16 +234,22 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
             row0 += n;
           }
           in["hidden_states"] = HostTensor({n_rows, D}, std::move(rows));
-          logits = st.run(pool, std::move(in), nullptr, opt, taps);
+          logits = run_stage(std::move(in), {});
           break;
         }
       }
     }
+    // Every stage ran: the remote ones keep their rows too.
+    for (size_t i = 0; i < remote.size(); ++i)
+      if (remote[i] && model.stage_decls()[i].role == StageRole::TransformerLayers)
+        remote[i]->commit(remote_ids);
   } catch (...) {
     // A failed call leaves every sequence as it was: no stage keeps the rows it appended.
     for (const BatchEntry& e : batch)
       for (const auto& cache : e.sequence->caches_)
         if (cache) cache->drop_uncommitted();
+    for (const auto& r : remote)
+      if (r) r->drop_uncommitted(remote_ids);
     throw;
   }
   // The call ran through every stage: each cache group now holds its rows.

@@ -91,8 +91,14 @@ class Sequence {
  private:
   void build_caches();
 
+  // Each stage run in another process gets the sequence's rows under this number, unique in
+  // this process, and keeps its cache group there.
+  std::vector<RemoteStage*> remote_stages() const;
+  void close_remote() noexcept;
+
   std::shared_ptr<const Model> model_;
-  std::vector<std::unique_ptr<KvCache>> caches_;  // per stage; null for stateless stages
+  uint64_t remote_id_ = 0;
+  std::vector<std::unique_ptr<KvCache>> caches_;  // per stage; null for stateless/remote stages
   std::vector<int32_t> tokens_;
   int64_t max_context_ = 0;
   KvType kv_type_ = KvType::F32;

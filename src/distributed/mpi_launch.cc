@@ -1,0 +1,460 @@
+#include "distributed/mpi_launch.h"
+
+#include <mpi.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <future>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "distributed/placement.h"
+#include "distributed/remote_stage_client.h"
+#include "distributed/stage_worker.h"
+#include "distributed/wire.h"
+#include "stage/bundle.h"
+#include "stage/model.h"
+
+namespace gemstage {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr int kTagRequest = 1, kTagReply = 2, kTagHandshake = 3, kTagHeartbeat = 4;
+// MPI counts are ints: a message above this goes as a header then pieces of this size.
+constexpr size_t kPieceBytes = size_t{1} << 30;
+constexpr uint8_t kPiecedMarker = 'C';  // wire messages start with 'G' (distributed/wire.cc)
+// How often a computing worker says it is alive; --stage-timeout must be well above it.
+constexpr auto kHeartbeatInterval = std::chrono::milliseconds(250);
+
+void check_mpi(int rc, const char* what) {
+  if (rc == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  MPI_Error_string(rc, text, &len);
+  fail(what, " failed: ", std::string(text, static_cast<size_t>(len)));
+}
+
+std::string host_name() {
+  char name[MPI_MAX_PROCESSOR_NAME];
+  int len = 0;
+  if (MPI_Get_processor_name(name, &len) == MPI_SUCCESS && len > 0)
+    return std::string(name, static_cast<size_t>(len));
+  return "?";
+}
+
+// Waits without burning a core the compute threads need: a short spin for the low latency of a
+// decode hop, then sleeps growing to `cap`.
+class Backoff {
+ public:
+  explicit Backoff(std::chrono::microseconds cap) : cap_(cap) {}
+  void pause() {
+    if (++spins_ < 200) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min(cap_, sleep_ * 2);
+  }
+  void reset() {
+    spins_ = 0;
+    sleep_ = std::chrono::microseconds(20);
+  }
+
+ private:
+  std::chrono::microseconds cap_;
+  std::chrono::microseconds sleep_{20};
+  int spins_ = 0;
+};
+
+// Probes for a message from `src` with `tag` until `deadline` (none: wait for ever).
+bool probe_until(int src, int tag, std::optional<Clock::time_point> deadline, MPI_Status* st,
+                 std::chrono::microseconds cap) {
+  Backoff b(cap);
+  for (;;) {
+    int flag = 0;
+    check_mpi(MPI_Iprobe(src, tag, MPI_COMM_WORLD, &flag, st), "MPI_Iprobe");
+    if (flag) return true;
+    if (deadline && Clock::now() > *deadline) return false;
+    b.pause();
+  }
+}
+
+// Sends, waiting at most until `deadline` for the send to leave (a dead peer's buffers fill).
+void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point deadline) {
+  MPI_Request req;
+  check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest, tag, MPI_COMM_WORLD, &req),
+            "MPI_Isend");
+  Backoff b(std::chrono::microseconds(500));
+  for (;;) {
+    int done = 0;
+    check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+    if (done) return;
+    if (Clock::now() > deadline) {
+      MPI_Request_free(&req);
+      fail("could not send to it within the stage timeout");
+    }
+    b.pause();
+  }
+}
+
+void send_bytes(const std::vector<uint8_t>& bytes, int dest, int tag, Clock::time_point deadline) {
+  if (bytes.size() <= kPieceBytes)
+    return send_piece(bytes.data(), bytes.size(), dest, tag, deadline);
+  uint8_t header[9];
+  header[0] = kPiecedMarker;
+  const uint64_t total = bytes.size();
+  std::memcpy(header + 1, &total, 8);
+  send_piece(header, sizeof header, dest, tag, deadline);
+  for (size_t at = 0; at < bytes.size(); at += kPieceBytes)
+    send_piece(bytes.data() + at, std::min(kPieceBytes, bytes.size() - at), dest, tag, deadline);
+}
+
+// Receives the message `st` announced (and its pieces, if it was split).
+std::vector<uint8_t> receive_bytes(const MPI_Status& st, std::optional<Clock::time_point> deadline,
+                                   std::chrono::microseconds cap) {
+  int count = 0;
+  check_mpi(MPI_Get_count(&st, MPI_BYTE, &count), "MPI_Get_count");
+  std::vector<uint8_t> bytes(static_cast<size_t>(count));
+  check_mpi(MPI_Recv(bytes.data(), count, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, MPI_COMM_WORLD,
+                     MPI_STATUS_IGNORE),
+            "MPI_Recv");
+  if (count != 9 || bytes[0] != kPiecedMarker) return bytes;
+  uint64_t total = 0;
+  std::memcpy(&total, bytes.data() + 1, 8);
+  if (total > kWireMaxTensorBytes * 4) fail("a message of ", total, " bytes exceeds the limit");
+  std::vector<uint8_t> whole;
+  whole.reserve(static_cast<size_t>(total));
+  while (whole.size() < total) {
+    MPI_Status piece;
+    if (!probe_until(st.MPI_SOURCE, st.MPI_TAG, deadline, &piece, cap))
+      fail("a split message stopped arriving");
+    int n = 0;
+    check_mpi(MPI_Get_count(&piece, MPI_BYTE, &n), "MPI_Get_count");
+    if (static_cast<uint64_t>(n) > total - whole.size()) fail("a split message overran its size");
+    const size_t at = whole.size();
+    whole.resize(at + static_cast<size_t>(n));
+    check_mpi(MPI_Recv(whole.data() + at, n, MPI_BYTE, st.MPI_SOURCE, st.MPI_TAG, MPI_COMM_WORLD,
+                       MPI_STATUS_IGNORE),
+              "MPI_Recv");
+  }
+  return whole;
+}
+
+std::string broadcast_string(std::string s, int root) {
+  uint64_t n = s.size();
+  check_mpi(MPI_Bcast(&n, 1, MPI_UINT64_T, root, MPI_COMM_WORLD), "MPI_Bcast");
+  if (n > (uint64_t{1} << 24)) fail("start-up message of ", n, " bytes");
+  s.resize(static_cast<size_t>(n));
+  check_mpi(MPI_Bcast(s.data(), static_cast<int>(n), MPI_CHAR, root, MPI_COMM_WORLD), "MPI_Bcast");
+  return s;
+}
+
+// Rank 0's channels to the workers.
+class MpiTransport final : public StageTransport {
+ public:
+  MpiTransport(std::vector<std::string> hosts, double timeout_seconds)
+      : hosts_(std::move(hosts)),
+        timeout_(std::chrono::duration_cast<Clock::duration>(
+            std::chrono::duration<double>(timeout_seconds))),
+        failed_(hosts_.size()) {}
+
+  std::string rank_name(int rank) const override {
+    return "rank " + std::to_string(rank) + " (host " + hosts_.at(static_cast<size_t>(rank)) + ")";
+  }
+
+  std::vector<uint8_t> exchange(int rank, const std::vector<uint8_t>& request,
+                                bool want_reply) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    std::string& failed = failed_.at(static_cast<size_t>(rank));
+    if (!failed.empty()) fail(failed);
+    try {
+      send_bytes(request, rank, kTagRequest, Clock::now() + timeout_);
+      if (!want_reply) return {};
+      // Heartbeats push the deadline on while the worker computes.
+      auto deadline = Clock::now() + timeout_;
+      Backoff b(std::chrono::microseconds(200));
+      for (;;) {
+        MPI_Status st;
+        int flag = 0;
+        check_mpi(MPI_Iprobe(rank, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
+        if (flag && st.MPI_TAG == kTagReply)
+          return receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
+        if (flag) {
+          receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
+          if (st.MPI_TAG == kTagHeartbeat) deadline = Clock::now() + timeout_;
+          b.reset();
+          continue;
+        }
+        if (Clock::now() > deadline)
+          fail("no answer within ", std::chrono::duration<double>(timeout_).count(),
+               " s (the rank died, hangs, or its host is unreachable); restart the service");
+        b.pause();
+      }
+    } catch (const Error& e) {
+      failed = e.what();
+      any_failed_ = true;
+      throw;
+    }
+  }
+
+  bool any_failed() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return any_failed_;
+  }
+  // Tells every worker still answering to leave its loop.
+  void shut_down() {
+    std::lock_guard<std::mutex> lk(mu_);
+    WireMessage m;
+    m.op = WireOp::Shutdown;
+    const auto bytes = encode_wire_message(m);
+    for (size_t r = 1; r < hosts_.size(); ++r) {
+      if (!failed_[r].empty()) continue;
+      try {
+        send_bytes(bytes, static_cast<int>(r), kTagRequest, Clock::now() + timeout_);
+      } catch (const Error& e) {
+        failed_[r] = e.what();
+        any_failed_ = true;
+      }
+    }
+  }
+
+ private:
+  std::vector<std::string> hosts_;
+  Clock::duration timeout_;
+  mutable std::mutex mu_;
+  std::vector<std::string> failed_;
+  bool any_failed_ = false;
+};
+
+}  // namespace
+
+bool launched_as_mpi_ranks() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"})
+    if (const char* v = std::getenv(var)) return std::atoi(v) > 1;
+  return false;
+}
+
+struct DistributedSession::Impl {
+  int rank = 0, ranks = 1;
+  DistributedOptions options;
+  std::shared_ptr<MpiTransport> transport;  // rank 0
+  std::shared_ptr<const Model> model;       // a worker's own stages
+  std::string where;
+  bool finalized = false;
+
+  void finalize() {
+    if (!finalized) MPI_Finalize();
+    finalized = true;
+  }
+};
+
+DistributedSession::DistributedSession(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+int DistributedSession::rank() const {
+  return impl_->rank;
+}
+int DistributedSession::ranks() const {
+  return impl_->ranks;
+}
+
+std::unique_ptr<DistributedSession> DistributedSession::start(const DistributedOptions& o) {
+  int provided = 0;
+  check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  auto impl = std::make_unique<Impl>();
+  impl->options = o;
+  MPI_Comm_rank(MPI_COMM_WORLD, &impl->rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &impl->ranks);
+  const int rank = impl->rank, ranks = impl->ranks;
+  const std::string host = host_name();
+  impl->where = "rank " + std::to_string(rank) + " (host " + host + ")";
+  std::unique_ptr<DistributedSession> session(new DistributedSession(std::move(impl)));
+  Impl& s = *session->impl_;
+  if (provided < MPI_THREAD_SERIALIZED) {
+    s.finalize();
+    fail("this MPI library gives thread level ", provided,
+         "; gemstage needs MPI_THREAD_SERIALIZED (its server calls MPI from several threads)");
+  }
+  const auto handshake_deadline = Clock::now() + std::chrono::minutes(10);
+
+  // 1. Rank 0 places the stages and tells everyone (or tells them why it cannot).
+  std::string plan;
+  Placement placement;
+  std::string manifest_sha;
+  if (rank == 0) {
+    try {
+      if (!is_bundle_dir(o.bundle))
+        fail(o.bundle,
+             ": `mpirun` runs a bundle's stages on ranks; export one first "
+             "(gemstage export -m CHECKPOINT -o BUNDLE --stages N)");
+      const BundleManifest bm = read_bundle_manifest(o.bundle);
+      std::vector<std::string> ids;
+      std::vector<bool> tf;
+      std::string embeddings_id;
+      for (const BundleStage& st : bm.stages) {
+        ids.push_back(st.decl.id);
+        tf.push_back(st.decl.role == StageRole::TransformerLayers);
+        if (st.decl.role == StageRole::Embeddings) embeddings_id = st.decl.id;
+      }
+      placement = o.placement.empty() ? default_placement(ids, tf, ranks)
+                                      : parse_placement(o.placement, ids, ranks);
+      check_front_placement(placement, embeddings_id);
+      plan = "ok\n" + placement_spec(placement);
+    } catch (const Error& e) {
+      plan = std::string("error\n") + e.what();
+    }
+  }
+  plan = broadcast_string(plan, 0);
+  const std::string verdict_word = plan.substr(0, plan.find('\n'));
+  const std::string body = plan.substr(plan.find('\n') + 1);
+  if (verdict_word != "ok") {
+    s.finalize();
+    fail(rank == 0 ? body : "rank 0 stopped the start: " + body);
+  }
+
+  // 2. Every worker opens its own stages and says who it is.
+  RankIdentity me;
+  me.rank = rank;
+  me.host = host;
+  try {
+    manifest_sha = sha256_file(o.bundle + "/manifest.json");
+    me.manifest_sha256 = manifest_sha;
+    if (rank != 0) {
+      const BundleManifest bm = read_bundle_manifest(o.bundle);
+      std::vector<std::string> ids;
+      for (const BundleStage& st : bm.stages) ids.push_back(st.decl.id);
+      std::set<std::string> mine;
+      for (const auto& [r, list] : parse_placement(body, ids, ranks))
+        if (r == rank) mine.insert(list.begin(), list.end());
+      s.model = Model::open(o.bundle, StagePlacementOptions{mine, nullptr});
+      for (const auto& st : s.model->stages())
+        if (st) {
+          me.stages_held.push_back(st->id());
+          me.decode_weight_bytes[st->id()] = st->decode_weight_bytes();
+        }
+    }
+  } catch (const std::exception& e) {
+    me.error = e.what();
+  }
+  // 3. Rank 0 checks everyone and says whether the job goes on.
+  std::string verdict;
+  std::vector<RankIdentity> identities;
+  if (rank != 0) {
+    const std::string bytes = encode_rank_identity(me);
+    send_piece(bytes.data(), bytes.size(), 0, kTagHandshake, handshake_deadline);
+  } else {
+    try {
+      if (!me.error.empty()) fail("rank 0 (host ", host, "): ", me.error);
+      me.stages_held = placement.at(0);
+      identities.push_back(me);
+      for (int r = 1; r < ranks; ++r) {
+        MPI_Status st;
+        if (!probe_until(r, kTagHandshake, handshake_deadline, &st, std::chrono::milliseconds(5)))
+          fail("handshake: rank ", r, " did not report within 10 minutes");
+        const auto bytes = receive_bytes(st, handshake_deadline, std::chrono::milliseconds(5));
+        identities.push_back(decode_rank_identity(std::string(bytes.begin(), bytes.end()),
+                                                  "handshake: rank " + std::to_string(r)));
+        if (identities.back().rank != r)
+          fail("handshake: rank ", r, " says it is rank ", identities.back().rank);
+      }
+      check_handshake(manifest_sha, placement, identities);
+    } catch (const Error& e) {
+      verdict = e.what();
+    }
+  }
+  verdict = broadcast_string(verdict, 0);
+  if (!verdict.empty()) {
+    s.finalize();
+    fail(rank == 0 ? verdict : "rank 0 refused the start: " + verdict);
+  }
+
+  // 4. Rank 0 opens the command's model with the other ranks' stages as remote clients.
+  if (rank == 0) {
+    std::vector<std::string> hosts;
+    for (const auto& id : identities) hosts.push_back(id.host);
+    s.transport = std::make_shared<MpiTransport>(hosts, o.stage_timeout_seconds);
+    std::map<std::string, int> rank_of;
+    for (const auto& [r, list] : placement)
+      for (const auto& id : list) rank_of[id] = r;
+    StagePlacementOptions local;
+    local.local.insert(placement.at(0).begin(), placement.at(0).end());
+    local.remote = [transport = s.transport, rank_of,
+                    identities](const StageDecl& d) -> std::unique_ptr<RemoteStage> {
+      const int r = rank_of.at(d.id);
+      const auto& bytes = identities.at(static_cast<size_t>(r)).decode_weight_bytes;
+      const auto it = bytes.find(d.id);
+      return std::make_unique<RemoteStageClient>(d, r, transport,
+                                                 it == bytes.end() ? 0.0 : it->second);
+    };
+    set_process_stage_placement(o.bundle, std::move(local));
+    std::cerr << "gemstage: " << ranks << " ranks; " << placement_spec(placement) << "\n";
+  }
+  return session;
+}
+
+DistributedSession::~DistributedSession() {
+  Impl& s = *impl_;
+  if (s.rank == 0 && s.transport && !s.finalized) {
+    s.transport->shut_down();
+    if (s.transport->any_failed()) {
+      // A dead or hung rank cannot take part in MPI_Finalize; end the whole job instead.
+      std::cerr << "gemstage: a rank stopped answering; aborting the MPI job" << std::endl;
+      MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+  }
+  s.finalize();
+}
+
+int DistributedSession::run_worker() {
+  Impl& s = *impl_;
+  ThreadPool pool(s.options.threads > 0 ? s.options.threads : default_thread_count());
+  StageWorker worker(s.model, pool, s.where);
+  const auto never = std::optional<Clock::time_point>{};
+  for (;;) {
+    MPI_Status st;
+    probe_until(0, kTagRequest, never, &st, std::chrono::microseconds(200));
+    WireMessage reply;
+    bool has_reply = false, stop = false;
+    try {
+      const auto bytes = receive_bytes(st, never, std::chrono::microseconds(200));
+      const WireMessage m = decode_wire_message(bytes, s.where + ": message from rank 0");
+      if (m.op == WireOp::Shutdown) {
+        stop = true;
+      } else if (m.op == WireOp::Forward) {
+        // The stage computes on its own thread while this one says it is alive.
+        auto run = std::async(std::launch::async, [&] { return worker.handle(m); });
+        while (run.wait_for(kHeartbeatInterval) != std::future_status::ready)
+          check_mpi(MPI_Send(nullptr, 0, MPI_BYTE, 0, kTagHeartbeat, MPI_COMM_WORLD), "MPI_Send");
+        if (auto r = run.get()) {
+          reply = std::move(*r);
+          has_reply = true;
+        }
+      } else if (auto r = worker.handle(m)) {
+        reply = std::move(*r);
+        has_reply = true;
+      }
+    } catch (const std::exception& e) {
+      reply = WireMessage{};
+      reply.op = WireOp::Failure;
+      reply.error = s.where + ": " + e.what();
+      has_reply = true;
+    }
+    if (stop) break;
+    if (has_reply)
+      send_bytes(encode_wire_message(reply), 0, kTagReply, Clock::now() + std::chrono::hours(1));
+  }
+  return 0;
+}
+
+}  // namespace gemstage
