@@ -1,13 +1,22 @@
 // The stage wire format, placement and handshake of issue 22 (no MPI needed).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <mutex>
+#include <set>
 
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "distributed/placement.h"
+#include "distributed/remote_stage_client.h"
+#include "distributed/stage_worker.h"
 #include "distributed/wire.h"
 #include "gemma4/config.h"
+#include "stage/bundle.h"
+#include "stage/sequence.h"
 #include "test_util.h"
 
 namespace gemstage {
@@ -201,6 +210,217 @@ TEST(Handshake, RefusesAnotherBundleNamingRankAndHost) {
   EXPECT_NE(msg.find("layers_0_6"), std::string::npos) << msg;
   EXPECT_NE(error_of([&] { decode_rank_identity("{", "rank 4"); }).find("rank 4"),
             std::string::npos);
+}
+
+}  // namespace
+}  // namespace gemstage
+
+// ---- The whole protocol in one process: the front's RemoteStageClients talk to StageWorkers
+// through encode/decode, as they do over MPI, so every byte a rank would see crosses the wire
+// format and the receiving contract.
+
+namespace gemstage {
+namespace {
+
+// Worker "ranks" in this process. Each opens the bundle with only its own stages, like a worker
+// rank does. `kill(rank)` makes the rank fall silent, as a dead process does.
+class LoopbackTransport final : public StageTransport {
+ public:
+  LoopbackTransport(const std::string& bundle, const Placement& placement) {
+    for (const auto& [rank, ids] : placement) {
+      if (rank == 0) continue;
+      auto model = Model::open(bundle, StagePlacementOptions{{ids.begin(), ids.end()}, nullptr});
+      workers_[rank] = std::make_unique<StageWorker>(model, pool_, rank_name(rank));
+      models_.push_back(model);
+    }
+  }
+  std::vector<uint8_t> exchange(int rank, const std::vector<uint8_t>& request,
+                                bool want_reply) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    ++messages;
+    if (dead_.count(rank)) fail("no answer within 0 s (test: rank killed)");
+    auto reply = workers_.at(rank)->handle(decode_wire_message(request, rank_name(rank)));
+    EXPECT_EQ(reply.has_value(), want_reply);
+    return reply ? encode_wire_message(*reply) : std::vector<uint8_t>{};
+  }
+  std::string rank_name(int rank) const override {
+    return "rank " + std::to_string(rank) + " (host loop" + std::to_string(rank) + ")";
+  }
+  void kill(int rank) { dead_.insert(rank); }
+  size_t sequences(int rank) const { return workers_.at(rank)->sequences(); }
+  int messages = 0;
+
+ private:
+  std::mutex mu_;
+  ThreadPool pool_{1};
+  std::vector<std::shared_ptr<const Model>> models_;
+  std::map<int, std::unique_ptr<StageWorker>> workers_;
+  std::set<int> dead_;
+};
+
+struct SplitModel {
+  std::shared_ptr<LoopbackTransport> transport;
+  std::shared_ptr<const Model> model;
+};
+
+// The tiny model as an f32 bundle of two transformer stages; rank 0 the embeddings and head,
+// ranks 1 and 2 one transformer stage each.
+std::string split_bundle() {
+  static const std::string dir = [] {
+    const std::string d = testing::temp_dir("loopback_bundle") + "/b";
+    ExportOptions o;
+    o.stages = "2";
+    o.weights = "f32";
+    o.progress = false;
+    export_bundle(testing::fixture("model"), d, o);
+    return d;
+  }();
+  return dir;
+}
+
+SplitModel open_split() {
+  const std::string bundle = split_bundle();
+  const BundleManifest bm = read_bundle_manifest(bundle);
+  std::vector<std::string> ids;
+  std::vector<bool> tf;
+  for (const auto& s : bm.stages) {
+    ids.push_back(s.decl.id);
+    tf.push_back(s.decl.role == StageRole::TransformerLayers);
+  }
+  const Placement p = default_placement(ids, tf, 3);
+  SplitModel m;
+  m.transport = std::make_shared<LoopbackTransport>(bundle, p);
+  std::map<std::string, int> rank_of;
+  for (const auto& [r, list] : p)
+    for (const auto& id : list) rank_of[id] = r;
+  StagePlacementOptions o;
+  o.local.insert(p.at(0).begin(), p.at(0).end());
+  o.remote = [&](const StageDecl& d) -> std::unique_ptr<RemoteStage> {
+    return std::make_unique<RemoteStageClient>(d, rank_of.at(d.id), m.transport, 0.0);
+  };
+  m.model = Model::open(bundle, o);
+  return m;
+}
+
+void expect_same(const FloatTensor& a, const FloatTensor& b, const std::string& what) {
+  ASSERT_EQ(a.shape, b.shape) << what;
+  for (size_t i = 0; i < a.data.size(); ++i)
+    ASSERT_EQ(a.data[i], b.data[i]) << what << " element " << i;
+}
+
+TEST(RemoteStages, SplitRunEqualsOneProcessBitForBit) {
+  const auto whole = Model::open(split_bundle());
+  SplitModel split = open_split();
+  ASSERT_EQ(split.model->stages()[1], nullptr);
+  ASSERT_NE(split.model->remote_stages()[1], nullptr);
+  const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
+  ThreadPool pool(1);
+  Sequence a(whole), b(split.model);
+  const FloatTensor la = a.prefill(pool, ids, nullptr, 5, true, nullptr);
+  const FloatTensor lb = b.prefill(pool, ids, nullptr, 5, true, nullptr);
+  expect_same(la, lb, "prefill logits");
+  // Greedy decode; each step's logits equal.
+  for (int step = 0; step < 4; ++step) {
+    const int32_t next = static_cast<int32_t>(
+        std::max_element(la.data.end() - la.dim(1), la.data.end()) - (la.data.end() - la.dim(1)));
+    const std::vector<int32_t> one{next};
+    expect_same(a.forward(pool, one, nullptr, false, nullptr),
+                b.forward(pool, one, nullptr, false, nullptr), "decode step");
+  }
+  // Roll back and run again: the far caches forget the same positions.
+  ASSERT_TRUE(a.truncate(3));
+  ASSERT_TRUE(b.truncate(3));
+  const std::vector<int32_t> more(ids.begin() + 3, ids.end());
+  expect_same(a.forward(pool, more, nullptr, true, nullptr),
+              b.forward(pool, more, nullptr, true, nullptr), "after truncate");
+}
+
+TEST(RemoteStages, BatchedSequencesKeepTheirOwnFarCaches) {
+  const auto whole = Model::open(split_bundle());
+  SplitModel split = open_split();
+  const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
+  const std::vector<int32_t> p1(ids.begin(), ids.begin() + 6), p2(ids.begin() + 2, ids.end());
+  ThreadPool pool(1);
+  Sequence a1(whole), a2(whole), b1(split.model), b2(split.model);
+  EXPECT_EQ(split.transport->sequences(1), 2u);
+  const BatchEntry wa[] = {{&a1, p1, nullptr, true}, {&a2, p2, nullptr, false}};
+  const BatchEntry wb[] = {{&b1, p1, nullptr, true}, {&b2, p2, nullptr, false}};
+  auto la = Sequence::forward_batch(pool, wa);
+  auto lb = Sequence::forward_batch(pool, wb);
+  for (size_t k = 0; k < 2; ++k) expect_same(la[k], lb[k], "batch entry " + std::to_string(k));
+  // And each sequence alone afterwards continues from its own cache.
+  const std::vector<int32_t> next{7};
+  expect_same(a2.forward(pool, next, nullptr, false, nullptr),
+              b2.forward(pool, next, nullptr, false, nullptr), "second sequence alone");
+  {
+    Sequence gone(split.model);
+    EXPECT_EQ(split.transport->sequences(1), 3u);
+  }
+  EXPECT_EQ(split.transport->sequences(1), 2u) << "a destroyed sequence is freed on its ranks";
+}
+
+TEST(RemoteStages, AFailedCallLeavesTheSequenceAsItWasAndADeadRankFailsEverythingAfter) {
+  SplitModel split = open_split();
+  const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
+  ThreadPool pool(1);
+  Sequence s(split.model, 16);
+  s.prefill(pool, std::span<const int32_t>(ids.data(), 4), nullptr, 0, false, nullptr);
+  // Past the context: refused before anything runs, nothing changes.
+  const std::vector<int32_t> too_many(20, 5);
+  EXPECT_THROW(s.forward(pool, too_many, nullptr, false, nullptr), Error);
+  EXPECT_EQ(s.n_past(), 4);
+  // Rank 2 (the last transformer stage) dies: the call fails naming stage, rank and host...
+  split.transport->kill(2);
+  std::string msg;
+  try {
+    s.forward(pool, std::span<const int32_t>(ids.data() + 4, 1), nullptr, false, nullptr);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  EXPECT_NE(msg.find("layers_2_6"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("rank 2 (host loop2)"), std::string::npos) << msg;
+  EXPECT_EQ(s.n_past(), 4);
+  // ... the model reports it, and every later call fails at once with the same message, without
+  // sending anything; resetting a sequence does not throw.
+  EXPECT_EQ(split.model->stage_failure(), msg);
+  const int sent = split.transport->messages;
+  EXPECT_THROW(
+      s.forward(pool, std::span<const int32_t>(ids.data() + 4, 1), nullptr, false, nullptr), Error);
+  EXPECT_NO_THROW(s.reset());
+  EXPECT_FALSE(s.truncate(2));
+  EXPECT_LE(split.transport->messages - sent, 3);
+}
+
+TEST(StageWorkerProtocol, RefusesUnknownSequencesAndStagesByName) {
+  const std::string bundle = split_bundle();
+  auto model = Model::open(bundle, StagePlacementOptions{{"layers_0_2"}, nullptr});
+  ThreadPool pool(1);
+  StageWorker w(model, pool, "rank 1 (host h)");
+  WireMessage m;
+  m.op = WireOp::Truncate;
+  m.stage = "layers_0_2";
+  m.sequences = {99};
+  auto r = w.handle(m);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->op, WireOp::Failure);
+  EXPECT_NE(r->error.find("sequence 99"), std::string::npos) << r->error;
+  m.stage = "layers_2_6";
+  r = w.handle(m);
+  ASSERT_TRUE(r);
+  EXPECT_NE(r->error.find("layers_2_6 is not held by rank 1 (host h)"), std::string::npos)
+      << r->error;
+  // An error in a message without a reply comes back with the next one that has one.
+  m.op = WireOp::Commit;
+  m.stage = "layers_0_2";
+  EXPECT_FALSE(w.handle(m));
+  m.op = WireOp::CreateSequence;
+  m.length = 8;
+  r = w.handle(m);
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->op, WireOp::Failure);
+  EXPECT_NE(r->error.find("sequence 99"), std::string::npos) << r->error;
+  r = w.handle(m);
+  EXPECT_EQ(r->op, WireOp::Result);
 }
 
 }  // namespace

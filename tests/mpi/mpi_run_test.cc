@@ -1,0 +1,239 @@
+// `mpirun -np K gemstage ...` end to end (issue 22): stages on separate processes give the one
+// process's logits and greedy ids for text and image prompts, a rank with another bundle is
+// refused, a killed worker ends a request with an error naming it (no hang) and /health says so,
+// and stage traffic crosses a real network interface between two network namespaces.
+// Every run is bounded by `timeout`; these tests run one at a time (RUN_SERIAL).
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "io/npy.h"
+#include "stage/bundle.h"
+#include "test_util.h"
+
+namespace gemstage {
+namespace {
+
+using testing::fixture;
+
+const std::string kCli = GEMSTAGE_CLI;
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs a shell command, its output into `log`; returns the exit status.
+int sh(const std::string& cmd, const std::string& log) {
+  const int rc = std::system((cmd + " > " + log + " 2>&1").c_str());
+  return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
+}
+
+std::string mpirun(int np) {
+  return "timeout 120 mpirun --oversubscribe -np " + std::to_string(np) + " ";
+}
+
+class MpiRun : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    // CI and this machine run as root; Open MPI refuses that unless told.
+    setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
+    setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    dir_ = new std::string(testing::temp_dir("mpi_run"));
+    ExportOptions o;
+    o.stages = "2";
+    o.weights = "f32";
+    o.progress = false;
+    export_bundle(fixture("model"), *dir_ + "/b", o);
+  }
+  static std::string dir() { return *dir_; }
+  static std::string bundle() { return *dir_ + "/b"; }
+  static std::string* dir_;
+};
+std::string* MpiRun::dir_ = nullptr;
+
+// dump's taps of one run, single process or under mpirun.
+void expect_same_taps(const std::string& a, const std::string& b) {
+  for (const char* tap : {"logits", "decode_logits"}) {
+    const NpyArray x = load_npy(a + "/" + tap + ".npy"), y = load_npy(b + "/" + tap + ".npy");
+    ASSERT_EQ(x.shape, y.shape) << tap;
+    EXPECT_LE(testing::max_abs_diff(x.to_f32(), y.to_f32()), 1e-6) << tap;
+  }
+  EXPECT_EQ(load_npy(a + "/decode_ids.npy").to_i64(), load_npy(b + "/decode_ids.npy").to_i64());
+}
+
+TEST_F(MpiRun, TextAndImagePromptsGiveTheOneProcessLogitsAndIds) {
+  struct Case {
+    const char* name;
+    std::string args;
+  };
+  const Case cases[] = {
+      {"text", "--ids " + fixture("text/input_ids.npy")},
+      // The image rows: the splice mask and the PAD identity of the per-layer inputs are made
+      // on rank 0 and must survive the wire to the transformer ranks.
+      {"image", "--ids " + fixture("multimodal/input_ids.npy") + " --image " +
+                    fixture("multimodal/image.png")},
+  };
+  for (const Case& c : cases) {
+    const std::string one = dir() + "/one_" + c.name, three = dir() + "/three_" + c.name;
+    const std::string common = " dump -m " + bundle() + " " + c.args +
+                               " --taps logits,decode_ids,decode_logits --decode 6 -t 1 --out ";
+    ASSERT_EQ(sh(kCli + common + one, one + ".log"), 0) << slurp(one + ".log");
+    ASSERT_EQ(sh(mpirun(3) + kCli + common + three, three + ".log"), 0) << slurp(three + ".log");
+    EXPECT_NE(slurp(three + ".log").find("3 ranks; 0=embeddings,head 1=layers_0_2 2=layers_2_6"),
+              std::string::npos)
+        << slurp(three + ".log");
+    expect_same_taps(one, three);
+  }
+  // Against the reference too: the split run is the model, not just equal to itself.
+  const NpyArray got = load_npy(dir() + "/three_image/logits.npy");
+  const NpyArray ref = load_npy(fixture("multimodal/logits.npy"));
+  ASSERT_EQ(got.shape, ref.shape);
+  EXPECT_LE(testing::max_abs_diff(got.to_f32(), ref.to_f32()), 2e-4);
+}
+
+TEST_F(MpiRun, PlacementFlagPutsBothTransformerStagesOnOneRank) {
+  const std::string out = dir() + "/placed";
+  const std::string cmd = mpirun(2) + kCli + " dump -m " + bundle() + " --ids " +
+                          fixture("text/input_ids.npy") +
+                          " --taps logits,decode_ids,decode_logits --decode 3 -t 1 --out " + out +
+                          " --placement '0=embeddings,head 1=layers_0_2,layers_2_6'";
+  ASSERT_EQ(sh(cmd, out + ".log"), 0) << slurp(out + ".log");
+  EXPECT_NE(slurp(out + ".log").find("1=layers_0_2,layers_2_6"), std::string::npos);
+  const std::string bad = dir() + "/bad_placement";
+  EXPECT_NE(sh(mpirun(2) + kCli + " generate -m " + bundle() +
+                   " -p hi -n 1 --placement '0=head 1=embeddings,layers_0_2,layers_2_6'",
+               bad + ".log"),
+            0);
+  EXPECT_NE(slurp(bad + ".log").find("must be on rank 0"), std::string::npos)
+      << slurp(bad + ".log");
+}
+
+TEST_F(MpiRun, ARankGivenAnotherBundleIsRefusedNamingRankAndHost) {
+  // Same stages, other weights: rank 2 opens this one (MPMD: one command line per rank group).
+  const std::string other = dir() + "/other";
+  ExportOptions o;
+  o.stages = "2";
+  o.weights = "bf16";
+  o.progress = false;
+  export_bundle(fixture("model"), other, o);
+  const std::string log = dir() + "/mismatch.log";
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc =
+      sh("timeout 120 mpirun --oversubscribe -np 2 " + kCli + " generate -m " + bundle() +
+             " -p hi -n 2 -t 1 : -np 1 " + kCli + " generate -m " + other + " -p hi -n 2 -t 1",
+         log);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(rc, 124) << "timed out";
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(60));
+  const std::string text = slurp(log);
+  EXPECT_NE(text.find("rank 2 on host"), std::string::npos) << text;
+  EXPECT_NE(text.find("opened another bundle"), std::string::npos) << text;
+}
+
+// The pid of the gemstage process of `rank` whose command line names `marker`.
+pid_t pid_of_rank(const std::string& marker, int rank) {
+  const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    const std::string name = e.path().filename();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    const std::string cmd = slurp(e.path() / "cmdline");
+    if (cmd.find(marker) == std::string::npos || cmd.find("gemstage") == std::string::npos ||
+        cmd.find("mpirun") != std::string::npos)
+      continue;
+    const std::string env = slurp(e.path() / "environ");
+    if (env.find(want + '\0') != std::string::npos) return std::stoi(name);
+  }
+  return -1;
+}
+
+TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
+  const std::string log = dir() + "/serve.log";
+  // --enable-recovery keeps rank 0 (the server) up when a worker dies, so it can answer.
+  const std::string cmd = "timeout 120 mpirun --enable-recovery --oversubscribe -np 3 " + kCli +
+                          " serve -m " + bundle() + " --port 0 -t 1 --stage-timeout 2 > " + log +
+                          " 2>&1";
+  const pid_t launcher = fork();
+  ASSERT_GE(launcher, 0);
+  if (launcher == 0) {
+    setpgid(0, 0);
+    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  // Whatever happens below, the job ends with the test.
+  struct EndJob {
+    pid_t group;
+    ~EndJob() {
+      kill(-group, SIGKILL);
+      waitpid(group, nullptr, 0);
+    }
+  } end_job{launcher};
+  // The port the server took (--port 0: any free one), from its start-up line.
+  int port = 0;
+  const std::string listening = "listening on http://127.0.0.1:";
+  for (int i = 0; i < 300 && port == 0; ++i) {
+    const std::string text = slurp(log);
+    if (const auto at = text.find(listening); at != std::string::npos)
+      port = std::atoi(text.c_str() + at + listening.size());
+    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_GT(port, 0) << slurp(log);
+  httplib::Client c("127.0.0.1", port);
+  c.set_read_timeout(60, 0);
+  bool up = false;
+  for (int i = 0; i < 300 && !up; ++i) {
+    const auto r = c.Get("/health");
+    up = r && r->status == 200;
+    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(up) << slurp(log);
+  const std::string body = R"({"prompt":"hello","max_tokens":4})";
+  auto r = c.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 200) << r->body;
+
+  const pid_t worker = pid_of_rank(bundle(), 2);
+  ASSERT_GT(worker, 0);
+  ASSERT_EQ(kill(worker, SIGKILL), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  r = c.Post("/v1/completions", body, "application/json");
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(r) << "no reply: " << slurp(log);
+  EXPECT_EQ(r->status, 503) << r->body;
+  EXPECT_NE(r->body.find("stage layers_2_6 on rank 2 (host "), std::string::npos) << r->body;
+  EXPECT_LT(waited, 20.0) << "the failed request took " << waited << " s";
+  r = c.Get("/health");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_NE(r->body.find("stage_failed"), std::string::npos) << r->body;
+  // A request that arrives now is refused at once, not queued behind a dead rank.
+  const auto t1 = std::chrono::steady_clock::now();
+  r = c.Post("/v1/completions", body, "application/json");
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 503);
+  EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::seconds(2));
+  // The service stops when told (the supervisor's restart), ending the whole job.
+  kill(-launcher, SIGTERM);
+  bool ended = false;
+  for (int i = 0; i < 300 && !ended; ++i) {
+    ended = waitpid(launcher, nullptr, WNOHANG) == launcher;
+    if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(ended) << "the job did not end within 30 s of SIGTERM";
+}
+
+}  // namespace
+}  // namespace gemstage
