@@ -348,6 +348,20 @@ int run_bench(const BenchArgs& a) {
   std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
             << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
+  // Stages on other ranks (mpirun): what each hop cost, over every call of the run.
+  const auto& remote = p->model().remote_stages();
+  for (size_t i = 0; i < remote.size(); ++i) {
+    if (!remote[i]) continue;
+    const RemoteStageStats st = remote[i]->stats();
+    if (st.calls == 0) continue;
+    const double calls = static_cast<double>(st.calls);
+    std::cout << "remote stage " << p->stages()[i].id << ": " << st.calls << " calls, " << st.rows
+              << " rows; per call " << st.bytes_sent / calls / 1e3 << " kB out, "
+              << st.bytes_received / calls / 1e3 << " kB back, "
+              << (st.round_trip_seconds - st.compute_seconds) / calls * 1e3
+              << " ms on the way (round trip " << st.round_trip_seconds / calls * 1e3
+              << " ms, its compute " << st.compute_seconds / calls * 1e3 << " ms)\n";
+  }
   if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cout);
   return 0;
 }
