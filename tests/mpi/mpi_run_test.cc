@@ -143,6 +143,69 @@ TEST_F(MpiRun, ARankGivenAnotherBundleIsRefusedNamingRankAndHost) {
   EXPECT_NE(text.find("opened another bundle"), std::string::npos) << text;
 }
 
+// Two hosts simulated by two network namespaces joined by a veth pair: rank 2 runs in the second
+// namespace (Open MPI starts it there through an `ip netns exec` launcher in place of ssh), and
+// its stage traffic crosses the veth interface, TCP only. Needs the right to create namespaces
+// (root with CAP_SYS_ADMIN); skipped with a message where that is missing, e.g. in containers.
+TEST_F(MpiRun, StageTrafficCrossesAVethPairBetweenTwoNetworkNamespaces) {
+  const std::string tag = std::to_string(getpid() % 100000);
+  const std::string a = "gsA" + tag, b = "gsB" + tag, va = "vA" + tag, vb = "vB" + tag;
+  const std::string net = "10.77." + std::to_string(getpid() % 200) + ".";
+  const std::string log = dir() + "/netns.log";
+  if (sh("ip netns add " + a, log) != 0) {
+    GTEST_SKIP() << "cannot create network namespaces here (" << slurp(log)
+                 << "); the two-host test needs root with CAP_SYS_ADMIN";
+  }
+  struct Namespaces {
+    std::string a, b, log;
+    ~Namespaces() { sh("ip netns del " + a + "; ip netns del " + b, log); }
+  } cleanup{a, b, log};
+  const std::string ha = net + "1", hb = net + "2";
+  ASSERT_EQ(sh("ip netns add " + b + " && ip link add " + va + " type veth peer name " + vb +
+                   " && ip link set " + va + " netns " + a + " && ip link set " + vb + " netns " +
+                   b + " && ip -n " + a + " addr add " + ha + "/24 dev " + va + " && ip -n " + b +
+                   " addr add " + hb + "/24 dev " + vb + " && ip -n " + a + " link set " + va +
+                   " up && ip -n " + b + " link set " + vb + " up && ip -n " + a +
+                   " link set lo up && ip -n " + b + " link set lo up",
+               log),
+            0)
+      << slurp(log);
+  // Open MPI's launcher calls "AGENT [options] HOST COMMAND"; this one enters HOST's namespace.
+  const std::string agent = dir() + "/netns_agent.sh";
+  {
+    std::ofstream f(agent);
+    f << "#!/bin/sh\nwhile [ $# -gt 0 ]; do case \"$1\" in -*) shift;; *) break;; esac; done\n"
+      << "host=$1; shift\ncase \"$host\" in " << hb << ") ns=" << b << " ;; *) ns=" << a
+      << " ;; esac\nexec ip netns exec \"$ns\" /bin/sh -c \"$*\"\n";
+  }
+  std::filesystem::permissions(agent, std::filesystem::perms::owner_all);
+  const auto tx_bytes = [&] {
+    const std::string out = dir() + "/tx";
+    sh("ip netns exec " + a + " cat /sys/class/net/" + va + "/statistics/tx_bytes", out);
+    return std::atoll(slurp(out).c_str());
+  };
+  const long long before = tx_bytes();
+  const std::string one = dir() + "/one_text", two_hosts = dir() + "/two_hosts";
+  if (!std::filesystem::exists(one + "/logits.npy")) {
+    ASSERT_EQ(sh(kCli + " dump -m " + bundle() + " --ids " + fixture("text/input_ids.npy") +
+                     " --taps logits,decode_ids,decode_logits --decode 6 -t 1 --out " + one,
+                 one + ".log"),
+              0);
+  }
+  const std::string cmd =
+      "timeout 120 ip netns exec " + a + " mpirun --oversubscribe -np 3 --host " + ha + ":2," + hb +
+      ":1 --mca plm_rsh_agent " + agent + " --mca btl self,tcp --mca btl_tcp_if_include " + net +
+      "0/24 --mca oob_tcp_if_include " + net + "0/24 " + kCli + " dump -m " + bundle() + " --ids " +
+      fixture("text/input_ids.npy") +
+      " --taps logits,decode_ids,decode_logits --decode 6 -t 1 --out " + two_hosts;
+  ASSERT_EQ(sh(cmd, two_hosts + ".log"), 0) << slurp(two_hosts + ".log");
+  expect_same_taps(one, two_hosts);
+  // Rank 2's stage got the hidden states (f32, 128 wide) of 24 prompt rows and 5 decoded ones,
+  // and its per-layer inputs, through the veth.
+  const long long sent = tx_bytes() - before;
+  EXPECT_GT(sent, 29 * 128 * 4) << "bytes sent over " << va << ": " << sent;
+}
+
 // The pid of the gemstage process of `rank` whose command line names `marker`.
 pid_t pid_of_rank(const std::string& marker, int rank) {
   const std::string want = "OMPI_COMM_WORLD_RANK=" + std::to_string(rank);
