@@ -51,6 +51,9 @@ class MpiRun : public ::testing::Test {
     // CI and this machine run as root; Open MPI refuses that unless told.
     setenv("OMPI_ALLOW_RUN_AS_ROOT", "1", 1);
     setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1", 1);
+    // Containers (CI's included) often forbid the cross-process memory reads Open MPI's shared
+    // memory transport uses for large messages; copying through the shared segment always works.
+    setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
     dir_ = new std::string(testing::temp_dir("mpi_run"));
     ExportOptions o;
     o.stages = "2";
