@@ -17,9 +17,9 @@
 #include <string>
 #include <thread>
 
+#include "../test_util.h"
 #include "io/npy.h"
 #include "stage/bundle.h"
-#include "test_util.h"
 
 namespace gemstage {
 namespace {
