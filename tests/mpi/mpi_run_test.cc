@@ -238,7 +238,8 @@ pid_t pid_of_rank(const std::string& marker, int rank) {
 TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   const std::string log = dir() + "/serve.log";
   // --enable-recovery keeps rank 0 (the server) up when a worker dies, so it can answer.
-  const std::string cmd = "timeout 120 mpirun --enable-recovery --oversubscribe -np 3 " + kCli +
+  // exec: the launcher's pid is mpirun's, so the signals below reach it (and it its ranks).
+  const std::string cmd = "exec mpirun --enable-recovery --oversubscribe -np 3 " + kCli +
                           " serve -m " + bundle() + " --port 0 -t 1 --stage-timeout 2 > " + log +
                           " 2>&1";
   const pid_t launcher = fork();
@@ -250,10 +251,17 @@ TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   }
   // Whatever happens below, the job ends with the test.
   struct EndJob {
-    pid_t group;
+    pid_t pid;
     ~EndJob() {
-      kill(-group, SIGKILL);
-      waitpid(group, nullptr, 0);
+      // Already reaped when the test saw the job end; otherwise ask, then force.
+      if (waitpid(pid, nullptr, WNOHANG) != 0) return;
+      kill(pid, SIGTERM);
+      for (int i = 0; i < 100; ++i) {
+        if (waitpid(pid, nullptr, WNOHANG) == pid) return;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      kill(-pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
     }
   } end_job{launcher};
   // The port the server took (--port 0: any free one), from its start-up line.
@@ -302,7 +310,7 @@ TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   EXPECT_EQ(r->status, 503);
   EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::seconds(2));
   // The service stops when told (the supervisor's restart), ending the whole job.
-  kill(-launcher, SIGTERM);
+  kill(launcher, SIGTERM);
   bool ended = false;
   for (int i = 0; i < 300 && !ended; ++i) {
     ended = waitpid(launcher, nullptr, WNOHANG) == launcher;
