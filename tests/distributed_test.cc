@@ -16,6 +16,7 @@
 #include "distributed/wire.h"
 #include "gemma4/config.h"
 #include "stage/bundle.h"
+#include "stage/call_pipeline.h"
 #include "stage/sequence.h"
 #include "test_util.h"
 
@@ -234,14 +235,28 @@ class LoopbackTransport final : public StageTransport {
       models_.push_back(model);
     }
   }
-  std::vector<uint8_t> exchange(int rank, const std::vector<uint8_t>& request,
-                                bool want_reply) override {
+  // The worker handles the request at once; its reply is held back until ready() was asked
+  // twice, as a far rank's reply takes time, so a pipeline really has several calls in flight.
+  uint64_t post(int rank, const std::vector<uint8_t>& request, bool want_reply) override {
     std::lock_guard<std::mutex> lk(mu_);
     ++messages;
     if (dead_.count(rank)) fail("no answer within 0 s (test: rank killed)");
     auto reply = workers_.at(rank)->handle(decode_wire_message(request, rank_name(rank)));
     EXPECT_EQ(reply.has_value(), want_reply);
-    return reply ? encode_wire_message(*reply) : std::vector<uint8_t>{};
+    if (!reply) return 0;
+    replies_[++last_] = {encode_wire_message(*reply), 0};
+    max_outstanding = std::max(max_outstanding, replies_.size());
+    return last_;
+  }
+  bool ready(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    return ++replies_.at(ticket).second > 2;
+  }
+  std::vector<uint8_t> take(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    auto node = replies_.extract(ticket);
+    if (node.empty()) fail("loopback: ticket ", ticket, " taken twice or never given");
+    return std::move(node.mapped().first);
   }
   std::string rank_name(int rank) const override {
     return "rank " + std::to_string(rank) + " (host loop" + std::to_string(rank) + ")";
@@ -249,9 +264,12 @@ class LoopbackTransport final : public StageTransport {
   void kill(int rank) { dead_.insert(rank); }
   size_t sequences(int rank) const { return workers_.at(rank)->sequences(); }
   int messages = 0;
+  size_t max_outstanding = 0;  // most replies given out and not yet taken at once
 
  private:
   std::mutex mu_;
+  uint64_t last_ = 0;
+  std::map<uint64_t, std::pair<std::vector<uint8_t>, int>> replies_;  // reply, ready() asks
   ThreadPool pool_{1};
   std::vector<std::shared_ptr<const Model>> models_;
   std::map<int, std::unique_ptr<StageWorker>> workers_;
@@ -389,6 +407,102 @@ TEST(RemoteStages, AFailedCallLeavesTheSequenceAsItWasAndADeadRankFailsEverythin
   EXPECT_NO_THROW(s.reset());
   EXPECT_FALSE(s.truncate(2));
   EXPECT_LE(split.transport->messages - sent, 3);
+}
+
+int32_t greedy_last(const FloatTensor& l) {
+  const auto row = l.data.end() - l.dim(1);
+  return static_cast<int32_t>(std::max_element(row, l.data.end()) - row);
+}
+
+// Four sequences decoding as two calls kept in flight together (as serve and bench do with
+// stages on other ranks): each call's logits equal those of the same call run alone on the
+// whole model, bit for bit, whatever order the calls finish in.
+TEST(RemoteStages, PipelinedCallsInFlightTogetherGiveWhatEachGetsAlone) {
+  const auto whole = Model::open(split_bundle());
+  SplitModel split = open_split();
+  EXPECT_EQ(CallPipeline::depth(*whole), 1);
+  EXPECT_EQ(CallPipeline::depth(*split.model), 3) << "the front and ranks 1 and 2";
+  const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
+  ThreadPool pool(1);
+  std::vector<std::unique_ptr<Sequence>> a, b;
+  for (int k = 0; k < 4; ++k) {
+    a.push_back(std::make_unique<Sequence>(whole));
+    b.push_back(std::make_unique<Sequence>(split.model));
+    const std::vector<int32_t> prompt(ids.begin() + k, ids.end());
+    a[k]->forward(pool, prompt, nullptr, false, nullptr);
+    b[k]->forward(pool, prompt, nullptr, false, nullptr);
+  }
+  // The reference: group g = sequences {g, g + 2}, one call per step, each group on its own.
+  constexpr int kSteps = 5;
+  std::vector<std::vector<FloatTensor>> want(2);
+  std::vector<std::vector<int32_t>> next(2, std::vector<int32_t>(2, 3));
+  for (int g = 0; g < 2; ++g)
+    for (int step = 0; step < kSteps; ++step) {
+      const BatchEntry e[] = {
+          {a[g].get(), std::span<const int32_t>(&next[g][0], 1), nullptr, false},
+          {a[g + 2].get(), std::span<const int32_t>(&next[g][1], 1), nullptr, false}};
+      auto l = Sequence::forward_batch(pool, e);
+      for (int k = 0; k < 2; ++k) next[g][k] = greedy_last(l[k]);
+      want[g].push_back(std::move(l[0]));
+      want[g].push_back(std::move(l[1]));
+    }
+  // Pipelined on the split model.
+  CallPipeline pipeline(pool);
+  std::vector<std::vector<int32_t>> feed(2, std::vector<int32_t>(2, 3));
+  std::vector<int> steps(2, 0);
+  std::map<uint64_t, int> group_of;
+  auto start = [&](int g) {
+    const BatchEntry e[] = {
+        {b[g].get(), std::span<const int32_t>(&feed[g][0], 1), nullptr, false},
+        {b[g + 2].get(), std::span<const int32_t>(&feed[g][1], 1), nullptr, false}};
+    group_of[pipeline.start(e)] = g;
+  };
+  start(0);
+  start(1);
+  EXPECT_EQ(pipeline.in_flight(), 2u);
+  while (pipeline.in_flight() > 0) {
+    CallPipeline::Finished f = pipeline.next();
+    ASSERT_FALSE(f.error);
+    const int g = group_of.at(f.call);
+    const int step = steps[g]++;
+    for (int k = 0; k < 2; ++k) {
+      expect_same(f.logits[k], want[g][2 * step + k],
+                  "group " + std::to_string(g) + " step " + std::to_string(step));
+      feed[g][k] = greedy_last(f.logits[k]);
+    }
+    if (steps[g] < kSteps) start(g);
+  }
+  EXPECT_EQ(steps, (std::vector<int>{kSteps, kSteps}));
+  EXPECT_GE(split.transport->max_outstanding, 2u) << "two calls were never in flight at once";
+
+  // Calls dropped in flight leave their sequences as they were, here and on the ranks.
+  const int64_t before = b[0]->n_past();
+  {
+    const int32_t one = 5;
+    const BatchEntry e[] = {{b[0].get(), std::span<const int32_t>(&one, 1), nullptr, false}};
+    BatchCall dropped(e);
+    dropped.advance(pool);  // the embeddings ran here; rank 1 has the call
+    ASSERT_FALSE(dropped.done());
+    dropped.advance(pool);  // rank 1's rows are in its caches, rank 2 has the call
+    ASSERT_EQ(dropped.stages_run(), 2u);
+  }
+  EXPECT_EQ(b[0]->n_past(), before);
+  const std::vector<int32_t> more{9};
+  expect_same(a[0]->forward(pool, more, nullptr, false, nullptr),
+              b[0]->forward(pool, more, nullptr, false, nullptr), "after a dropped call");
+
+  // A rank that dies fails every call in flight, each leaving its sequences as they were.
+  split.transport->kill(2);
+  const int64_t n1 = b[1]->n_past(), n2 = b[2]->n_past();
+  CallPipeline failing(pool);
+  const int32_t x = 4, y = 6;
+  const BatchEntry e1[] = {{b[1].get(), std::span<const int32_t>(&x, 1), nullptr, false}};
+  const BatchEntry e2[] = {{b[2].get(), std::span<const int32_t>(&y, 1), nullptr, false}};
+  failing.start(e1);
+  failing.start(e2);
+  for (int k = 0; k < 2; ++k) EXPECT_TRUE(failing.next().error);
+  EXPECT_EQ(b[1]->n_past(), n1);
+  EXPECT_EQ(b[2]->n_past(), n2);
 }
 
 TEST(StageWorkerProtocol, RefusesUnknownSequencesAndStagesByName) {

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
@@ -15,6 +16,7 @@
 #include "core/error.h"
 #include "kernels/cpu_features.h"
 #include "runtime/speculative.h"
+#include "stage/call_pipeline.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -261,7 +263,9 @@ int run_bench(const BenchArgs& a) {
         }
       } else {
         // n_seq sequences of one model, each at the depth, decoding together: one batched call
-        // a step, so the weights are read once for all of them.
+        // a step, so the weights are read once for all of them. With stages on other processes
+        // (MPI ranks), as the server does: the sequences split over one call per process, kept in
+        // flight together, each group's next step starting as soon as its last one finished.
         std::vector<std::unique_ptr<Sequence>> seqs;
         for (int64_t k = 0; k < r.n_seq; ++k) {
           seqs.push_back(
@@ -269,18 +273,29 @@ int run_bench(const BenchArgs& a) {
           if (r.n_depth > 0)
             seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
         }
-        const double t_start = now_seconds();
+        const int64_t groups = std::min<int64_t>(r.n_seq, CallPipeline::depth(p->model()));
+        CallPipeline pipeline(pool);
         std::vector<int32_t> next(static_cast<size_t>(r.n_seq));
-        std::vector<BatchEntry> batch;
-        for (int64_t i = 0; i < r.n_gen; ++i) {
-          batch.clear();
-          for (int64_t k = 0; k < r.n_seq; ++k) {
+        std::vector<int64_t> steps(static_cast<size_t>(groups), 0);
+        std::map<uint64_t, int64_t> group_of;
+        auto start_group = [&](int64_t g) {
+          std::vector<BatchEntry> batch;
+          for (int64_t k = g; k < r.n_seq; k += groups) {
             next[static_cast<size_t>(k)] = random_ids(1)[0];
             batch.push_back({seqs[static_cast<size_t>(k)].get(),
                              std::span<const int32_t>(&next[static_cast<size_t>(k)], 1), nullptr,
                              false});
           }
-          Sequence::forward_batch(pool, batch);
+          group_of[pipeline.start(batch)] = g;
+        };
+        const double t_start = now_seconds();
+        for (int64_t g = 0; g < groups; ++g) start_group(g);
+        while (pipeline.in_flight() > 0) {
+          CallPipeline::Finished f = pipeline.next();
+          if (f.error) std::rethrow_exception(f.error);
+          const int64_t g = group_of.at(f.call);
+          group_of.erase(f.call);
+          if (++steps[static_cast<size_t>(g)] < r.n_gen) start_group(g);
         }
         r.ts.push_back(static_cast<double>(r.n_gen * r.n_seq) / (now_seconds() - t_start));
         continue;

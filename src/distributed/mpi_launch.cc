@@ -4,10 +4,11 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
-#include <future>
+#include <deque>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -108,18 +109,6 @@ void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point
   }
 }
 
-void send_bytes(const std::vector<uint8_t>& bytes, int dest, int tag, Clock::time_point deadline) {
-  if (bytes.size() <= kPieceBytes)
-    return send_piece(bytes.data(), bytes.size(), dest, tag, deadline);
-  uint8_t header[9];
-  header[0] = kPiecedMarker;
-  const uint64_t total = bytes.size();
-  std::memcpy(header + 1, &total, 8);
-  send_piece(header, sizeof header, dest, tag, deadline);
-  for (size_t at = 0; at < bytes.size(); at += kPieceBytes)
-    send_piece(bytes.data() + at, std::min(kPieceBytes, bytes.size() - at), dest, tag, deadline);
-}
-
 // Receives the message `st` announced (and its pieces, if it was split).
 std::vector<uint8_t> receive_bytes(const MPI_Status& st, std::optional<Clock::time_point> deadline,
                                    std::chrono::microseconds cap) {
@@ -160,51 +149,70 @@ std::string broadcast_string(std::string s, int root) {
   return s;
 }
 
-// Rank 0's channels to the workers.
+// Rank 0's channels to the workers. Every wait here also takes in whatever the workers sent
+// (replies, heartbeats): a worker may be sending its reply to one call while rank 0 sends it the
+// next, and neither send can finish until the other side receives.
 class MpiTransport final : public StageTransport {
  public:
   MpiTransport(std::vector<std::string> hosts, double timeout_seconds)
       : hosts_(std::move(hosts)),
         timeout_(std::chrono::duration_cast<Clock::duration>(
             std::chrono::duration<double>(timeout_seconds))),
-        failed_(hosts_.size()) {}
+        ranks_(hosts_.size()) {}
 
   std::string rank_name(int rank) const override {
     return "rank " + std::to_string(rank) + " (host " + hosts_.at(static_cast<size_t>(rank)) + ")";
   }
 
-  std::vector<uint8_t> exchange(int rank, const std::vector<uint8_t>& request,
-                                bool want_reply) override {
+  uint64_t post(int rank, const std::vector<uint8_t>& request, bool want_reply) override {
     std::lock_guard<std::mutex> lk(mu_);
-    std::string& failed = failed_.at(static_cast<size_t>(rank));
-    if (!failed.empty()) fail(failed);
+    RankState& r = ranks_.at(static_cast<size_t>(rank));
+    if (!r.failed.empty()) fail(r.failed);
     try {
-      send_bytes(request, rank, kTagRequest, Clock::now() + timeout_);
-      if (!want_reply) return {};
-      // Heartbeats push the deadline on while the worker computes.
-      auto deadline = Clock::now() + timeout_;
-      Backoff b(std::chrono::microseconds(200));
-      for (;;) {
-        MPI_Status st;
-        int flag = 0;
-        check_mpi(MPI_Iprobe(rank, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
-        if (flag && st.MPI_TAG == kTagReply)
-          return receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
-        if (flag) {
-          receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
-          if (st.MPI_TAG == kTagHeartbeat) deadline = Clock::now() + timeout_;
-          b.reset();
-          continue;
-        }
-        if (Clock::now() > deadline)
-          fail("no answer within ", std::chrono::duration<double>(timeout_).count(),
-               " s (the rank died, hangs, or its host is unreachable); restart the service");
-        b.pause();
-      }
+      send_taking_in(request, rank);
     } catch (const Error& e) {
-      failed = e.what();
-      any_failed_ = true;
+      mark_failed(rank, e.what());
       throw;
+    }
+    if (!want_reply) return 0;
+    // An idle rank starts its clock now; a busy one keeps the clock of its running call.
+    if (r.waiting.empty()) r.heard = Clock::now();
+    const uint64_t ticket = ++last_ticket_;
+    r.waiting.push_back(ticket);
+    rank_of_[ticket] = rank;
+    return ticket;
+  }
+
+  bool ready(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    const int rank = rank_of(ticket);
+    if (replies_.count(ticket)) return true;
+    take_in();
+    check_clock(rank);
+    return replies_.count(ticket) > 0 || !ranks_[static_cast<size_t>(rank)].failed.empty();
+  }
+
+  std::vector<uint8_t> take(uint64_t ticket) override {
+    std::lock_guard<std::mutex> lk(mu_);
+    const int rank = rank_of(ticket);
+    Backoff b(std::chrono::microseconds(200));
+    for (;;) {
+      if (const auto it = replies_.find(ticket); it != replies_.end()) {
+        std::vector<uint8_t> bytes = std::move(it->second);
+        replies_.erase(it);
+        rank_of_.erase(ticket);
+        return bytes;
+      }
+      const std::string& failed = ranks_[static_cast<size_t>(rank)].failed;
+      if (!failed.empty()) {
+        rank_of_.erase(ticket);
+        fail(failed);
+      }
+      if (take_in())
+        b.reset();
+      else
+        b.pause();
+      check_clock(rank);
     }
   }
 
@@ -219,21 +227,115 @@ class MpiTransport final : public StageTransport {
     m.op = WireOp::Shutdown;
     const auto bytes = encode_wire_message(m);
     for (size_t r = 1; r < hosts_.size(); ++r) {
-      if (!failed_[r].empty()) continue;
+      if (!ranks_[r].failed.empty()) continue;
       try {
-        send_bytes(bytes, static_cast<int>(r), kTagRequest, Clock::now() + timeout_);
+        send_taking_in(bytes, static_cast<int>(r));
       } catch (const Error& e) {
-        failed_[r] = e.what();
-        any_failed_ = true;
+        mark_failed(static_cast<int>(r), e.what());
       }
     }
   }
 
  private:
+  struct RankState {
+    std::deque<uint64_t> waiting;  // tickets sent, in order, whose reply has not come
+    Clock::time_point heard;       // the last sign of life while it had calls
+    std::string failed;
+  };
+
+  int rank_of(uint64_t ticket) const {
+    const auto it = rank_of_.find(ticket);
+    if (it == rank_of_.end()) fail("stage transport: no call in flight has ticket ", ticket);
+    return it->second;
+  }
+
+  void mark_failed(int rank, const std::string& why) {
+    RankState& r = ranks_[static_cast<size_t>(rank)];
+    if (r.failed.empty()) r.failed = why;
+    any_failed_ = true;
+  }
+
+  // A rank with calls in flight that said nothing for the timeout is dead, hung or unreachable.
+  void check_clock(int rank) {
+    RankState& r = ranks_[static_cast<size_t>(rank)];
+    if (r.failed.empty() && !r.waiting.empty() && Clock::now() - r.heard > timeout_)
+      mark_failed(rank, "no answer within " +
+                            std::to_string(std::chrono::duration<double>(timeout_).count()) +
+                            " s (the rank died, hangs, or its host is unreachable); restart the "
+                            "service");
+  }
+
+  // Receives every message the workers have sent; true if there was any.
+  bool take_in() {
+    bool any = false;
+    for (;;) {
+      MPI_Status st;
+      int flag = 0;
+      check_mpi(MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
+      if (!flag) return any;
+      any = true;
+      const int src = st.MPI_SOURCE;
+      if (src <= 0 || static_cast<size_t>(src) >= ranks_.size() ||
+          (st.MPI_TAG != kTagReply && st.MPI_TAG != kTagHeartbeat)) {
+        receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
+        continue;  // not a channel message (cannot happen with our workers); drop it
+      }
+      RankState& r = ranks_[static_cast<size_t>(src)];
+      try {
+        std::vector<uint8_t> bytes =
+            receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
+        r.heard = Clock::now();
+        if (st.MPI_TAG == kTagReply && !r.waiting.empty()) {
+          replies_[r.waiting.front()] = std::move(bytes);
+          r.waiting.pop_front();
+        }
+      } catch (const Error& e) {
+        mark_failed(src, e.what());
+      }
+    }
+  }
+
+  // Sends, taking in what arrives meanwhile, waiting at most the timeout for the send to leave
+  // (a dead peer never takes it).
+  void send_taking_in(const std::vector<uint8_t>& bytes, int dest) {
+    const auto deadline = Clock::now() + timeout_;
+    auto send_piece_taking_in = [&](const void* data, size_t n) {
+      MPI_Request req;
+      check_mpi(
+          MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest, kTagRequest, MPI_COMM_WORLD, &req),
+          "MPI_Isend");
+      Backoff b(std::chrono::microseconds(200));
+      for (;;) {
+        int done = 0;
+        check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
+        if (done) return;
+        if (Clock::now() > deadline) {
+          MPI_Request_free(&req);
+          fail("could not send to it within the stage timeout");
+        }
+        if (take_in())
+          b.reset();
+        else
+          b.pause();
+      }
+    };
+    if (bytes.size() <= kPieceBytes) return send_piece_taking_in(bytes.data(), bytes.size());
+    uint8_t header[9];
+    header[0] = kPiecedMarker;
+    const uint64_t total = bytes.size();
+    std::memcpy(header + 1, &total, 8);
+    send_piece_taking_in(header, sizeof header);
+    for (size_t at = 0; at < bytes.size(); at += kPieceBytes)
+      send_piece_taking_in(bytes.data() + at, std::min(kPieceBytes, bytes.size() - at));
+  }
+
   std::vector<std::string> hosts_;
   Clock::duration timeout_;
   mutable std::mutex mu_;
-  std::vector<std::string> failed_;
+  std::vector<RankState> ranks_;
+  std::map<uint64_t, int> rank_of_;                   // tickets not yet taken
+  std::map<uint64_t, std::vector<uint8_t>> replies_;  // replies in, not yet taken
+  uint64_t last_ticket_ = 0;
   bool any_failed_ = false;
 };
 
@@ -416,44 +518,167 @@ DistributedSession::~DistributedSession() {
   s.finalize();
 }
 
+namespace {
+
+// A message on its way out, in pieces when it exceeds what one MPI count holds; progressed by
+// the worker's channel thread between its other duties.
+class OutgoingMessage {
+ public:
+  OutgoingMessage(std::vector<uint8_t> bytes, int dest, int tag)
+      : bytes_(std::move(bytes)), dest_(dest), tag_(tag) {
+    if (bytes_.size() <= kPieceBytes) {
+      pieces_.push_back({bytes_.data(), bytes_.size()});
+      return;
+    }
+    header_[0] = kPiecedMarker;
+    const uint64_t total = bytes_.size();
+    std::memcpy(header_ + 1, &total, 8);
+    pieces_.push_back({header_, sizeof header_});
+    for (size_t at = 0; at < bytes_.size(); at += kPieceBytes)
+      pieces_.push_back({bytes_.data() + at, std::min(kPieceBytes, bytes_.size() - at)});
+  }
+  OutgoingMessage(const OutgoingMessage&) = delete;
+  OutgoingMessage& operator=(const OutgoingMessage&) = delete;
+
+  // Moves the send on; true once every piece left.
+  bool progress() {
+    for (;;) {
+      if (active_) {
+        int done = 0;
+        check_mpi(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+        if (!done) return false;
+        active_ = false;
+        ++next_;
+      }
+      if (next_ == pieces_.size()) return true;
+      const auto [data, n] = pieces_[next_];
+      check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest_, tag_, MPI_COMM_WORLD, &req_),
+                "MPI_Isend");
+      active_ = true;
+    }
+  }
+
+ private:
+  std::vector<uint8_t> bytes_;
+  uint8_t header_[9] = {};
+  std::vector<std::pair<const void*, size_t>> pieces_;
+  int dest_, tag_;
+  size_t next_ = 0;
+  bool active_ = false;
+  MPI_Request req_ = MPI_REQUEST_NULL;
+};
+
+}  // namespace
+
+// The worker's two threads: calls run one after another, in the order they came, on a compute
+// thread, while this thread keeps the channel - it takes the next requests as they arrive (so
+// rank 0 hands over the next micro-batch while this one computes, and its send never waits on
+// ours), sends the replies, and says the rank is alive while calls compute. Only this thread
+// calls MPI.
 int DistributedSession::run_worker() {
   Impl& s = *impl_;
   ThreadPool pool(s.options.threads > 0 ? s.options.threads : default_thread_count());
   StageWorker worker(s.model, pool, s.where);
-  const auto never = std::optional<Clock::time_point>{};
-  for (;;) {
-    MPI_Status st;
-    probe_until(0, kTagRequest, never, &st, std::chrono::microseconds(200));
-    WireMessage reply;
-    bool has_reply = false, stop = false;
-    try {
-      const auto bytes = receive_bytes(st, never, std::chrono::microseconds(200));
-      const WireMessage m = decode_wire_message(bytes, s.where + ": message from rank 0");
-      if (m.op == WireOp::Shutdown) {
-        stop = true;
-      } else if (m.op == WireOp::Forward) {
-        // The stage computes on its own thread while this one says it is alive.
-        auto run = std::async(std::launch::async, [&] { return worker.handle(m); });
-        while (run.wait_for(kHeartbeatInterval) != std::future_status::ready)
-          check_mpi(MPI_Send(nullptr, 0, MPI_BYTE, 0, kTagHeartbeat, MPI_COMM_WORLD), "MPI_Send");
-        if (auto r = run.get()) {
-          reply = std::move(*r);
-          has_reply = true;
-        }
-      } else if (auto r = worker.handle(m)) {
-        reply = std::move(*r);
-        has_reply = true;
+  struct Work {
+    WireMessage message;
+    std::string error;  // the request could not be read: answer with this Failure
+  };
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Work> inbox;
+  std::deque<WireMessage> outbox;
+  bool stopping = false, computing = false;
+  auto failure = [&](const std::string& why) {
+    WireMessage f;
+    f.op = WireOp::Failure;
+    f.error = s.where + ": " + why;
+    return f;
+  };
+  std::thread compute([&] {
+    for (;;) {
+      Work w;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stopping || !inbox.empty(); });
+        if (stopping) return;
+        w = std::move(inbox.front());
+        inbox.pop_front();
+        computing = true;
       }
-    } catch (const std::exception& e) {
-      reply = WireMessage{};
-      reply.op = WireOp::Failure;
-      reply.error = s.where + ": " + e.what();
-      has_reply = true;
+      std::optional<WireMessage> reply;
+      if (!w.error.empty()) {
+        reply = failure(w.error);
+      } else {
+        try {
+          reply = worker.handle(w.message);
+        } catch (const std::exception& e) {
+          reply = failure(e.what());
+        }
+      }
+      std::lock_guard<std::mutex> lk(mu);
+      computing = false;
+      if (reply) outbox.push_back(std::move(*reply));
     }
-    if (stop) break;
-    if (has_reply)
-      send_bytes(encode_wire_message(reply), 0, kTagReply, Clock::now() + std::chrono::hours(1));
+  });
+
+  const auto never = std::optional<Clock::time_point>{};
+  std::optional<OutgoingMessage> sending;
+  auto last_beat = Clock::now();
+  Backoff b(std::chrono::microseconds(200));
+  for (bool stop = false; !stop;) {
+    bool any = false;
+    MPI_Status st;
+    int flag = 0;
+    check_mpi(MPI_Iprobe(0, kTagRequest, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
+    if (flag) {
+      any = true;
+      Work w;
+      try {
+        const auto bytes = receive_bytes(st, never, std::chrono::microseconds(200));
+        w.message = decode_wire_message(bytes, s.where + ": message from rank 0");
+      } catch (const std::exception& e) {
+        w.error = e.what();
+      }
+      if (w.error.empty() && w.message.op == WireOp::Shutdown) {
+        stop = true;
+      } else {
+        std::lock_guard<std::mutex> lk(mu);
+        inbox.push_back(std::move(w));
+      }
+      cv.notify_one();
+    }
+    if (sending && sending->progress()) {
+      sending.reset();
+      any = true;
+    }
+    bool busy = false;
+    {
+      std::lock_guard<std::mutex> lk(mu);
+      if (!sending && !outbox.empty()) {
+        sending.emplace(encode_wire_message(outbox.front()), 0, kTagReply);
+        outbox.pop_front();
+        any = true;
+      }
+      busy = computing || !inbox.empty();
+    }
+    if (sending && sending->progress()) sending.reset();
+    if (busy && Clock::now() - last_beat >= kHeartbeatInterval) {
+      check_mpi(MPI_Send(nullptr, 0, MPI_BYTE, 0, kTagHeartbeat, MPI_COMM_WORLD), "MPI_Send");
+      last_beat = Clock::now();
+    }
+    if (!busy) last_beat = Clock::now();  // rank 0 starts the clock of a call when it sends it
+    if (any)
+      b.reset();
+    else
+      b.pause();
   }
+  {
+    std::lock_guard<std::mutex> lk(mu);
+    stopping = true;
+    inbox.clear();
+  }
+  cv.notify_all();
+  compute.join();
   return 0;
 }
 

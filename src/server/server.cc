@@ -17,6 +17,7 @@
 #include <ctime>
 #include <deque>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <random>
 #include <sstream>
@@ -27,6 +28,7 @@
 #include "server/chat_page.h"
 #include "server/messages_api.h"
 #include "server/responses_api.h"
+#include "stage/call_pipeline.h"
 
 namespace gemstage::server {
 
@@ -182,8 +184,9 @@ struct Slot {
   uint64_t admitted = 0;           // admission order: prompts are prefilled oldest first
   uint64_t last_used = 0;          // when it last ran, to evict the stalest held prefix first
   SlotState state = SlotState::kIdle;
-  int64_t rows = 0;      // KV rows the sequence holds
-  int64_t reserved = 0;  // budget rows counted for it: capacity while running, rows when idle
+  int64_t rows = 0;        // KV rows the sequence holds
+  int64_t reserved = 0;    // budget rows counted for it: capacity while running, rows when idle
+  bool in_flight = false;  // in a call the pipeline has not finished (engine thread only)
 };
 
 // The Messages routes answer in Anthropic's error shape, every other route in OpenAI's.
@@ -241,6 +244,16 @@ struct Server::Impl {
   std::mutex prepare_mu;
   std::unique_ptr<ThreadPool> prepare_pool;
   std::vector<std::unique_ptr<Slot>> slots;
+  // The engine's calls in flight. With stages on other processes (MPI ranks) several are, each
+  // over its own slots, so every process computes at once (stage/call_pipeline.h).
+  struct CallInFlight {
+    std::vector<Slot*> owners;
+    std::vector<int64_t> soft_rows;  // soft tokens each entry consumed
+    int64_t rows = 0;
+  };
+  int pipeline_depth = 1;
+  std::unique_ptr<CallPipeline> pipeline;
+  std::map<uint64_t, CallInFlight> calls_in_flight;
   std::thread engine_thread;
   mutable std::mutex q_mu;
   std::condition_variable q_cv, idle_cv;
@@ -311,6 +324,8 @@ struct Server::Impl {
   void admit();
   void start_job(Slot& s, const std::shared_ptr<Job>& job);
   void step();
+  int64_t finish_call();
+  void drop_calls_in_flight();
   void end_job(Slot& s, const std::string& reason, const std::optional<ApiError>& error = {});
   std::string metrics_text();
   void submit(const std::shared_ptr<Job>& job);
@@ -338,6 +353,8 @@ void Server::Impl::load() {
     ubatch_rows = std::max(1, std::min(opt.ubatch, batch_rows));
     placeholders = a.model().config().placeholder_token_ids();
     pool = std::make_unique<ThreadPool>(total);
+    pipeline = std::make_unique<CallPipeline>(*pool);
+    pipeline_depth = CallPipeline::depth(a.model());
     prepare_pool = std::make_unique<ThreadPool>(std::max(1, total / 2));
     for (int i = 0; i < opt.parallel; ++i) {
       auto s = std::make_unique<Slot>();
@@ -426,6 +443,7 @@ void Server::Impl::engine() {
     } catch (const std::exception& e) {
       // Not expected (a failed batched call already ends only its own requests); ending every
       // running request keeps the engine serving the next ones.
+      drop_calls_in_flight();
       for (auto& s : slots)
         if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
     }
@@ -630,11 +648,15 @@ void Server::Impl::end_job(Slot& s, const std::string& reason,
 
 // One batched step: a decode row for every sequence that is generating, then prompt rows of the
 // sequences being prefilled (oldest first) up to -b rows in all, run as calls of at most -ub rows.
+// With the model's stages in several processes, the running sequences are split over that many
+// calls kept in flight together, and a step ends once one of them finished (its sequences then
+// take part in the next step while the others still compute); otherwise every call finishes
+// within its step.
 void Server::Impl::step() {
   ++steps;
   const auto t0 = Clock::now();
   for (auto& s : slots)
-    if (s->job && s->job->cancel.load()) end_job(*s, "cancelled");
+    if (s->job && !s->in_flight && s->job->cancel.load()) end_job(*s, "cancelled");
 
   struct Piece {
     Slot* slot;
@@ -644,13 +666,13 @@ void Server::Impl::step() {
   int64_t room = batch_rows;
   // Every generating sequence gets its row each step (none starves when --parallel exceeds -b).
   for (auto& s : slots)
-    if (s->job && s->next_id) {
+    if (s->job && !s->in_flight && s->next_id) {
       pieces.push_back({s.get(), 0, 0});
       --room;
     }
   std::vector<Slot*> filling;
   for (auto& s : slots)
-    if (s->job && s->state == SlotState::kPrefill) filling.push_back(s.get());
+    if (s->job && !s->in_flight && s->state == SlotState::kPrefill) filling.push_back(s.get());
   std::sort(filling.begin(), filling.end(),
             [](const Slot* a, const Slot* b) { return a->admitted < b->admitted; });
   // At least one prompt row a step, so a prompt advances even when decode rows fill -b.
@@ -665,20 +687,26 @@ void Server::Impl::step() {
     pieces.push_back({s, at, n});
     room -= n;
   }
-  if (pieces.empty()) return;
+  if (pieces.empty() && pipeline->in_flight() == 0) return;
+  // Pipelined, a call takes its share of the running sequences.
+  size_t max_entries = pieces.size() + 1;
+  if (pipeline_depth > 1) {
+    size_t running = 0;
+    for (auto& s : slots) running += s->job ? 1 : 0;
+    max_entries = std::max<size_t>(1, (running + pipeline_depth - 1) / pipeline_depth);
+  }
 
-  const int64_t V = assistant->model().config().text.vocab_size;
   int64_t rows_run = 0;
+  size_t finished = 0;
   size_t next_piece = 0;
   int64_t piece_done = 0;  // rows of pieces[next_piece] already run
   while (next_piece < pieces.size()) {
     // One call: whole decode rows and prompt rows up to -ub, a piece split over calls if needed.
     std::vector<BatchEntry> batch;
     std::vector<Slot*> owners;
-    std::vector<FloatTensor> softs;
-    softs.reserve(pieces.size());
+    std::vector<int64_t> soft_rows;  // each entry's placeholder rows
     int64_t call_rows = 0;
-    while (next_piece < pieces.size() && call_rows < ubatch_rows) {
+    while (next_piece < pieces.size() && call_rows < ubatch_rows && batch.size() < max_entries) {
       const Piece& p = pieces[next_piece];
       Slot& s = *p.slot;
       if (!s.job) {  // ended by a failed call earlier in this step
@@ -691,6 +719,7 @@ void Server::Impl::step() {
       e.sequence = s.sequence.get();
       if (p.n == 0) {
         e.ids = std::span<const int32_t>(&*s.next_id, 1);
+        soft_rows.push_back(0);
         ++next_piece;
         call_rows += 1;
       } else {
@@ -701,11 +730,7 @@ void Server::Impl::step() {
                              from;
         e.ids = std::span<const int32_t>(s.prompt.data() + p.begin + piece_done,
                                          static_cast<size_t>(take));
-        const int64_t k = count_placeholders(s.sequence->config(), e.ids);
-        if (k > 0) {
-          softs.push_back(slice_rows(s.soft, s.soft_at, k));
-          e.soft_tokens = &softs.back();
-        }
+        soft_rows.push_back(count_placeholders(s.sequence->config(), e.ids));
         piece_done += take;
         call_rows += take;
         if (piece_done == p.n) {
@@ -716,59 +741,56 @@ void Server::Impl::step() {
       batch.push_back(e);
       owners.push_back(&s);
     }
-    std::vector<FloatTensor> logits;
-    try {
-      logits = Sequence::forward_batch(*pool, batch);
-    } catch (const std::bad_alloc&) {
+    if (batch.empty()) continue;
+    // A slot's rows go on from where its previous call left them: that call finishes first, as
+    // do calls beyond the pipeline's depth.
+    auto owner_in_flight = [&] {
       for (Slot* s : owners)
-        if (s->job)
-          end_job(*s, "",
-                  ApiError(503, "out of memory while serving this request", "server_error", {},
-                           "out_of_memory"));
-      continue;
-    } catch (const std::exception& e) {
-      // A stage on a rank that stopped answering is the service's failure, not the request's.
-      const bool stage_down = !stage_failure().empty();
-      for (Slot* s : owners)
-        if (s->job)
-          end_job(*s, "",
-                  stage_down ? ApiError(503, e.what(), "server_error", {}, "stage_failed")
-                             : ApiError(500, e.what(), "server_error"));
-      continue;
+        if (s->in_flight) return true;
+      return false;
+    };
+    while (pipeline->in_flight() > 0 &&
+           (pipeline->in_flight() >= static_cast<size_t>(pipeline_depth) || owner_in_flight())) {
+      rows_run += finish_call();
+      ++finished;
     }
-    rows_run += call_rows;
+    // Each entry's soft tokens follow those its slot's earlier calls consumed; an entry whose
+    // request ended meanwhile leaves the call.
+    CallInFlight call;
+    std::vector<BatchEntry> live;
+    std::vector<FloatTensor> softs;
+    softs.reserve(batch.size());
     for (size_t i = 0; i < batch.size(); ++i) {
       Slot& s = *owners[i];
       if (!s.job) continue;
-      if (batch[i].soft_tokens) s.soft_at += batch[i].soft_tokens->dim(0);
-      const bool prompt_done = s.state == SlotState::kDecode ||
-                               s.sequence->n_past() == static_cast<int64_t>(s.prompt.size());
-      if (!prompt_done) continue;
-      if (s.state == SlotState::kPrefill) {
-        s.soft = FloatTensor();
-        std::lock_guard<std::mutex> lk(q_mu);
-        s.state = SlotState::kDecode;
+      BatchEntry e = batch[i];
+      if (soft_rows[i] > 0) {
+        softs.push_back(slice_rows(s.soft, s.soft_at, soft_rows[i]));
+        e.soft_tokens = &softs.back();
       }
-      Job& job = *s.job;
-      const FloatTensor& l = logits[i];
-      s.next_id = s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity,
-                                 [&job](std::string_view piece) {
-                                   {
-                                     std::lock_guard<std::mutex> lk(job.mu);
-                                     job.pending.append(piece);
-                                   }
-                                   job.cv.notify_all();
-                                   return !job.cancel.load();
-                                 });
-      if (job.gen.top_logprobs >= 0) {
-        const std::vector<TokenLogprob>& all = s.stream->result().logprobs;
-        std::lock_guard<std::mutex> lk(job.mu);
-        job.logprobs.insert(job.logprobs.end(),
-                            all.begin() + static_cast<std::ptrdiff_t>(job.logprobs.size()),
-                            all.end());
-      }
-      if (!s.next_id) end_job(s, s.stream->result().finish_reason);
+      live.push_back(e);
+      call.owners.push_back(&s);
+      call.soft_rows.push_back(soft_rows[i]);
     }
+    if (live.empty()) continue;
+    batch = std::move(live);
+    call.rows = call_rows;
+    try {
+      const uint64_t id = pipeline->start(batch);
+      for (Slot* s : call.owners) s->in_flight = true;
+      calls_in_flight.emplace(id, std::move(call));
+    } catch (const std::exception& e) {
+      for (Slot* s : call.owners)
+        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
+    }
+  }
+  // Pipelined, the step ends once a call finished (the pipeline stays full); otherwise once all
+  // did.
+  while (pipeline->in_flight() > 0 &&
+         (pipeline_depth == 1 || finished == 0 ||
+          pipeline->in_flight() >= static_cast<size_t>(pipeline_depth))) {
+    rows_run += finish_call();
+    ++finished;
   }
   const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
   std::lock_guard<std::mutex> lk(q_mu);
@@ -778,6 +800,77 @@ void Server::Impl::step() {
   ++step_counts[b];
   step_seconds_sum += secs;
   step_rows_total += rows_run;
+}
+
+// The next call of the pipeline to finish: its sequences sample their next ids (or their
+// requests end with the call's error). Returns the rows it ran.
+int64_t Server::Impl::finish_call() {
+  CallPipeline::Finished f = pipeline->next();
+  auto node = calls_in_flight.extract(f.call);
+  if (node.empty()) return 0;
+  CallInFlight& call = node.mapped();
+  for (Slot* s : call.owners) s->in_flight = false;
+  if (f.error) {
+    try {
+      std::rethrow_exception(f.error);
+    } catch (const std::bad_alloc&) {
+      for (Slot* s : call.owners)
+        if (s->job)
+          end_job(*s, "",
+                  ApiError(503, "out of memory while serving this request", "server_error", {},
+                           "out_of_memory"));
+    } catch (const std::exception& e) {
+      // A stage on a rank that stopped answering is the service's failure, not the request's.
+      const bool stage_down = !stage_failure().empty();
+      for (Slot* s : call.owners)
+        if (s->job)
+          end_job(*s, "",
+                  stage_down ? ApiError(503, e.what(), "server_error", {}, "stage_failed")
+                             : ApiError(500, e.what(), "server_error"));
+    }
+    return 0;
+  }
+  const int64_t V = assistant->model().config().text.vocab_size;
+  for (size_t i = 0; i < call.owners.size(); ++i) {
+    Slot& s = *call.owners[i];
+    if (!s.job) continue;
+    s.soft_at += call.soft_rows[i];
+    const bool prompt_done = s.state == SlotState::kDecode ||
+                             s.sequence->n_past() == static_cast<int64_t>(s.prompt.size());
+    if (!prompt_done) continue;
+    if (s.state == SlotState::kPrefill) {
+      s.soft = FloatTensor();
+      std::lock_guard<std::mutex> lk(q_mu);
+      s.state = SlotState::kDecode;
+    }
+    Job& job = *s.job;
+    const FloatTensor& l = f.logits[i];
+    s.next_id = s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity,
+                               [&job](std::string_view piece) {
+                                 {
+                                   std::lock_guard<std::mutex> lk(job.mu);
+                                   job.pending.append(piece);
+                                 }
+                                 job.cv.notify_all();
+                                 return !job.cancel.load();
+                               });
+    if (job.gen.top_logprobs >= 0) {
+      const std::vector<TokenLogprob>& all = s.stream->result().logprobs;
+      std::lock_guard<std::mutex> lk(job.mu);
+      job.logprobs.insert(job.logprobs.end(),
+                          all.begin() + static_cast<std::ptrdiff_t>(job.logprobs.size()),
+                          all.end());
+    }
+    if (!s.next_id) end_job(s, s.stream->result().finish_reason);
+  }
+  return call.rows;
+}
+
+// Abandons every call in flight: their sequences stay as they were before each call.
+void Server::Impl::drop_calls_in_flight() {
+  pipeline = std::make_unique<CallPipeline>(*pool);
+  calls_in_flight.clear();
+  for (auto& s : slots) s->in_flight = false;
 }
 
 // GET /metrics: Prometheus text exposition format, version 0.0.4.

@@ -105,20 +105,25 @@ FloatTensor Sequence::forward(ThreadPool& pool, std::span<const int32_t> ids,
 std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
                                                  std::span<const BatchEntry> batch,
                                                  TapRecorder* taps, const TextRunOptions& opt) {
+  BatchCall call(batch, taps, opt);
+  while (!call.done()) call.advance(pool);
+  return call.finish();
+}
+
+BatchCall::BatchCall(std::span<const BatchEntry> batch, TapRecorder* taps,
+                     const TextRunOptions& opt)
+    : taps_(taps), opt_(opt) {
   if (batch.empty()) fail("forward: no sequence in the batch");
-  const Model& model = batch.front().sequence->model();
-  const ModelConfig& c = model.config();
+  model_ = &batch.front().sequence->model();
+  const ModelConfig& c = model_->config();
   // The call's rows: each entry's ids in turn, with their positions and sequence index.
-  std::vector<int32_t> ids, positions, row_sequence, groups;
-  bool any_group = false;
-  std::vector<float> soft;
   bool any_soft = false;
   for (const BatchEntry& e : batch)
     any_soft = any_soft || (e.soft_tokens && e.soft_tokens->numel() > 0);
   for (size_t k = 0; k < batch.size(); ++k) {
     const BatchEntry& e = batch[k];
     Sequence& seq = *e.sequence;
-    if (&seq.model() != &model) fail("forward: the sequences of one batch must share one model");
+    if (&seq.model() != model_) fail("forward: the sequences of one batch must share one model");
     for (size_t m = 0; m < k; ++m)
       if (batch[m].sequence == &seq) fail("forward: a sequence appears twice in one batch");
     const int64_t S = static_cast<int64_t>(e.ids.size());
@@ -134,136 +139,202 @@ std::vector<FloatTensor> Sequence::forward_batch(ThreadPool& pool,
     if (any_soft && batch.size() > 1 && count_placeholders(c, e.ids) != n_soft)
       fail("forward: batch entry ", k, " has ", count_placeholders(c, e.ids),
            " placeholder rows but ", n_soft, " soft tokens");
-    if (n_soft) soft.insert(soft.end(), e.soft_tokens->data.begin(), e.soft_tokens->data.end());
-    ids.insert(ids.end(), e.ids.begin(), e.ids.end());
+    if (n_soft) soft_.insert(soft_.end(), e.soft_tokens->data.begin(), e.soft_tokens->data.end());
+    ids_.insert(ids_.end(), e.ids.begin(), e.ids.end());
     if (c.text.bidirectional_vision) {
       // Each entry's image runs are its own groups, numbered on from the previous entry's.
       int32_t next = 0;
-      for (int32_t g : groups) next = std::max(next, g + 1);
+      for (int32_t g : groups_) next = std::max(next, g + 1);
       for (int32_t g : vision_groups(c, e.ids, next)) {
-        groups.push_back(g);
-        any_group = any_group || g >= 0;
+        groups_.push_back(g);
+        any_group_ = any_group_ || g >= 0;
       }
     }
     for (int64_t r = 0; r < S; ++r) {
-      positions.push_back(static_cast<int32_t>(seq.n_past() + r));
-      row_sequence.push_back(static_cast<int32_t>(k));
+      positions_.push_back(static_cast<int32_t>(seq.n_past() + r));
+      row_sequence_.push_back(static_cast<int32_t>(k));
+    }
+    entries_.push_back({&seq, std::vector<int32_t>(e.ids.begin(), e.ids.end()), e.all_logits});
+    remote_ids_.push_back(seq.remote_id_);
+  }
+}
+
+BatchCall::~BatchCall() {
+  if (finished_) return;
+  // Abandoned in flight: collect the reply it is owed (so the channel stays in step), keep
+  // nothing.
+  if (ticket_) {
+    try {
+      model_->remote_stages()[stage_]->collect(*ticket_);
+    } catch (const std::exception&) {
     }
   }
-  const int64_t S = static_cast<int64_t>(ids.size());
+  drop_all();
+}
 
-  TensorMap flow;  // what the previous stage produced
-  TensorMap logits;
-  const auto& stages = model.stages();
-  const auto& remote = model.remote_stages();
-  // The number each sequence goes by in the processes that run remote stages.
-  std::vector<uint64_t> remote_ids;
-  for (const BatchEntry& e : batch) remote_ids.push_back(e.sequence->remote_id_);
+void BatchCall::drop_all() noexcept {
+  for (const Entry& e : entries_)
+    for (const auto& cache : e.sequence->caches_)
+      if (cache) cache->drop_uncommitted();
+  for (const auto& r : model_->remote_stages())
+    if (r) r->drop_uncommitted(remote_ids_);
+}
+
+// The contract tensors stage i takes, from what the stages before it produced.
+TensorMap BatchCall::stage_inputs(size_t i) {
+  const ModelConfig& c = model_->config();
+  const StageDecl& decl = model_->stage_decls()[i];
+  const int64_t S = static_cast<int64_t>(ids_.size());
+  TensorMap in;
+  switch (decl.role) {
+    case StageRole::Embeddings:
+      in["input_ids"] = HostTensor({S}, ids_);
+      if (!soft_.empty()) {
+        const int64_t D = c.text.hidden_size, n = static_cast<int64_t>(soft_.size()) / D;
+        // The soft tokens fill the placeholder rows in order; audio rows travel as
+        // audio_soft_tokens, image/video rows as image_soft_tokens (the contract names each).
+        int64_t n_audio = 0;
+        for (int32_t id : ids_) n_audio += id == c.audio_token_id ? 1 : 0;
+        if (n_audio == 0 || n != count_placeholders(c, ids_)) {
+          // No audio rows (or a count the stage will refuse, naming both counts).
+          in[n_audio == 0 || c.vision ? "image_soft_tokens" : "audio_soft_tokens"] =
+              HostTensor({n, D}, std::move(soft_));
+        } else {
+          std::vector<float> vis, aud;
+          const std::vector<int> ph = c.placeholder_token_ids();
+          int64_t k = 0;
+          for (int32_t id : ids_) {
+            if (std::find(ph.begin(), ph.end(), id) == ph.end()) continue;
+            auto& dst = id == c.audio_token_id ? aud : vis;
+            dst.insert(dst.end(), soft_.begin() + k * D, soft_.begin() + (k + 1) * D);
+            ++k;
+          }
+          const int64_t n_vis = static_cast<int64_t>(vis.size()) / D;
+          if (n_vis) in["image_soft_tokens"] = HostTensor({n_vis, D}, std::move(vis));
+          in["audio_soft_tokens"] = HostTensor({n_audio, D}, std::move(aud));
+        }
+        soft_.clear();
+      }
+      break;
+    case StageRole::TransformerLayers: {
+      // Only this stage's slice of the per-layer inputs crosses the boundary.
+      const LayerRange r = decl.layers;
+      const HostTensor& all = flow_.at("per_layer_inputs");
+      const int64_t L = all.shape()[1], P = all.shape()[2], n = r.end - r.begin;
+      std::vector<float> slice(static_cast<size_t>(S * n * P));
+      const auto src = all.values<float>();
+      for (int64_t row = 0; row < S; ++row)
+        std::copy_n(src.begin() + (row * L + r.begin) * P, n * P, slice.begin() + row * n * P);
+      in["hidden_states"] = std::move(flow_.at("hidden_states"));
+      in["per_layer_inputs"] = HostTensor({S, n, P}, std::move(slice));
+      in["positions"] = HostTensor({S}, positions_);
+      if (entries_.size() > 1) in["row_sequence"] = HostTensor({S}, row_sequence_);
+      if (any_group_) in["vision_groups"] = HostTensor({S}, groups_);
+      break;
+    }
+    case StageRole::FinalNormHead: {
+      // Only the rows whose logits are wanted go through the head.
+      const HostTensor& h = flow_.at("hidden_states");
+      const int64_t D = h.shape()[1];
+      const auto v = h.values<float>();
+      std::vector<float> rows;
+      int64_t row0 = 0, n_rows = 0;
+      for (const Entry& e : entries_) {
+        const int64_t n = static_cast<int64_t>(e.ids.size());
+        const int64_t first = e.all_logits ? row0 : row0 + n - 1;
+        rows.insert(rows.end(), v.begin() + first * D, v.begin() + (row0 + n) * D);
+        n_rows += row0 + n - first;
+        row0 += n;
+      }
+      in["hidden_states"] = HostTensor({n_rows, D}, std::move(rows));
+      break;
+    }
+  }
+  return in;
+}
+
+void BatchCall::take_outputs(size_t i, TensorMap out) {
+  switch (model_->stage_decls()[i].role) {
+    case StageRole::Embeddings:
+      flow_ = std::move(out);
+      break;
+    case StageRole::TransformerLayers:
+      flow_["hidden_states"] = std::move(out.at("hidden_states"));
+      break;
+    case StageRole::FinalNormHead:
+      logits_ = std::move(out);
+      break;
+  }
+}
+
+bool BatchCall::ready() {
+  if (done_) return false;
+  return !ticket_ || model_->remote_stages()[stage_]->ready(*ticket_);
+}
+
+void BatchCall::advance(ThreadPool& pool) {
+  if (done_) return;
+  const auto& stages = model_->stages();
+  const auto& remote = model_->remote_stages();
   try {
-    for (size_t i = 0; i < stages.size(); ++i) {
-      const StageDecl& decl = model.stage_decls()[i];
-      // A stage runs here, or in the process that holds it, on the same contract tensors.
-      auto run_stage = [&](TensorMap in, std::span<KvCache* const> caches) {
-        if (stages[i]) return stages[i]->run(pool, std::move(in), caches, opt, taps);
-        if (remote[i]) return remote[i]->run(std::move(in), remote_ids);
-        fail(model.path(), ": stage ", decl.id, " is not open in this process");
-      };
-      TensorMap in;
-      switch (decl.role) {
-        case StageRole::Embeddings:
-          in["input_ids"] = HostTensor({S}, ids);
-          if (!soft.empty()) {
-            const int64_t D = c.text.hidden_size, n = static_cast<int64_t>(soft.size()) / D;
-            // The soft tokens fill the placeholder rows in order; audio rows travel as
-            // audio_soft_tokens, image/video rows as image_soft_tokens (the contract names each).
-            int64_t n_audio = 0;
-            for (int32_t id : ids) n_audio += id == c.audio_token_id ? 1 : 0;
-            if (n_audio == 0 || n != count_placeholders(c, ids)) {
-              // No audio rows (or a count the stage will refuse, naming both counts).
-              in[n_audio == 0 || c.vision ? "image_soft_tokens" : "audio_soft_tokens"] =
-                  HostTensor({n, D}, std::move(soft));
-            } else {
-              std::vector<float> vis, aud;
-              const std::vector<int> ph = c.placeholder_token_ids();
-              int64_t k = 0;
-              for (int32_t id : ids) {
-                if (std::find(ph.begin(), ph.end(), id) == ph.end()) continue;
-                auto& dst = id == c.audio_token_id ? aud : vis;
-                dst.insert(dst.end(), soft.begin() + k * D, soft.begin() + (k + 1) * D);
-                ++k;
-              }
-              const int64_t n_vis = static_cast<int64_t>(vis.size()) / D;
-              if (n_vis) in["image_soft_tokens"] = HostTensor({n_vis, D}, std::move(vis));
-              in["audio_soft_tokens"] = HostTensor({n_audio, D}, std::move(aud));
-            }
-          }
-          flow = run_stage(std::move(in), {});
-          break;
-        case StageRole::TransformerLayers: {
-          // Only this stage's slice of the per-layer inputs crosses the boundary.
-          const LayerRange r = decl.layers;
-          const HostTensor& all = flow.at("per_layer_inputs");
-          const int64_t L = all.shape()[1], P = all.shape()[2], n = r.end - r.begin;
-          std::vector<float> slice(static_cast<size_t>(S * n * P));
-          const auto src = all.values<float>();
-          for (int64_t row = 0; row < S; ++row)
-            std::copy_n(src.begin() + (row * L + r.begin) * P, n * P, slice.begin() + row * n * P);
-          in["hidden_states"] = std::move(flow.at("hidden_states"));
-          in["per_layer_inputs"] = HostTensor({S, n, P}, std::move(slice));
-          in["positions"] = HostTensor({S}, positions);
-          std::vector<KvCache*> caches;
-          for (const BatchEntry& e : batch) caches.push_back(e.sequence->caches_[i].get());
-          if (batch.size() > 1) in["row_sequence"] = HostTensor({S}, row_sequence);
-          if (any_group) in["vision_groups"] = HostTensor({S}, groups);
-          TensorMap out = run_stage(std::move(in), caches);
-          flow["hidden_states"] = std::move(out.at("hidden_states"));
-          break;
-        }
-        case StageRole::FinalNormHead: {
-          // Only the rows whose logits are wanted go through the head.
-          const HostTensor& h = flow.at("hidden_states");
-          const int64_t D = h.shape()[1];
-          const auto v = h.values<float>();
-          std::vector<float> rows;
-          int64_t row0 = 0, n_rows = 0;
-          for (const BatchEntry& e : batch) {
-            const int64_t n = static_cast<int64_t>(e.ids.size());
-            const int64_t first = e.all_logits ? row0 : row0 + n - 1;
-            rows.insert(rows.end(), v.begin() + first * D, v.begin() + (row0 + n) * D);
-            n_rows += row0 + n - first;
-            row0 += n;
-          }
-          in["hidden_states"] = HostTensor({n_rows, D}, std::move(rows));
-          logits = run_stage(std::move(in), {});
-          break;
-        }
+    if (ticket_) {
+      const uint64_t t = *ticket_;
+      ticket_.reset();
+      take_outputs(stage_, remote[stage_]->collect(t));
+      ++stage_;
+    }
+    for (; stage_ < stages.size(); ++stage_) {
+      const StageDecl& decl = model_->stage_decls()[stage_];
+      TensorMap in = stage_inputs(stage_);
+      if (stages[stage_]) {
+        // This process runs it, on the caches its entries' sequences keep here.
+        std::vector<KvCache*> caches;
+        if (decl.role == StageRole::TransformerLayers)
+          for (const Entry& e : entries_) caches.push_back(e.sequence->caches_[stage_].get());
+        take_outputs(stage_, stages[stage_]->run(pool, std::move(in), caches, opt_, taps_));
+      } else if (remote[stage_]) {
+        // Another process runs it, on the caches it keeps for these sequences.
+        ticket_ = remote[stage_]->submit(std::move(in), remote_ids_);
+        return;
+      } else {
+        fail(model_->path(), ": stage ", decl.id, " is not open in this process");
       }
     }
+    done_ = true;
+  } catch (...) {
+    error_ = std::current_exception();
+    done_ = true;
+  }
+}
+
+std::vector<FloatTensor> BatchCall::finish() {
+  if (!done_) fail("forward: a call was finished before it ran through every stage");
+  if (finished_) fail("forward: a call was finished twice");
+  finished_ = true;
+  const auto& remote = model_->remote_stages();
+  try {
+    if (error_) std::rethrow_exception(error_);
     // Every stage ran: the remote ones keep their rows too.
     for (size_t i = 0; i < remote.size(); ++i)
-      if (remote[i] && model.stage_decls()[i].role == StageRole::TransformerLayers)
-        remote[i]->commit(remote_ids);
+      if (remote[i] && model_->stage_decls()[i].role == StageRole::TransformerLayers)
+        remote[i]->commit(remote_ids_);
   } catch (...) {
     // A failed call leaves every sequence as it was: no stage keeps the rows it appended.
-    for (const BatchEntry& e : batch)
-      for (const auto& cache : e.sequence->caches_)
-        if (cache) cache->drop_uncommitted();
-    for (const auto& r : remote)
-      if (r) r->drop_uncommitted(remote_ids);
+    drop_all();
     throw;
   }
   // The call ran through every stage: each cache group now holds its rows.
   std::vector<FloatTensor> out;
-  FloatTensor all = logits.at("logits").take_float();
+  FloatTensor all = logits_.at("logits").take_float();
   const int64_t V = all.dim(1);
   int64_t at = 0;
-  for (const BatchEntry& e : batch) {
+  for (const Entry& e : entries_) {
     const int64_t n = static_cast<int64_t>(e.ids.size());
     for (const auto& cache : e.sequence->caches_)
       if (cache) cache->advance(n);
     e.sequence->tokens_.insert(e.sequence->tokens_.end(), e.ids.begin(), e.ids.end());
     const int64_t rows = e.all_logits ? n : 1;
-    if (batch.size() == 1) {
+    if (entries_.size() == 1) {
       out.push_back(std::move(all));  // all of it is this entry's (a prompt's logits can be GBs)
       break;
     }

@@ -6,6 +6,7 @@
 // positions, the head the hidden states of the rows whose logits are wanted.
 #pragma once
 
+#include <exception>
 #include <memory>
 #include <optional>
 #include <span>
@@ -19,6 +20,7 @@
 namespace gemstage {
 
 class Sequence;
+class BatchCall;
 
 // One sequence's part of a batched call: its new ids (a prompt chunk, or one decoded token), the
 // soft tokens of their placeholder rows, and whether it wants logits for every row or the last.
@@ -89,6 +91,7 @@ class Sequence {
                       TapRecorder* taps, const TextRunOptions& opt = {});
 
  private:
+  friend class BatchCall;
   void build_caches();
 
   // Each stage run in another process gets the sequence's rows under this number, unique in
@@ -102,6 +105,61 @@ class Sequence {
   std::vector<int32_t> tokens_;
   int64_t max_context_ = 0;
   KvType kv_type_ = KvType::F32;
+};
+
+// One batched call on its way through the stages (what Sequence::forward_batch runs start to
+// end). It runs this process's stages itself and hands a stage held by another process its
+// inputs, then waits for that stage's reply apart, so a CallPipeline (stage/call_pipeline.h) can
+// keep several calls in flight: the other processes work on one while this one runs its own
+// stages of another. Its sequences must be in no other call while it is in flight.
+class BatchCall {
+ public:
+  // Checks the batch and lays out its rows (copies of the ids and soft tokens: the entries'
+  // spans need not outlive this). Throws, changing nothing, on a batch that cannot run.
+  BatchCall(std::span<const BatchEntry> batch, TapRecorder* taps = nullptr,
+            const TextRunOptions& opt = {});
+  // A call dropped before it finished leaves its sequences as they were.
+  ~BatchCall();
+  BatchCall(const BatchCall&) = delete;
+  BatchCall& operator=(const BatchCall&) = delete;
+
+  // Runs stages until the call waits on another process's stage or has run them all. If it was
+  // waiting, first collects that reply (waiting for it: see ready()). A failure is kept for
+  // finish() and ends the call.
+  void advance(ThreadPool& pool);
+  // Whether advance() has work that needs no waiting.
+  bool ready();
+  // Every stage ran, or one failed.
+  bool done() const { return done_; }
+  // How many stages it has run (a pipeline favours the calls nearest their end).
+  size_t stages_run() const { return stage_; }
+  // The finished call: each entry's sequence keeps its rows (in every process) and the entries'
+  // logits are returned in order; or, after a failure, no sequence changed and this rethrows.
+  std::vector<FloatTensor> finish();
+
+ private:
+  TensorMap stage_inputs(size_t i);
+  void take_outputs(size_t i, TensorMap out);
+  void drop_all() noexcept;
+
+  struct Entry {
+    Sequence* sequence;
+    std::vector<int32_t> ids;
+    bool all_logits;
+  };
+  std::vector<Entry> entries_;
+  const Model* model_;
+  TapRecorder* taps_;
+  TextRunOptions opt_;
+  std::vector<int32_t> ids_, positions_, row_sequence_, groups_;
+  bool any_group_ = false;
+  std::vector<float> soft_;
+  std::vector<uint64_t> remote_ids_;  // each entry's number in the processes of remote stages
+  size_t stage_ = 0;
+  std::optional<uint64_t> ticket_;  // the reply stage_'s process owes
+  TensorMap flow_, logits_;
+  std::exception_ptr error_;
+  bool done_ = false, finished_ = false;
 };
 
 }  // namespace gemstage
