@@ -1460,6 +1460,7 @@ void Server::Impl::setup_routes() {
            {"queued", queue.size()},
            {"kv_budget", kv_budget},
            {"kv_rows_reserved", reserved},
+           {"pipeline_depth", pipeline_depth},
            {"slot_states", std::move(states)}};
     }
     res.set_content(wire_json(j), "application/json");

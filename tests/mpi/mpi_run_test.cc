@@ -16,6 +16,7 @@
 #include <sstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "../test_util.h"
 #include "io/npy.h"
@@ -235,54 +236,117 @@ pid_t pid_of_rank(const std::string& marker, int rank) {
   return -1;
 }
 
-TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
-  const std::string log = dir() + "/serve.log";
-  // --enable-recovery keeps rank 0 (the server) up when a worker dies, so it can answer.
-  // exec: the launcher's pid is mpirun's, so the signals below reach it (and it its ranks).
-  const std::string cmd = "exec mpirun --enable-recovery --oversubscribe -np 3 " + kCli +
-                          " serve -m " + bundle() + " --port 0 -t 1 --stage-timeout 2 > " + log +
-                          " 2>&1";
-  const pid_t launcher = fork();
-  ASSERT_GE(launcher, 0);
-  if (launcher == 0) {
-    setpgid(0, 0);
-    execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
-    _exit(127);
-  }
-  // Whatever happens below, the job ends with the test.
-  struct EndJob {
-    pid_t pid;
-    ~EndJob() {
-      // Already reaped when the test saw the job end; otherwise ask, then force.
-      if (waitpid(pid, nullptr, WNOHANG) != 0) return;
-      kill(pid, SIGTERM);
-      for (int i = 0; i < 100; ++i) {
-        if (waitpid(pid, nullptr, WNOHANG) == pid) return;
-        std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      }
-      kill(-pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
+// `serve` started by a shell command (under mpirun or not), up and answering /health; the job
+// ends with the object.
+class ServeJob {
+ public:
+  // cmd: the command line; its output goes to `log`. `exec` in it makes the launcher's pid the
+  // job's, so signals to pid() reach it (and mpirun passes them to its ranks).
+  ServeJob(const std::string& cmd, const std::string& log) : log_(log) {
+    pid_ = fork();
+    if (pid_ == 0) {
+      setpgid(0, 0);
+      const std::string full = cmd + " > " + log + " 2>&1";
+      execl("/bin/sh", "sh", "-c", full.c_str(), static_cast<char*>(nullptr));
+      _exit(127);
     }
-  } end_job{launcher};
-  // The port the server took (--port 0: any free one), from its start-up line.
-  int port = 0;
-  const std::string listening = "listening on http://127.0.0.1:";
-  for (int i = 0; i < 300 && port == 0; ++i) {
-    const std::string text = slurp(log);
-    if (const auto at = text.find(listening); at != std::string::npos)
-      port = std::atoi(text.c_str() + at + listening.size());
-    if (port == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  ASSERT_GT(port, 0) << slurp(log);
-  httplib::Client c("127.0.0.1", port);
-  c.set_read_timeout(60, 0);
-  bool up = false;
-  for (int i = 0; i < 300 && !up; ++i) {
-    const auto r = c.Get("/health");
-    up = r && r->status == 200;
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  ~ServeJob() {
+    // Already reaped when a test saw the job end; otherwise ask, then force.
+    if (pid_ <= 0 || waitpid(pid_, nullptr, WNOHANG) != 0) return;
+    kill(pid_, SIGTERM);
+    for (int i = 0; i < 100; ++i) {
+      if (waitpid(pid_, nullptr, WNOHANG) == pid_) return;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    kill(-pid_, SIGKILL);
+    waitpid(pid_, nullptr, 0);
   }
-  ASSERT_TRUE(up) << slurp(log);
+  ServeJob(const ServeJob&) = delete;
+  ServeJob& operator=(const ServeJob&) = delete;
+
+  // Waits for the port the server took (--port 0: any free one, from its start-up line) and for
+  // /health to answer 200; false (the log says why) if that does not happen within 30 s.
+  bool wait_up() {
+    const std::string listening = "listening on http://127.0.0.1:";
+    for (int i = 0; i < 300 && port_ == 0; ++i) {
+      const std::string text = slurp(log_);
+      if (const auto at = text.find(listening); at != std::string::npos)
+        port_ = std::atoi(text.c_str() + at + listening.size());
+      if (port_ == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (port_ == 0) return false;
+    httplib::Client c = client();
+    for (int i = 0; i < 300; ++i) {
+      const auto r = c.Get("/health");
+      if (r && r->status == 200) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return false;
+  }
+  httplib::Client client() const {
+    httplib::Client c("127.0.0.1", port_);
+    c.set_read_timeout(60, 0);
+    return c;
+  }
+  pid_t pid() const { return pid_; }
+  std::string log() const { return slurp(log_); }
+
+ private:
+  std::string log_;
+  pid_t pid_ = -1;
+  int port_ = 0;
+};
+
+// Four requests at once on a server whose transformer stages are on two other ranks: the engine
+// keeps one call per rank in flight (pipeline depth 3), and every reply is the one the single
+// process gives.
+TEST_F(MpiRun, ConcurrentRequestsPipelinedOverRanksGetTheOneProcessReplies) {
+  const std::string serve = kCli + " serve -m " + bundle() + " --port 0 -t 1 -np 4";
+  ServeJob one(serve, dir() + "/serve_one.log");
+  ServeJob three("exec mpirun --oversubscribe -np 3 " + serve, dir() + "/serve_three.log");
+  ASSERT_TRUE(one.wait_up()) << one.log();
+  ASSERT_TRUE(three.wait_up()) << three.log();
+  const auto health = three.client().Get("/health");
+  ASSERT_TRUE(health);
+  EXPECT_NE(health->body.find("\"pipeline_depth\":3"), std::string::npos) << health->body;
+  auto replies = [](const ServeJob& job) {
+    std::vector<std::string> texts(4);
+    std::vector<std::thread> clients;
+    for (int k = 0; k < 4; ++k)
+      clients.emplace_back([&, k] {
+        const std::string body = R"({"prompt":"Request )" + std::to_string(k) +
+                                 R"( says","max_tokens":)" + std::to_string(10 + 3 * k) +
+                                 R"(,"temperature":0})";
+        const auto r = job.client().Post("/v1/completions", body, "application/json");
+        texts[k] = r ? std::to_string(r->status) + " " + r->body : "no reply";
+      });
+    for (auto& t : clients) t.join();
+    return texts;
+  };
+  const std::vector<std::string> want = replies(one), got = replies(three);
+  for (int k = 0; k < 4; ++k) {
+    ASSERT_EQ(want[k].rfind("200 ", 0), 0u) << want[k];
+    ASSERT_EQ(got[k].rfind("200 ", 0), 0u) << got[k] << "\n" << three.log();
+    // The ids and timings of the replies differ; the texts must not.
+    auto text = [](const std::string& reply) {
+      const auto at = reply.find("\"text\":");
+      return reply.substr(at, reply.find("\"", at + 8) - at);
+    };
+    EXPECT_EQ(text(got[k]), text(want[k])) << "request " << k;
+  }
+}
+
+TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
+  // --enable-recovery keeps rank 0 (the server) up when a worker dies, so it can answer.
+  ServeJob job("exec mpirun --enable-recovery --oversubscribe -np 3 " + kCli + " serve -m " +
+                   bundle() + " --port 0 -t 1 --stage-timeout 2",
+               dir() + "/serve.log");
+  ASSERT_GT(job.pid(), 0);
+  ASSERT_TRUE(job.wait_up()) << job.log();
+  const pid_t launcher = job.pid();
+  httplib::Client c = job.client();
+  auto slurp_log = [&] { return job.log(); };
   const std::string body = R"({"prompt":"hello","max_tokens":4})";
   auto r = c.Post("/v1/completions", body, "application/json");
   ASSERT_TRUE(r);
@@ -295,7 +359,7 @@ TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   r = c.Post("/v1/completions", body, "application/json");
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  ASSERT_TRUE(r) << "no reply: " << slurp(log);
+  ASSERT_TRUE(r) << "no reply: " << slurp_log();
   EXPECT_EQ(r->status, 503) << r->body;
   EXPECT_NE(r->body.find("stage layers_2_6 on rank 2 (host "), std::string::npos) << r->body;
   EXPECT_LT(waited, 20.0) << "the failed request took " << waited << " s";
