@@ -195,6 +195,14 @@ int run_bench(const BenchArgs& a) {
     int64_t n_prompt, n_gen, n_depth;
     std::vector<double> ts;
     int64_t n_seq = 1;  // sequences in one batch: each prefills its prompt / decodes a token a step
+    std::vector<RemoteStageStats> hops;  // what each remote stage's calls cost during the row
+  };
+  // Stages on other ranks (mpirun): their call counters, to report each row's hops.
+  auto hop_stats = [&] {
+    std::vector<RemoteStageStats> v;
+    for (const auto& r : p->model().remote_stages())
+      v.push_back(r ? r->stats() : RemoteStageStats{});
+    return v;
   };
   std::vector<Row> rows;
   for (int64_t d : depths) {
@@ -214,6 +222,7 @@ int run_bench(const BenchArgs& a) {
            " (a bundle's is its export --max-context; re-export with a larger one or lower -d)");
   for (Row& r : rows) {
     p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
+    const std::vector<RemoteStageStats> hops_before = hop_stats();
     if (a.warmup) {
       // As llama-bench: one untimed pass (the prompt, or one decoded token) so the first
       // repetition does not pay the page faults of the mmapped weights and scratch buffers.
@@ -303,6 +312,17 @@ int run_bench(const BenchArgs& a) {
       const double dt = now_seconds() - ts;
       r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
     }
+    r.hops = hop_stats();
+    for (size_t i = 0; i < r.hops.size(); ++i) {
+      RemoteStageStats& h = r.hops[i];
+      const RemoteStageStats& b = hops_before[i];
+      h.calls -= b.calls;
+      h.rows -= b.rows;
+      h.bytes_sent -= b.bytes_sent;
+      h.bytes_received -= b.bytes_received;
+      h.round_trip_seconds -= b.round_trip_seconds;
+      h.compute_seconds -= b.compute_seconds;
+    }
   }
   const MemoryUse mem = memory_use();
   const double rss_gb = mem.peak_gb;
@@ -363,20 +383,26 @@ int run_bench(const BenchArgs& a) {
   std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
             << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
-  // Stages on other ranks (mpirun): what each hop cost, over every call of the run.
-  const auto& remote = p->model().remote_stages();
-  for (size_t i = 0; i < remote.size(); ++i) {
-    if (!remote[i]) continue;
-    const RemoteStageStats st = remote[i]->stats();
-    if (st.calls == 0) continue;
-    const double calls = static_cast<double>(st.calls);
-    std::cout << "remote stage " << p->stages()[i].id << ": " << st.calls << " calls, " << st.rows
-              << " rows; per call " << st.bytes_sent / calls / 1e3 << " kB out, "
-              << st.bytes_received / calls / 1e3 << " kB back, "
-              << (st.round_trip_seconds - st.compute_seconds) / calls * 1e3
-              << " ms on the way (round trip " << st.round_trip_seconds / calls * 1e3
-              << " ms, its compute " << st.compute_seconds / calls * 1e3 << " ms)\n";
-  }
+  // Stages on other ranks (mpirun): what each hop cost per call, row by row (warm-up included).
+  // With several calls in flight (x N rows) a call's round trip includes the time it waited
+  // behind the others at the far rank, so only one sequence's rows show the cost of the way.
+  for (const Row& r : rows)
+    for (size_t i = 0; i < r.hops.size(); ++i) {
+      const RemoteStageStats& st = r.hops[i];
+      if (st.calls == 0) continue;
+      const double calls = static_cast<double>(st.calls);
+      std::cout << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen))
+                << (r.n_seq > 1 ? " x" + std::to_string(r.n_seq) : std::string())
+                << ", remote stage " << p->stages()[i].id << ": " << st.calls << " calls, "
+                << st.rows << " rows; per call " << st.bytes_sent / calls / 1e3 << " kB out, "
+                << st.bytes_received / calls / 1e3 << " kB back, round trip "
+                << st.round_trip_seconds / calls * 1e3 << " ms, its compute "
+                << st.compute_seconds / calls * 1e3 << " ms";
+      if (r.n_seq == 1)
+        std::cout << ", so " << (st.round_trip_seconds - st.compute_seconds) / calls * 1e3
+                  << " ms on the way";
+      std::cout << "\n";
+    }
   if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cout);
   return 0;
 }
