@@ -37,6 +37,13 @@ constexpr size_t kPieceBytes = size_t{1} << 30;
 constexpr uint8_t kPiecedMarker = 'C';  // wire messages start with 'G' (distributed/wire.cc)
 // How often a computing worker says it is alive; --stage-timeout must be well above it.
 constexpr auto kHeartbeatInterval = std::chrono::milliseconds(250);
+// How often rank 0 tells an idle worker it is still there. A worker that hears nothing from
+// rank 0 for worker_silence_limit() leaves: with `mpirun --enable-recovery` a dead rank 0 would
+// otherwise leave its workers (and so the job) running, and the supervisor would never restart it.
+constexpr auto kKeepAliveInterval = std::chrono::seconds(1);
+std::chrono::duration<double> worker_silence_limit(double stage_timeout_seconds) {
+  return std::chrono::duration<double>(std::max(10.0, 2 * stage_timeout_seconds));
+}
 
 void check_mpi(int rc, const char* what) {
   if (rc == MPI_SUCCESS) return;
@@ -158,7 +165,17 @@ class MpiTransport final : public StageTransport {
       : hosts_(std::move(hosts)),
         timeout_(std::chrono::duration_cast<Clock::duration>(
             std::chrono::duration<double>(timeout_seconds))),
-        ranks_(hosts_.size()) {}
+        ranks_(hosts_.size()) {
+    // While the engine computes its own stages (or sits idle) nothing else sends.
+    keeper_ = std::thread([this] {
+      std::unique_lock<std::mutex> lk(mu_);
+      while (!keeper_stop_) {
+        keep_alive();
+        keeper_cv_.wait_for(lk, kKeepAliveInterval / 2);
+      }
+    });
+  }
+  ~MpiTransport() override { stop_keeper(); }
 
   std::string rank_name(int rank) const override {
     return "rank " + std::to_string(rank) + " (host " + hosts_.at(static_cast<size_t>(rank)) + ")";
@@ -170,6 +187,7 @@ class MpiTransport final : public StageTransport {
     if (!r.failed.empty()) fail(r.failed);
     try {
       send_taking_in(request, rank);
+      r.sent = Clock::now();
     } catch (const Error& e) {
       mark_failed(rank, e.what());
       throw;
@@ -213,6 +231,7 @@ class MpiTransport final : public StageTransport {
       else
         b.pause();
       check_clock(rank);
+      keep_alive();
     }
   }
 
@@ -222,6 +241,7 @@ class MpiTransport final : public StageTransport {
   }
   // Tells every worker still answering to leave its loop.
   void shut_down() {
+    stop_keeper();
     std::lock_guard<std::mutex> lk(mu_);
     WireMessage m;
     m.op = WireOp::Shutdown;
@@ -240,8 +260,34 @@ class MpiTransport final : public StageTransport {
   struct RankState {
     std::deque<uint64_t> waiting;  // tickets sent, in order, whose reply has not come
     Clock::time_point heard;       // the last sign of life while it had calls
+    Clock::time_point sent;        // the last message to it
     std::string failed;
   };
+
+  void stop_keeper() {
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      keeper_stop_ = true;
+    }
+    keeper_cv_.notify_all();
+    if (keeper_.joinable()) keeper_.join();
+  }
+
+  // Under mu_: an empty message to each live worker not sent anything for a while. It never
+  // waits (an empty message leaves at once; a dead peer's failure shows in its calls).
+  void keep_alive() {
+    if (keeper_stop_) return;  // shutting down: the workers are leaving
+    const auto now = Clock::now();
+    for (size_t r = 1; r < ranks_.size(); ++r) {
+      RankState& st = ranks_[r];
+      if (!st.failed.empty() || now - st.sent < kKeepAliveInterval) continue;
+      MPI_Request req;
+      if (MPI_Isend(nullptr, 0, MPI_BYTE, static_cast<int>(r), kTagHeartbeat, MPI_COMM_WORLD,
+                    &req) == MPI_SUCCESS)
+        MPI_Request_free(&req);
+      st.sent = now;
+    }
+  }
 
   int rank_of(uint64_t ticket) const {
     const auto it = rank_of_.find(ticket);
@@ -317,6 +363,7 @@ class MpiTransport final : public StageTransport {
           b.reset();
         else
           b.pause();
+        keep_alive();
       }
     };
     if (bytes.size() <= kPieceBytes) return send_piece_taking_in(bytes.data(), bytes.size());
@@ -337,6 +384,9 @@ class MpiTransport final : public StageTransport {
   std::map<uint64_t, std::vector<uint8_t>> replies_;  // replies in, not yet taken
   uint64_t last_ticket_ = 0;
   bool any_failed_ = false;
+  std::condition_variable keeper_cv_;
+  bool keeper_stop_ = false;
+  std::thread keeper_;  // last: it uses everything above
 };
 
 }  // namespace
@@ -623,14 +673,20 @@ int DistributedSession::run_worker() {
 
   const auto never = std::optional<Clock::time_point>{};
   std::optional<OutgoingMessage> sending;
-  auto last_beat = Clock::now();
+  auto last_beat = Clock::now(), heard = Clock::now();
+  const auto silence_limit = worker_silence_limit(s.options.stage_timeout_seconds);
   Backoff b(std::chrono::microseconds(200));
   for (bool stop = false; !stop;) {
     bool any = false;
     MPI_Status st;
     int flag = 0;
-    check_mpi(MPI_Iprobe(0, kTagRequest, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
-    if (flag) {
+    check_mpi(MPI_Iprobe(0, MPI_ANY_TAG, MPI_COMM_WORLD, &flag, &st), "MPI_Iprobe");
+    if (flag) heard = Clock::now();
+    if (flag && st.MPI_TAG != kTagRequest) {
+      // Rank 0's keep-alive (or nothing a worker reads).
+      any = true;
+      receive_bytes(st, never, std::chrono::microseconds(200));
+    } else if (flag) {
       any = true;
       Work w;
       try {
@@ -667,6 +723,11 @@ int DistributedSession::run_worker() {
       last_beat = Clock::now();
     }
     if (!busy) last_beat = Clock::now();  // rank 0 starts the clock of a call when it sends it
+    if (Clock::now() - heard > silence_limit) {
+      std::cerr << "gemstage: " << s.where << ": rank 0 sent nothing for " << silence_limit.count()
+                << " s (it died or its host is unreachable); this worker leaves the job\n";
+      std::_Exit(1);  // MPI cannot finalize without rank 0
+    }
     if (any)
       b.reset();
     else

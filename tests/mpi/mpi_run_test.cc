@@ -383,5 +383,29 @@ TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   EXPECT_TRUE(ended) << "the job did not end within 30 s of SIGTERM";
 }
 
+// Rank 0 (the server) dies under --enable-recovery: its workers notice the silence and leave,
+// so the job ends and a supervisor can start it again, rather than the workers keeping the dead
+// job alive for ever.
+TEST_F(MpiRun, WorkersLeaveWhenRankZeroDies) {
+  ServeJob job("exec mpirun --enable-recovery --oversubscribe -np 3 " + kCli + " serve -m " +
+                   bundle() + " --port 0 -t 1 --stage-timeout 2",
+               dir() + "/serve_rank0.log");
+  ASSERT_TRUE(job.wait_up()) << job.log();
+  // Idle for longer than the workers' silence limit (10 s here): rank 0's keep-alives hold them.
+  std::this_thread::sleep_for(std::chrono::seconds(12));
+  ASSERT_EQ(waitpid(job.pid(), nullptr, WNOHANG), 0) << "the job ended while rank 0 lived\n"
+                                                     << job.log();
+  const pid_t rank0 = pid_of_rank(bundle(), 0);
+  ASSERT_GT(rank0, 0);
+  ASSERT_EQ(kill(rank0, SIGKILL), 0);
+  bool ended = false;
+  for (int i = 0; i < 400 && !ended; ++i) {
+    ended = waitpid(job.pid(), nullptr, WNOHANG) == job.pid();
+    if (!ended) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(ended) << "the job outlived rank 0 by 40 s\n" << job.log();
+  EXPECT_NE(job.log().find("rank 0 sent nothing for 10 s"), std::string::npos) << job.log();
+}
+
 }  // namespace
 }  // namespace gemstage
