@@ -44,6 +44,7 @@ function body(maxTokens, stream) {
 }
 
 const counts = { valid: 0, invalid: 0, slow_reads: 0, disconnects: 0, slow_sends: 0 };
+const phase = {};  // what each client awaits now, for the watchdog's report
 const failures = [];
 const t0 = Date.now();
 const deadline = t0 + seconds * 1000;
@@ -54,7 +55,9 @@ async function validClient(id) {
   while (running()) {
     const stream = id % 2 === 0;
     try {
+      phase[`valid ${id}`] = `fetch (stream ${stream})`;
       const r = await fetch(endpoint, { method: "POST", headers, body: body(8 + (counter % 40), stream) });
+      phase[`valid ${id}`] = `body (stream ${stream})`;
       if (r.status !== 200) throw new Error(`status ${r.status}: ${await r.text()}`);
       if (stream) checkChatStream(await r.text());
       else {
@@ -89,6 +92,7 @@ async function invalidClient(id) {
   while (running()) {
     const c = invalidCases[k++ % invalidCases.length];
     try {
+      phase[`invalid ${id}`] = `fetch ${c.what}`;
       const r = await fetch(`${server.url}${c.path ?? "/v1/chat/completions"}`,
                             { method: "POST", headers: c.headers, body: c.body });
       const text = await r.text();
@@ -107,7 +111,9 @@ async function invalidClient(id) {
 async function slowReader(id) {
   while (running()) {
     try {
+      phase[`slow reader ${id}`] = "fetch";
       const r = await fetch(endpoint, { method: "POST", headers, body: body(24, true) });
+      phase[`slow reader ${id}`] = "reading";
       if (r.status !== 200) throw new Error(`status ${r.status}`);
       const reader = r.body.getReader();
       const decoder = new TextDecoder();
@@ -131,9 +137,13 @@ async function disconnecter(id) {
   while (running()) {
     const controller = new AbortController();
     try {
-      const r = await fetch(endpoint, { method: "POST", headers, body: body(100000, (id + k) % 2 === 0),
-                                        signal: controller.signal });
+      // It leaves 5-205 ms in: mid-stream, or while a non-streamed reply is being generated.
+      const stream = (id + k) % 2 === 0;
       setTimeout(() => controller.abort(), 5 + ((k++ * 37) % 200));
+      phase[`disconnecter ${id}`] = `fetch (stream ${stream})`;
+      const r = await fetch(endpoint, { method: "POST", headers, body: body(100000, stream),
+                                        signal: controller.signal });
+      phase[`disconnecter ${id}`] = `body (stream ${stream})`;
       await r.text();
     } catch (e) {
       if (e.name !== "AbortError") note(`disconnecter ${id}`, e);
@@ -154,6 +164,7 @@ async function slowSender(id) {
       `Content-Length: ${Buffer.byteLength(payload)}\r\nConnection: close\r\n\r\n${payload}`;
     const cut = finish ? request.length : Math.floor(request.length * 0.6);
     try {
+      phase[`slow sender ${id}`] = `socket (finish ${finish})`;
       const reply = await new Promise((resolve, reject) => {
         const sock = net.connect(server.port, "127.0.0.1");
         let got = "";
@@ -180,14 +191,36 @@ async function slowSender(id) {
 const samples = [];  // [seconds since start, RSS KiB]
 const sampler = setInterval(() => samples.push([(Date.now() - t0) / 1000, rssKiB(server.pid)]), 1000);
 
-await Promise.all([
-  ...Array.from({ length: 6 }, (_, i) => validClient(i)),
-  ...Array.from({ length: 3 }, (_, i) => invalidClient(i)),
-  ...Array.from({ length: 2 }, (_, i) => slowReader(i)),
-  ...Array.from({ length: 3 }, (_, i) => disconnecter(i)),
-  ...Array.from({ length: 2 }, (_, i) => slowSender(i)),
+// Every client must end soon after the deadline: one that does not is named with what it was
+// waiting for, rather than the soak hanging without a word.
+const pending = new Set();
+const tracked = (name, run) => {
+  pending.add(name);
+  return run().finally(() => pending.delete(name));
+};
+const GRACE_MS = 180000 * SLOW;
+let watchdog;
+const overdue = new Promise((resolve) => {
+  watchdog = setTimeout(resolve, seconds * 1000 + GRACE_MS);
+});
+const ended = await Promise.race([
+  Promise.all([
+    ...Array.from({ length: 6 }, (_, i) => tracked(`valid ${i}`, () => validClient(i))),
+    ...Array.from({ length: 3 }, (_, i) => tracked(`invalid ${i}`, () => invalidClient(i))),
+    ...Array.from({ length: 2 }, (_, i) => tracked(`slow reader ${i}`, () => slowReader(i))),
+    ...Array.from({ length: 3 }, (_, i) => tracked(`disconnecter ${i}`, () => disconnecter(i))),
+    ...Array.from({ length: 2 }, (_, i) => tracked(`slow sender ${i}`, () => slowSender(i))),
+  ]).then(() => true),
+  overdue.then(() => false),
 ]);
+clearTimeout(watchdog);
 clearInterval(sampler);
+if (!ended) {
+  server.stop("SIGKILL");
+  check(false, `clients still running ${GRACE_MS / 1000} s after the end: ${[...pending].join(", ")} ` +
+        `(phases: ${JSON.stringify(Object.fromEntries([...pending].map((n) => [n, phase[n]])))}); ` +
+        `counts ${JSON.stringify(counts)}`);
+}
 
 check(failures.length === 0, `${failures.length} failures:\n${failures.slice(0, 20).join("\n")}`);
 check(counts.valid > 0 && counts.invalid > 0 && counts.disconnects > 0, `too little traffic: ${JSON.stringify(counts)}`);
