@@ -13,6 +13,7 @@
 #endif
 #include "io/mapped_file.h"
 #include "kernels/cpu_features.h"
+#include "stage/call_pipeline.h"
 #include "tools/commands.h"
 
 int main(int argc, char** argv) {
@@ -41,6 +42,12 @@ int main(int argc, char** argv) {
                  "under mpirun: seconds a rank may stay silent (no answer, no heartbeat) before "
                  "its stage counts as failed")
       ->check(CLI::Range(1.0, 86400.0))
+      ->capture_default_str();
+  int pipeline_depth = 0;
+  app.add_option("--pipeline-depth", pipeline_depth,
+                 "under mpirun: calls serve and bench keep in flight at once, each over its share "
+                 "of the running sequences (0: auto, see README \"Pipelining\"; 1: none)")
+      ->check(CLI::Range(0, 64))
       ->capture_default_str();
   gemstage::cli::Registry reg;
   gemstage::cli::add_info_command(app, reg);
@@ -102,6 +109,7 @@ int main(int argc, char** argv) {
       d.threads = sub->get_option("--threads")->as<int>();
       d.placement = placement;
       d.stage_timeout_seconds = stage_timeout;
+      gemstage::CallPipeline::set_depth_override(pipeline_depth);
       distributed = gemstage::DistributedSession::start(d);
       if (distributed->is_worker()) return distributed->run_worker();
 #else

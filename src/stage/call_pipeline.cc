@@ -1,18 +1,46 @@
 #include "stage/call_pipeline.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
-#include <set>
+#include <map>
 #include <thread>
 
 #include "core/error.h"
 
 namespace gemstage {
 
+namespace {
+std::atomic<int> depth_override{0};
+}  // namespace
+
+void CallPipeline::set_depth_override(int depth) {
+  depth_override.store(std::max(0, depth));
+}
+
 int CallPipeline::depth(const Model& model) {
-  std::set<int> processes;
+  if (const int d = depth_override.load(); d > 0) return d;
+  // Bytes of weights each process reads for a decoded token: this one's stages, then each
+  // other process's.
+  std::map<int, double> bytes;
+  for (const auto& s : model.stages())
+    if (s) bytes[-1] += s->decode_weight_bytes();
   for (const auto& r : model.remote_stages())
-    if (r) processes.insert(r->process());
-  return 1 + static_cast<int>(processes.size());
+    if (r) bytes[r->process()] += r->decode_weight_bytes();
+  const int processes = static_cast<int>(bytes.size());
+  if (processes <= 1) return 1;
+  // Split over P calls, the sequences share out the busiest process's time P ways, but each
+  // call batches fewer rows. That only pays when the work is spread evenly enough: with a
+  // process holding most of the weights (rank 0 only the head, say), one call of all the rows
+  // is faster (README "Pipelining" has the measurements behind kMaxImbalance).
+  double total = 0, most = 0;
+  for (const auto& [p, b] : bytes) {
+    total += b;
+    most = std::max(most, b);
+  }
+  constexpr double kMaxImbalance = 1.4;  // busiest process's share x processes
+  if (total <= 0 || most / total * processes > kMaxImbalance) return 1;
+  return processes;
 }
 
 uint64_t CallPipeline::start(std::span<const BatchEntry> batch, TapRecorder* taps,
