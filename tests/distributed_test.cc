@@ -425,12 +425,9 @@ TEST(RemoteStages, PipelinedCallsInFlightTogetherGiveWhatEachGetsAlone) {
   const auto whole = Model::open(split_bundle());
   SplitModel split = open_split();
   EXPECT_EQ(CallPipeline::depth(*whole), 1);
-  // Rank 2's stage (layers 2..6) holds 60% of the weights a decoded token reads, rank 1's 21%,
-  // rank 0's head 19%: with the busiest process that far above a third, splitting the rows over
-  // three calls would not pay.
-  EXPECT_EQ(CallPipeline::depth(*split.model), 1);
-  CallPipeline::set_depth_override(3);
-  EXPECT_EQ(CallPipeline::depth(*split.model), 3) << "--pipeline-depth";
+  EXPECT_EQ(CallPipeline::depth(*split.model), 3) << "the front and ranks 1 and 2";
+  CallPipeline::set_depth_override(2);
+  EXPECT_EQ(CallPipeline::depth(*split.model), 2) << "--pipeline-depth";
   CallPipeline::set_depth_override(0);
   const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
   ThreadPool pool(1);

@@ -304,10 +304,7 @@ class ServeJob {
 TEST_F(MpiRun, ConcurrentRequestsPipelinedOverRanksGetTheOneProcessReplies) {
   const std::string serve = kCli + " serve -m " + bundle() + " --port 0 -t 1 -np 4";
   ServeJob one(serve, dir() + "/serve_one.log");
-  // The tiny bundle's stages are too uneven for the automatic depth to pipeline (see
-  // RemoteStages.PipelinedCallsInFlightTogetherGiveWhatEachGetsAlone): ask for it.
-  ServeJob three("exec mpirun --oversubscribe -np 3 " + serve + " --pipeline-depth 3",
-                 dir() + "/serve_three.log");
+  ServeJob three("exec mpirun --oversubscribe -np 3 " + serve, dir() + "/serve_three.log");
   ASSERT_TRUE(one.wait_up()) << one.log();
   ASSERT_TRUE(three.wait_up()) << three.log();
   const auto health = three.client().Get("/health");
