@@ -239,14 +239,13 @@ Request to_chat_body(const json& body) {
       c["parallel_tool_calls"] = !d->get<bool>();
     }
   }
-  if (r.has_media) refuse_media_with_tools(c, "messages");
   return r;
 }
 
-std::string stop_reason(const std::string& tool_finish_reason) {
+std::string stop_reason(const std::string& tool_finish_reason, const std::string& stop_sequence) {
   if (tool_finish_reason == "tool_calls") return "tool_use";
   if (tool_finish_reason == "length") return "max_tokens";
-  return "end_turn";
+  return stop_sequence.empty() ? "end_turn" : "stop_sequence";
 }
 
 json error_json(const ApiError& e) {
@@ -283,6 +282,10 @@ json error_json(const ApiError& e) {
 
 namespace {
 
+json stop_sequence_json(const std::string& stop_reason, const std::string& stop_sequence) {
+  return stop_reason == "stop_sequence" ? json(stop_sequence) : json(nullptr);
+}
+
 json usage(int64_t input_tokens, int64_t output_tokens) {
   return {{"input_tokens", input_tokens}, {"output_tokens", output_tokens}};
 }
@@ -299,7 +302,8 @@ json tool_use_block(const ParsedToolCall& c, const std::string& id, bool streame
 
 json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::string& stop_reason,
                   int64_t input_tokens, int64_t output_tokens,
-                  const std::function<std::string()>& new_tool_use_id) {
+                  const std::function<std::string()>& new_tool_use_id,
+                  const std::string& stop_sequence) {
   json content = json::array();
   if (parsed.reasoning)
     content.push_back({{"type", "thinking"}, {"thinking", *parsed.reasoning}, {"signature", ""}});
@@ -312,7 +316,7 @@ json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::
           {"model", m.model},
           {"content", std::move(content)},
           {"stop_reason", stop_reason},
-          {"stop_sequence", nullptr},
+          {"stop_sequence", stop_sequence_json(stop_reason, stop_sequence)},
           {"usage", usage(input_tokens, output_tokens)}};
 }
 
@@ -371,11 +375,14 @@ std::string EventStream::delta(const OutputDelta& d) {
   return out;
 }
 
-std::string EventStream::end(const std::string& stop_reason, int64_t output_tokens) {
+std::string EventStream::end(const std::string& stop_reason, int64_t output_tokens,
+                             const std::string& stop_sequence) {
   return close() +
          named_event("message_delta",
                      {{"type", "message_delta"},
-                      {"delta", {{"stop_reason", stop_reason}, {"stop_sequence", nullptr}}},
+                      {"delta",
+                       {{"stop_reason", stop_reason},
+                        {"stop_sequence", stop_sequence_json(stop_reason, stop_sequence)}}},
                       {"usage", {{"output_tokens", output_tokens}}}}) +
          named_event("message_stop", {{"type", "message_stop"}});
 }
