@@ -1703,3 +1703,40 @@ TEST(ServerHttp, ResponsesLogprobsOfTheOutputText) {
     }
   s->shutdown();
 }
+
+// tool_choice required with thinking on: the model may think first, then must call. The audio
+// fixture's tokenizer has the thought-channel markers; its random weights choose among the
+// allowed tokens, so some replies think first, and every reply is a valid call.
+TEST(ServerHttp, AForcedCallMayFollowAThought) {
+  ServerOptions o = tiny_options();
+  o.model_path = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-audio/model";
+  auto s = start(o);
+  json body = {{"messages", {user("What time is it in Oslo?")}},
+               {"tools", json::parse(R"([{"type":"function","function":{"name":"get_time",
+                   "parameters":{"type":"object","properties":{"tz":{"enum":["UTC","CET"]}},
+                   "required":["tz"]}}}])")},
+               {"tool_choice", "required"},
+               {"chat_template_kwargs", {{"enable_thinking", true}}},
+               {"temperature", 1},
+               {"max_tokens", 96}};
+  int thought_first = 0;
+  for (int seed = 1; seed <= 8; ++seed) {
+    body["seed"] = seed;
+    const httplib::Result r = post(*s, "/v1/chat/completions", body);
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    const json j = json::parse(r->body);
+    const json& m = j["choices"][0]["message"];
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls") << j;
+    const json calls = m.value("tool_calls", json::array());
+    ASSERT_FALSE(calls.empty()) << j;
+    for (const json& c : calls) {
+      EXPECT_EQ(c["function"]["name"], "get_time") << j;
+      const json args = json::parse(c["function"]["arguments"].get<std::string>());
+      EXPECT_TRUE((args == json{{"tz", "UTC"}} || args == json{{"tz", "CET"}})) << j;
+    }
+    EXPECT_TRUE(m["content"].is_null()) << j;
+    thought_first += m.contains("reasoning_content");
+  }
+  EXPECT_GT(thought_first, 0);
+  s->shutdown();
+}

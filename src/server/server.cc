@@ -484,17 +484,20 @@ void Server::Impl::prepare(Job& job) {
                            t.tool_choice + "'",
                        "invalid_request_error", "tool_choice", "invalid_value");
       try {
-        // With thinking on the model may think first (half the token budget at most, so the
-        // call still fits), then must call.
+        // With thinking on the model may think first, then must call. The thought leaves the
+        // last kCallReserveTokens of max_tokens to the call; with fewer, it has no room.
+        constexpr int64_t kCallReserveTokens = 64;
         using Thought = ToolCallGrammar::Thought;
+        const int64_t thought_budget = int64_t{job.gen.max_tokens} - kCallReserveTokens;
         const bool can_think = t.enable_thinking.value_or(opt.think) &&
                                assistant->tokenizer().token_to_id("<channel|>").has_value();
-        const Thought thought = !can_think                             ? Thought::kNone
-                                : job.prompt.generation_prefix.empty() ? Thought::kMayOpen
-                                                                       : Thought::kOpen;
+        const Thought thought = !can_think                              ? Thought::kNone
+                                : !job.prompt.generation_prefix.empty() ? Thought::kOpen
+                                : thought_budget > 0                    ? Thought::kMayOpen
+                                                                        : Thought::kNone;
         job.gen.tool_call_grammar = ToolCallGrammar::from_tools(
             t.tools, t.tool_choice == "function" ? t.tool_choice_name : "", t.parallel_tool_calls,
-            thought, job.gen.max_tokens / 2);
+            thought, thought_budget);
       } catch (const Error& e) {
         throw ApiError(400, e.what(), "invalid_request_error", "tools", "unsupported_schema");
       }
