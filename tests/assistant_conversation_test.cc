@@ -105,6 +105,26 @@ TEST_F(TinyAssistant, ImageWithToolsIsTheToolCaseWithTheImageInTheUserTurn) {
   }
 }
 
+TEST_F(TinyAssistant, AnImageInAToolResultFollowsTheResponse) {
+  // 16-tool_call_then_response with the result as a text part and an image part: the template
+  // writes the text as the value and the image's placeholder after <tool_response|>
+  // (/work/shared/docs/gemma4-tools.md, "Tool results").
+  ordered_json c = template_case("16-tool_call_then_response.json");
+  ordered_json& result = c["messages"][2];
+  ASSERT_EQ(result["role"], "tool");
+  result["content"] = ordered_json::array(
+      {{{"type", "text"}, {"text", result["content"].get<std::string>()}}, {{"type", "image"}}});
+  const ChatInputPart media[] = {{"", *image}};
+  const PreparedPrompt p =
+      assistant->prepare_conversation(c["messages"], c["tools"], {}, media, &pool);
+  const std::string text = c["expected"].get<std::string>();
+  ASSERT_EQ(text.substr(text.size() - 16), "<tool_response|>");
+  const std::string expected =
+      expand(text + "<|image|>", "<|image|>", "<|image>", "<image|>", kFixtureImageSoftTokens);
+  EXPECT_EQ(p.ids, assistant->tokenizer().encode(expected, false, true));
+  EXPECT_EQ(p.soft_tokens.dim(0), kFixtureImageSoftTokens);
+}
+
 TEST_F(TinyAssistant, PlaceholdersMustMatchTheMedia) {
   const ordered_json c = template_case("10-image_then_text.json");
   // An image part without its decoded image, and a decoded image without a part, are refused.

@@ -250,3 +250,23 @@ TEST(MessagesApi, AMatchedStopSequenceIsReportedWithItsString) {
   EXPECT_EQ(delta["delta"],
             json::parse(R"({"stop_reason":"stop_sequence","stop_sequence":"END"})"));
 }
+
+TEST(MessagesApi, AToolResultMayHoldImages) {
+  const json body = json::parse(R"({"max_tokens":8,"messages":[
+      {"role":"user","content":"Take a screenshot."},
+      {"role":"assistant","content":[{"type":"tool_use","id":"toolu_1","name":"shot","input":{}}]},
+      {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","is_error":false,
+        "content":[{"type":"text","text":"Here it is."},
+                   {"type":"image","source":{"type":"base64","media_type":"image/png",
+                                             "data":"AAAA"}}]}]}]})");
+  const messages::Request r = messages::to_chat_body(body);
+  EXPECT_TRUE(r.has_media);
+  const json& tool = r.chat_body["messages"][2];
+  EXPECT_EQ(tool["role"], "tool");
+  EXPECT_EQ(tool["tool_call_id"], "toolu_1");
+  EXPECT_EQ(tool["content"], json::parse(R"([{"type":"text","text":"Here it is."},
+      {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}])"));
+  json bad = body;
+  bad["messages"][2]["content"][0]["content"][1] = {{"type", "document"}};
+  EXPECT_EQ(error_param(bad), "messages[2].content[0].content[1].type");
+}

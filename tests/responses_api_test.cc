@@ -272,3 +272,21 @@ TEST(ResponsesApi, LogprobsRideOnTheOutputTextWholeAndStreamed) {
   EXPECT_EQ(done_part["text"], "Let me");
   EXPECT_EQ(done_part["logprobs"], want);
 }
+
+TEST(ResponsesApi, AFunctionCallOutputMayHoldImages) {
+  const json body = json::parse(R"({"input":[
+      {"role":"user","content":"Take a screenshot."},
+      {"type":"function_call","call_id":"call_1","name":"shot","arguments":"{}"},
+      {"type":"function_call_output","call_id":"call_1","output":[
+        {"type":"input_text","text":"Here it is."},
+        {"type":"input_image","image_url":"data:image/png;base64,AAAA"}]}]})");
+  const responses::Request r = responses::to_chat_body(body);
+  EXPECT_TRUE(r.has_media);
+  const json& tool = r.chat_body["messages"][2];
+  EXPECT_EQ(tool["role"], "tool");
+  EXPECT_EQ(tool["content"], json::parse(R"([{"type":"text","text":"Here it is."},
+      {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}])"));
+  json bad = body;
+  bad["input"][2]["output"][1] = {{"type", "input_file"}};
+  EXPECT_EQ(error_param(bad), "input[2].output[1]");
+}

@@ -247,7 +247,7 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
       {{{"messages", {{{"role", "assistant"}, {"content", {img}}}}}},
        "messages[0].content[0]",
        "invalid_value",
-       "only accepted in user messages"},
+       "only accepted in user and tool messages"},
       {{{"messages", {user({{{"type", "image_url"}}})}}},
        "messages[0].content[0].image_url",
        "missing_required_parameter",
@@ -1585,6 +1585,20 @@ TEST(ServerHttp, ImagesWithToolsAndThinkingInEveryDialect) {
   msg_text["messages"][0]["content"] = "Hi";
   const int msg_text_in = ok(post(*s, "/v1/messages", msg_text))["usage"]["input_tokens"];
   EXPECT_EQ(ok(post(*s, "/v1/messages", msg))["usage"]["input_tokens"], msg_text_in + kImageRows);
+  // An image in a tool result (a screenshot tool): the template writes it after the response.
+  json shot = msg_text;
+  shot["messages"].push_back(json::parse(R"({"role":"assistant","content":[
+      {"type":"tool_use","id":"toolu_1","name":"get_weather","input":{"city":"Oslo"}}]})"));
+  shot["messages"].push_back(
+      {{"role", "user"},
+       {"content",
+        {{{"type", "tool_result"},
+          {"tool_use_id", "toolu_1"},
+          {"content", json::array({{{"type", "text"}, {"text", "Sunny."}}, image_block})}}}}});
+  json shot_text = shot;
+  shot_text["messages"][2]["content"][0]["content"] = "Sunny.";
+  const int shot_text_in = ok(post(*s, "/v1/messages", shot_text))["usage"]["input_tokens"];
+  EXPECT_EQ(ok(post(*s, "/v1/messages", shot))["usage"]["input_tokens"], shot_text_in + kImageRows);
   msg["thinking"] = {{"type", "enabled"}, {"budget_tokens", 1024}};
   msg["stream"] = true;
   const httplib::Result ms = post(*s, "/v1/messages", msg);

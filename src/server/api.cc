@@ -304,10 +304,10 @@ RgbImage decode_data_url(const std::string& url, const std::string& param,
 // decoded here (libsndfile: WAV, MP3, and FLAC/OGG too), so a bad clip is refused with a 400
 // before the request waits for a slot; clips over 30 s are refused, not truncated.
 AudioClip parse_input_audio(const json& part, const std::string& param, const std::string& role) {
-  if (role != "user")
-    bad_request(
-        param, "invalid_value",
-        detail::concat("audio is only accepted in user messages, not in ", role, " messages"));
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat("audio is only accepted in user and tool messages, not in ", role,
+                               " messages"));
   const json* ia = member(part, "input_audio");
   const std::string p = param + ".input_audio";
   if (!ia) bad_request(p, "missing_required_parameter", "'input_audio' is required");
@@ -349,10 +349,10 @@ ChatInputPart parse_part(const json& part, const std::string& param, const std::
     return {text->get<std::string>(), std::nullopt};
   }
   if (t == "image_url") {
-    if (role != "user")
-      bad_request(
-          param, "invalid_value",
-          detail::concat("images are only accepted in user messages, not in ", role, " messages"));
+    if (role != "user" && role != "tool")
+      bad_request(param, "invalid_value",
+                  detail::concat("images are only accepted in user and tool messages, not in ",
+                                 role, " messages"));
     const json* iu = member(part, "image_url");
     if (!iu)
       bad_request(param + ".image_url", "missing_required_parameter", "'image_url' is required");

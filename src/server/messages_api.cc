@@ -123,15 +123,40 @@ void convert_message(const json& m, const std::string& p, json& out, bool& has_m
             {{"name", required_string(b, "name", bp + ".name")}, {"arguments", input.dump()}}}});
     } else if (type == "tool_result") {
       only("user");
-      std::string text;
-      if (const json* c = member(b, "content"))
-        text = text_only(*c, bp + ".content", "a tool_result");
       if (const json* e = member(b, "is_error"); e && !e->is_boolean())
         wrong_type(bp + ".is_error", "a boolean", *e);
-      if (b.value("is_error", false)) text = "Error: " + text;
+      const std::string error_prefix = b.value("is_error", false) ? "Error: " : "";
+      // Text, or text and image blocks (a screenshot, an image file read by a tool): the
+      // template writes the text as the result and an image placeholder after it per image.
+      json content = error_prefix;
+      if (const json* c = member(b, "content")) {
+        const std::vector<json> result = blocks_of(*c, bp + ".content");
+        const bool images = std::any_of(result.begin(), result.end(),
+                                        [](const json& r) { return r["type"] == "image"; });
+        if (!images) {
+          content = error_prefix + text_only(*c, bp + ".content", "a tool_result");
+        } else {
+          content = json::array();
+          if (!error_prefix.empty()) content.push_back({{"type", "text"}, {"text", error_prefix}});
+          for (size_t k = 0; k < result.size(); ++k) {
+            const std::string rp = at(bp + ".content", k);
+            const std::string rt = result[k]["type"].get<std::string>();
+            if (rt == "text") {
+              content.push_back(
+                  {{"type", "text"}, {"text", required_string(result[k], "text", rp + ".text")}});
+            } else if (rt == "image") {
+              content.push_back(image_part(result[k], rp));
+              has_media = true;
+            } else {
+              bad_request(rp + ".type", "unsupported_value",
+                          "a tool_result may hold only text and image blocks, not '" + rt + "'");
+            }
+          }
+        }
+      }
       out.push_back({{"role", "tool"},
                      {"tool_call_id", required_string(b, "tool_use_id", bp + ".tool_use_id")},
-                     {"content", text}});
+                     {"content", std::move(content)}});
     } else if (type == "thinking") {
       only("assistant");
       if (!reasoning.empty()) reasoning += "\n";

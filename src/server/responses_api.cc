@@ -55,19 +55,28 @@ json content_parts(const json& content, const std::string& param, const std::str
   return parts;
 }
 
-// The text of a function_call_output's output: a string, or input_text parts.
-std::string output_text_of(const json& output, const std::string& param) {
-  if (output.is_string()) return output.get<std::string>();
-  if (!output.is_array()) wrong_type(param, "a string or an array of input_text parts", output);
+// A function_call_output's output as a tool message's content: a string, input_text parts
+// joined, or with input_image parts the chat-completions parts (text and image_url).
+json output_content_of(const json& output, const std::string& param, bool& has_media) {
+  if (output.is_string()) return output;
+  if (!output.is_array())
+    wrong_type(param, "a string or an array of input_text / input_image parts", output);
   std::string text;
+  bool images = false;
   for (size_t i = 0; i < output.size(); ++i) {
     const json& part = output[i];
-    if (!part.is_object() || part.value("type", "") != "input_text")
+    const std::string type = part.is_object() ? part.value("type", "") : "";
+    if (type == "input_image") {
+      images = true;
+    } else if (type == "input_text") {
+      text += required_string(part, "text", at(param, i) + ".text");
+    } else {
       bad_request(at(param, i), "unsupported_value",
-                  "a function_call_output may hold only input_text parts here");
-    text += required_string(part, "text", at(param, i) + ".text");
+                  "a function_call_output may hold only input_text and input_image parts here");
+    }
   }
-  return text;
+  if (!images) return text;
+  return content_parts(output, param, "user", has_media);
 }
 
 std::string reasoning_text_of(const json& item, const std::string& param) {
@@ -155,8 +164,8 @@ void convert_input(const json& input, json& msgs, bool& has_media) {
     } else if (type == "function_call_output") {
       msgs.push_back({{"role", "tool"},
                       {"tool_call_id", required_string(item, "call_id", p + ".call_id")},
-                      {"content", output_text_of(required_member(item, "output", p + ".output"),
-                                                 p + ".output")}});
+                      {"content", output_content_of(required_member(item, "output", p + ".output"),
+                                                    p + ".output", has_media)}});
     } else if (type == "reasoning") {
       reasoning = reasoning_text_of(item, p);
     } else {
