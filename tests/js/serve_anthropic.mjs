@@ -111,6 +111,18 @@ await step("image block with tools and thinking: the image's rows are in the pro
   eq(withImage.usage.input_tokens, without.usage.input_tokens + 58, "input_tokens with the image");
   const final = await client.messages.stream(request(true)).finalMessage();
   eq(final.usage.input_tokens, withImage.usage.input_tokens, "streamed input_tokens");
+  // An image in a tool_result (a screenshot tool, an image file an agent's Read tool returns).
+  const roundTrip = (result) => client.messages.create({
+    model: "model", max_tokens: 4, tools, messages: [
+      { role: "user", content: "Take a screenshot." },
+      { role: "assistant", content: [{ type: "tool_use", id: "toolu_1", name: "get_weather",
+                                        input: { city: "Oslo" } }] },
+      { role: "user", content: [{ type: "tool_result", tool_use_id: "toolu_1", content: result }] },
+    ] });
+  const shot = await roundTrip([{ type: "text", text: "Done." }, { type: "image", source: {
+    type: "base64", media_type: "image/png", data: fs.readFileSync(image).toString("base64") } }]);
+  const text = await roundTrip([{ type: "text", text: "Done." }]);
+  eq(shot.usage.input_tokens, text.usage.input_tokens + 58, "input_tokens with the tool_result image");
 });
 
 await step("a matched stop sequence is the stop_reason, with its string", async () => {
