@@ -165,3 +165,32 @@ TEST(AssistantConversation, AudioExpandsAsTheProcessorDoes) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(AssistantConversation, UnifiedModelImageAndAudioAsOnThePlainPath) {
+  // gemma4_unified embeds patches and frames without towers; the tool path splices them at the
+  // same rows. The fixture's image is 70 soft tokens and its clip 13 (manifest.json placeholders).
+  const std::string dir = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-unified/";
+  const auto assistant = Assistant::open(dir + "model");
+  const RgbImage picture = decode_image_file(dir + "image/image.png");
+  const AudioClip clip = decode_audio_file(dir + "audio/audio.wav");
+  ThreadPool pool(2);
+  const ordered_json messages = ordered_json::parse(R"([{"role": "user", "content": [
+      {"type": "image"}, {"type": "text", "text": "and this:"}, {"type": "audio"}]}])");
+  const ChatInputPart media[] = {{"", picture}, {"", std::nullopt, clip}};
+  const PreparedPrompt p = assistant->prepare_conversation(messages, nullptr, {}, media, &pool);
+  const std::vector<ChatInput> chat = {
+      {"user", {{"", picture}, {"and this:", {}}, {"", std::nullopt, clip}}}};
+  const PreparedPrompt plain = assistant->prepare_chat(pool, chat, {true, false});
+  EXPECT_EQ(p.ids, plain.ids);
+  EXPECT_EQ(p.images, 1);
+  EXPECT_EQ(p.audios, 1);
+  const Tokenizer& tok = assistant->tokenizer();
+  EXPECT_EQ(std::count(p.ids.begin(), p.ids.end(), *tok.token_to_id("<|image|>")), 70);
+  EXPECT_EQ(std::count(p.ids.begin(), p.ids.end(), *tok.token_to_id("<|audio|>")), 13);
+  EXPECT_EQ(p.soft_tokens.shape, plain.soft_tokens.shape);
+  EXPECT_EQ(p.soft_tokens.data, plain.soft_tokens.data);
+}
+
+}  // namespace
