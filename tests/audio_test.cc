@@ -655,7 +655,7 @@ TEST(AudioServe, InputAudioPartsAreDecodedOrRefusedWithA400) {
   nlohmann::json assistant = audio_message(wav_base64(), "wav");
   assistant["role"] = "assistant";
   e = api_error({{"messages", {assistant}}});
-  EXPECT_NE(e.find("audio is only accepted in user messages"), std::string::npos) << e;
+  EXPECT_NE(e.find("audio is only accepted in user and tool messages"), std::string::npos) << e;
 }
 
 TEST(AudioServe, ChatCompletionWithInputAudioEqualsGenerateAudio) {

@@ -341,3 +341,80 @@ TEST(JsonConstraint, ForcedToolCallsAlwaysParseAndValidate) {
   }
   EXPECT_GT(finished, 10);
 }
+
+TEST(JsonConstraint, WithThinkingAThoughtMayComeBeforeTheForcedCall) {
+  const nlohmann::ordered_json tools = nlohmann::ordered_json::parse(R"([
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+      "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"]}}}])");
+  using Thought = ToolCallGrammar::Thought;
+  const auto may = ToolCallGrammar::from_tools(tools, "", true, Thought::kMayOpen, 8);
+  const auto open = ToolCallGrammar::from_tools(tools, "", true, Thought::kOpen, 8);
+  const auto none = ToolCallGrammar::from_tools(tools, "", true);
+  auto fed = [](const ToolCallGrammar& g, std::string_view s) {
+    ToolCallMatcher m(g);
+    return m.feed(s) && m.complete();
+  };
+  // \3 = <|channel>, \4 = <channel|>, \1 = <|tool_call>, \2 = <tool_call|>, \0 = <|"|>.
+  using namespace std::string_literals;
+  const std::string call = "\1call:get_time{tz:\0CET\0}\2"s;
+  EXPECT_TRUE(fed(*may, "\3thought\nThe user wants the time.\4"s + call));
+  EXPECT_TRUE(fed(*may, call));  // the thought is optional
+  EXPECT_FALSE(fed(*may, "\3thought\nno call follows\4"s));
+  EXPECT_FALSE(fed(*may, "Sure. "s + call));                      // no text outside the thought
+  EXPECT_FALSE(fed(*may, "\3thought\n\1call inside\4"s + call));  // no marker inside it
+  EXPECT_FALSE(fed(*none, "\3thought\nx\4"s + call));             // thinking off: the call first
+  EXPECT_TRUE(fed(*open, "still thinking\4"s + call));            // the prompt opened it
+  EXPECT_FALSE(fed(*open, call));
+
+  // Over tokens: a thought gets max_thought_tokens, then only <channel|> may come; random walks
+  // always end in a valid call after their thought.
+  const Tokenizer tok = Tokenizer::from_model_dir(gemstage::testing::fixture("tokenizer_full"));
+  const auto vocab = ConstraintVocabulary::of(tok);
+  const int32_t stop = *tok.token_to_id("<turn|>");
+  const int32_t channel_open = *tok.token_to_id("<|channel>");
+  const int32_t channel_close = *tok.token_to_id("<channel|>");
+  const auto V = static_cast<int64_t>(tok.vocab_size());
+  std::mt19937 rng(5);
+  int thought_first = 0, finished = 0;
+  for (int walk = 0; walk < 20; ++walk) {
+    TokenConstraint c(may, vocab, {stop});
+    std::vector<int32_t> ids;
+    // Half the walks open the thought channel, where any text token may come.
+    if (walk % 2 == 0) {
+      ASSERT_TRUE(c.allows(channel_open));
+      c.accept(channel_open);
+      ids.push_back(channel_open);
+    }
+    for (int step = 0; step < 300; ++step) {
+      std::vector<float> logits(static_cast<size_t>(V), 0.0f);
+      const int64_t allowed_count = c.mask(logits.data(), V);
+      ASSERT_GT(allowed_count, 0);
+      if (ids.size() == 8 && ids[0] == channel_open &&
+          std::find(ids.begin(), ids.end(), channel_close) == ids.end()) {  // budget spent
+        EXPECT_EQ(allowed_count, 1);
+        EXPECT_TRUE(std::isfinite(logits[static_cast<size_t>(channel_close)]));
+      }
+      std::vector<int32_t> allowed;
+      for (int32_t id = 0; id < V; ++id)
+        if (std::isfinite(logits[static_cast<size_t>(id)])) allowed.push_back(id);
+      int32_t id = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+      if (c.allows(stop) && rng() % 2 == 0) id = stop;
+      c.accept(id);
+      if (id == stop) break;
+      ids.push_back(id);
+    }
+    if (!c.complete()) continue;
+    ++finished;
+    std::string text;
+    StreamDecoder dec(tok, /*skip_special=*/false);
+    for (int32_t id : ids) text += dec.push(id);
+    text += dec.flush();
+    const ParsedOutput parsed = parse_model_output(text);
+    ASSERT_FALSE(parsed.tool_calls.empty()) << text;
+    EXPECT_FALSE(parsed.content.has_value()) << text;
+    thought_first += ids[0] == channel_open;
+    for (const ParsedToolCall& call : parsed.tool_calls) EXPECT_EQ(call.name, "get_time") << text;
+  }
+  EXPECT_GT(finished, 10);
+  EXPECT_GT(thought_first, 5);
+}

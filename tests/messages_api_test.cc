@@ -91,7 +91,7 @@ TEST(MessagesApi, ToolRoundTripRendersLikeChatCompletions) {
       << prompt;
 }
 
-TEST(MessagesApi, ImagesTakeTheMediaPathAsDataUrls) {
+TEST(MessagesApi, ImagesBecomeDataUrls) {
   const json body = json::parse(R"({"max_tokens":8,"messages":[{"role":"user","content":[
       {"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAA"}},
       {"type":"text","text":"What is this?"}]}]})");
@@ -99,9 +99,13 @@ TEST(MessagesApi, ImagesTakeTheMediaPathAsDataUrls) {
   EXPECT_TRUE(r.has_media);
   EXPECT_EQ(r.chat_body["messages"][0]["content"][0]["image_url"]["url"],
             "data:image/png;base64,AAAA");
+  // With tools too: the chat body keeps both, and the tool path decodes the image.
   json with_tools = body;
   with_tools["tools"] = json::parse(R"([{"name":"f","input_schema":{"type":"object"}}])");
-  EXPECT_EQ(error_param(with_tools), "messages");
+  const messages::Request t = messages::to_chat_body(with_tools);
+  EXPECT_EQ(t.chat_body["tools"][0]["function"]["name"], "f");
+  EXPECT_EQ(t.chat_body["messages"][0]["content"][0]["image_url"]["url"],
+            "data:image/png;base64,AAAA");
 }
 
 TEST(MessagesApi, BadRequestsNameTheMessagesField) {
@@ -221,4 +225,48 @@ TEST(MessagesApi, StreamedEventsAddUpToTheReply) {
           .front()
           .second["error"]["type"],
       "overloaded_error");
+}
+
+TEST(MessagesApi, AMatchedStopSequenceIsReportedWithItsString) {
+  // The generation stopped on one of the request's stop_sequences (the text is cut before it).
+  EXPECT_EQ(messages::stop_reason("stop", "END"), "stop_sequence");
+  EXPECT_EQ(messages::stop_reason("stop", ""), "end_turn");
+  // A call or the token limit says more than the string that happened to follow.
+  EXPECT_EQ(messages::stop_reason("tool_calls", "END"), "tool_use");
+  EXPECT_EQ(messages::stop_reason("length", "END"), "max_tokens");
+  const ParsedOutput parsed = parse_model_output("Counting: 1, 2,");
+  const json m = messages::message_json({"msg_1", "tiny", 1}, parsed, "stop_sequence", 3, 4,
+                                        counter_ids(), "END");
+  EXPECT_EQ(m["stop_reason"], "stop_sequence");
+  EXPECT_EQ(m["stop_sequence"], "END");
+  EXPECT_TRUE(messages::message_json({"msg_1", "tiny", 1}, parsed, "end_turn", 3, 4, counter_ids(),
+                                     "")["stop_sequence"]
+                  .is_null());
+  messages::EventStream es({"msg_1", "tiny", 1}, counter_ids());
+  const auto events = parse_events(es.begin(3) + es.end("stop_sequence", 4, "END"));
+  ASSERT_GE(events.size(), 2u);
+  const json& delta = events[events.size() - 2].second;
+  EXPECT_EQ(delta["type"], "message_delta");
+  EXPECT_EQ(delta["delta"],
+            json::parse(R"({"stop_reason":"stop_sequence","stop_sequence":"END"})"));
+}
+
+TEST(MessagesApi, AToolResultMayHoldImages) {
+  const json body = json::parse(R"({"max_tokens":8,"messages":[
+      {"role":"user","content":"Take a screenshot."},
+      {"role":"assistant","content":[{"type":"tool_use","id":"toolu_1","name":"shot","input":{}}]},
+      {"role":"user","content":[{"type":"tool_result","tool_use_id":"toolu_1","is_error":false,
+        "content":[{"type":"text","text":"Here it is."},
+                   {"type":"image","source":{"type":"base64","media_type":"image/png",
+                                             "data":"AAAA"}}]}]}]})");
+  const messages::Request r = messages::to_chat_body(body);
+  EXPECT_TRUE(r.has_media);
+  const json& tool = r.chat_body["messages"][2];
+  EXPECT_EQ(tool["role"], "tool");
+  EXPECT_EQ(tool["tool_call_id"], "toolu_1");
+  EXPECT_EQ(tool["content"], json::parse(R"([{"type":"text","text":"Here it is."},
+      {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}])"));
+  json bad = body;
+  bad["messages"][2]["content"][0]["content"][1] = {{"type", "document"}};
+  EXPECT_EQ(error_param(bad), "messages[2].content[0].content[1].type");
 }

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "tokenizer/chat_format.h"
+#include "tokenizer/tokenizer.h"
 
 using namespace gemstage;
 using namespace gemstage::server;
@@ -190,4 +191,102 @@ TEST(ResponsesApi, StreamedEventsAreNumberedAndAddUpToTheItems) {
     EXPECT_EQ(output[i].value("content", json()), whole["output"][i].value("content", json()));
   }
   EXPECT_EQ(events.back()["response"]["usage"], whole["usage"]);
+}
+
+TEST(ResponsesApi, LogprobsAreAskedForWithIncludeOrTopLogprobs) {
+  const json inc = {{"input", "x"}, {"include", {"message.output_text.logprobs"}}};
+  json c = responses::to_chat_body(inc).chat_body;
+  EXPECT_EQ(c["logprobs"], true);
+  EXPECT_FALSE(c.contains("top_logprobs"));
+  EXPECT_EQ(parse_generation_fields(c).sampling.top_logprobs, 0);
+  json with_top = inc;
+  with_top["top_logprobs"] = 3;
+  const responses::Request r = responses::to_chat_body(with_top);
+  EXPECT_EQ(parse_generation_fields(r.chat_body).sampling.top_logprobs, 3);
+  EXPECT_EQ(r.echo["top_logprobs"], 3);
+  // Other include values name items this server never makes: nothing is asked for.
+  c = responses::to_chat_body({{"input", "x"}, {"include", {"reasoning.encrypted_content"}}})
+          .chat_body;
+  EXPECT_FALSE(c.contains("logprobs"));
+  EXPECT_FALSE(parse_generation_fields(c).sampling.top_logprobs.has_value());
+  EXPECT_EQ(error_param({{"input", "x"}, {"include", "message.output_text.logprobs"}}), "include");
+  EXPECT_EQ(error_param({{"input", "x"}, {"include", {1}}}), "include[0]");
+  EXPECT_EQ(error_param({{"input", "x"}, {"top_logprobs", 21}}), "top_logprobs");
+  EXPECT_EQ(error_param({{"input", "x"}, {"top_logprobs", "2"}}), "top_logprobs");
+}
+
+TEST(ResponsesApi, OnlyTheReplyTextsTokensGetLogprobs) {
+  const Tokenizer tok =
+      Tokenizer::from_model_dir(std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny/tokenizer_full");
+  auto reply_text = [&](const std::string& prefix, const std::string& generated) {
+    ReplyTextTokens filter(tok, prefix);
+    std::vector<TokenLogprob> tokens;
+    for (int32_t id : tok.encode(generated, false, true)) tokens.push_back({id, -0.5f, {}});
+    std::string text;
+    for (const json& e : filter.take_logprobs(tokens)) {
+      EXPECT_EQ(e["logprob"], -0.5);
+      text += e["token"].get<std::string>();
+    }
+    return text;
+  };
+  EXPECT_EQ(reply_text("", kRaw), "Let me check. ");
+  EXPECT_EQ(reply_text("", "Plain answer."), "Plain answer.");
+  // The prompt opened the thought channel: the reply text starts after it closes.
+  EXPECT_EQ(reply_text("<|channel>thought\n", "Hm.<channel|>Sunny."), "Sunny.");
+}
+
+TEST(ResponsesApi, LogprobsRideOnTheOutputTextWholeAndStreamed) {
+  const json lp = json::parse(R"([{"token":"Let","logprob":-0.25,"bytes":[76,101,116],
+      "top_logprobs":[]}])");
+  const json r =
+      responses::response_json({"resp_1", "tiny", 7}, json::object(), parse_model_output(kRaw),
+                               "tool_calls", 10, 20, counter_ids(), lp);
+  EXPECT_EQ(r["output"][1]["content"][0]["logprobs"], lp);
+
+  responses::EventStream es({"resp_1", "tiny", 7}, json::object(), counter_ids());
+  OutputDelta first, rest;
+  first.content = "Let";
+  rest.content = " me";
+  const json lp2 = json::parse(R"([{"token":" me","logprob":-1.5,"bytes":[32,109,101],
+      "top_logprobs":[]}])");
+  // One statement per call: each event takes the next sequence number.
+  std::string text = es.begin();
+  text += es.delta(first, lp);
+  text += es.delta(rest, lp2);
+  // Logprobs of tokens whose text the parser dropped still arrive, on an empty delta.
+  text += es.delta(OutputDelta{}, lp2);
+  text += es.end("stop", 1, 3);
+  json deltas = json::array(), done_part;
+  for (size_t at = 0; at < text.size();) {
+    const size_t end = text.find("\n\n", at);
+    ASSERT_NE(end, std::string::npos);
+    const size_t data = text.find("\ndata: ", at) + 7;
+    const json e = json::parse(text.substr(data, end - data));
+    if (e["type"] == "response.output_text.delta")
+      for (const json& x : e["logprobs"]) deltas.push_back(x);
+    if (e["type"] == "response.content_part.done") done_part = e["part"];
+    at = end + 2;
+  }
+  const json want = {lp[0], lp2[0], lp2[0]};
+  EXPECT_EQ(deltas, want);
+  EXPECT_EQ(done_part["text"], "Let me");
+  EXPECT_EQ(done_part["logprobs"], want);
+}
+
+TEST(ResponsesApi, AFunctionCallOutputMayHoldImages) {
+  const json body = json::parse(R"({"input":[
+      {"role":"user","content":"Take a screenshot."},
+      {"type":"function_call","call_id":"call_1","name":"shot","arguments":"{}"},
+      {"type":"function_call_output","call_id":"call_1","output":[
+        {"type":"input_text","text":"Here it is."},
+        {"type":"input_image","image_url":"data:image/png;base64,AAAA"}]}]})");
+  const responses::Request r = responses::to_chat_body(body);
+  EXPECT_TRUE(r.has_media);
+  const json& tool = r.chat_body["messages"][2];
+  EXPECT_EQ(tool["role"], "tool");
+  EXPECT_EQ(tool["content"], json::parse(R"([{"type":"text","text":"Here it is."},
+      {"type":"image_url","image_url":{"url":"data:image/png;base64,AAAA"}}])"));
+  json bad = body;
+  bad["input"][2]["output"][1] = {{"type", "input_file"}};
+  EXPECT_EQ(error_param(bad), "input[2].output[1]");
 }

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <chrono>
 #include <fstream>
 #include <future>
@@ -246,7 +247,7 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
       {{{"messages", {{{"role", "assistant"}, {"content", {img}}}}}},
        "messages[0].content[0]",
        "invalid_value",
-       "only accepted in user messages"},
+       "only accepted in user and tool messages"},
       {{{"messages", {user({{{"type", "image_url"}}})}}},
        "messages[0].content[0].image_url",
        "missing_required_parameter",
@@ -1501,7 +1502,7 @@ TEST(ServerHttp, ToolRoundTripRequestsAreServed) {
   bad["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{oops";
   expect_error_reply(post(*s, "/v1/chat/completions", bad), 400, "invalid_value",
                      "messages[1].tool_calls[0].function.arguments");
-  // A result as a list of text parts is accepted; an image on the tool path is refused (400).
+  // A result as a list of text parts is accepted; an image that does not decode is a 400.
   json parts_result = body;
   parts_result["messages"][2]["content"] = json::array({{{"type", "text"}, {"text", "15C"}}});
   r = post(*s, "/v1/chat/completions", parts_result);
@@ -1513,5 +1514,243 @@ TEST(ServerHttp, ToolRoundTripRequestsAreServed) {
   r = post(*s, "/v1/chat/completions", with_image);
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 400) << r->body;
+  s->shutdown();
+}
+
+// Images with tools or thinking take the tool path in every dialect: the image's markers and soft
+// tokens are in the prompt (the fixture image is 56 soft tokens, gemma4-tiny/multimodal/
+// manifest.json, plus <|image> and <image|>), and its rows reach the model as on the plain path.
+TEST(ServerHttp, ImagesWithToolsAndThinkingInEveryDialect) {
+  auto s = start(tiny_options());
+  const std::string mm = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny/multimodal/image.png";
+  const std::string url = data_url(mm, "image/png");
+  const json image_part = {{"type", "image_url"}, {"image_url", {{"url", url}}}};
+  const json tools = json::parse(R"([{"type":"function","function":{"name":"get_weather",
+      "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}}])");
+  constexpr int kImageRows = 56 + 2;
+  auto ok = [](const httplib::Result& r) {
+    EXPECT_TRUE(r);
+    if (!r) return json();
+    EXPECT_EQ(r->status, 200) << r->body;
+    return r->status == 200 ? json::parse(r->body) : json();
+  };
+
+  // Chat completions: the same greedy logprobs as the plain image path, whose prompt is the same
+  // (thinking off), so the soft tokens reached the model.
+  const json question = json::array({image_part, {{"type", "text"}, {"text", "Describe it."}}});
+  json plain = {
+      {"messages", {user(question)}}, {"max_tokens", 4}, {"temperature", 0}, {"logprobs", true}};
+  json thinking_off = plain;
+  thinking_off["chat_template_kwargs"] = {{"enable_thinking", false}};
+  const json a = ok(post(*s, "/v1/chat/completions", plain));
+  const json b = ok(post(*s, "/v1/chat/completions", thinking_off));
+  EXPECT_EQ(b["usage"]["prompt_tokens"], a["usage"]["prompt_tokens"]);
+  EXPECT_EQ(b["choices"][0]["logprobs"], a["choices"][0]["logprobs"]);
+
+  json with_tools = {{"messages", {user(question)}}, {"tools", tools}, {"max_tokens", 4}};
+  json text_only = with_tools;
+  text_only["messages"][0]["content"] = "Describe it.";
+  const int text_prompt = ok(post(*s, "/v1/chat/completions", text_only))["usage"]["prompt_tokens"];
+  EXPECT_EQ(ok(post(*s, "/v1/chat/completions", with_tools))["usage"]["prompt_tokens"],
+            text_prompt + kImageRows);
+  json streamed = with_tools;
+  streamed["stream"] = true;
+  streamed["stream_options"] = {{"include_usage", true}};
+  const httplib::Result r = post(*s, "/v1/chat/completions", streamed);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  const auto events = sse_data(r->body);
+  ASSERT_GE(events.size(), 2u);
+  EXPECT_EQ(json::parse(events[events.size() - 2])["usage"]["prompt_tokens"],
+            text_prompt + kImageRows);
+  // With thinking on too.
+  json thinking = with_tools;
+  thinking["chat_template_kwargs"] = {{"enable_thinking", true}};
+  EXPECT_GT(ok(post(*s, "/v1/chat/completions", thinking))["usage"]["prompt_tokens"],
+            text_prompt + kImageRows);
+
+  // Messages: an image block with tools and thinking.
+  const json image_block = {
+      {"type", "image"},
+      {"source",
+       {{"type", "base64"}, {"media_type", "image/png"}, {"data", url.substr(url.find(',') + 1)}}}};
+  const json anthropic_tools =
+      json::parse(R"([{"name":"get_weather","input_schema":{"type":"object",
+      "properties":{"city":{"type":"string"}}}}])");
+  json msg = {{"max_tokens", 4},
+              {"tools", anthropic_tools},
+              {"messages",
+               {{{"role", "user"},
+                 {"content", json::array({image_block, {{"type", "text"}, {"text", "Hi"}}})}}}}};
+  json msg_text = msg;
+  msg_text["messages"][0]["content"] = "Hi";
+  const int msg_text_in = ok(post(*s, "/v1/messages", msg_text))["usage"]["input_tokens"];
+  EXPECT_EQ(ok(post(*s, "/v1/messages", msg))["usage"]["input_tokens"], msg_text_in + kImageRows);
+  // An image in a tool result (a screenshot tool): the template writes it after the response.
+  json shot = msg_text;
+  shot["messages"].push_back(json::parse(R"({"role":"assistant","content":[
+      {"type":"tool_use","id":"toolu_1","name":"get_weather","input":{"city":"Oslo"}}]})"));
+  shot["messages"].push_back(
+      {{"role", "user"},
+       {"content",
+        {{{"type", "tool_result"},
+          {"tool_use_id", "toolu_1"},
+          {"content", json::array({{{"type", "text"}, {"text", "Sunny."}}, image_block})}}}}});
+  json shot_text = shot;
+  shot_text["messages"][2]["content"][0]["content"] = "Sunny.";
+  const int shot_text_in = ok(post(*s, "/v1/messages", shot_text))["usage"]["input_tokens"];
+  EXPECT_EQ(ok(post(*s, "/v1/messages", shot))["usage"]["input_tokens"], shot_text_in + kImageRows);
+  msg["thinking"] = {{"type", "enabled"}, {"budget_tokens", 1024}};
+  msg["stream"] = true;
+  const httplib::Result ms = post(*s, "/v1/messages", msg);
+  ASSERT_TRUE(ms && ms->status == 200) << (ms ? ms->body : "no reply");
+  EXPECT_NE(ms->body.find("event: message_stop"), std::string::npos) << ms->body;
+
+  // Responses: an input_image with function tools.
+  json resp = {{"max_output_tokens", 4},
+               {"tools", json::parse(R"([{"type":"function","name":"get_weather",
+          "parameters":{"type":"object","properties":{"city":{"type":"string"}}}}])")},
+               {"input",
+                {{{"role", "user"},
+                  {"content", json::array({{{"type", "input_image"}, {"image_url", url}},
+                                           {{"type", "input_text"}, {"text", "Hi"}}})}}}}};
+  json resp_text = resp;
+  resp_text["input"][0]["content"] = "Hi";
+  const int resp_text_in = ok(post(*s, "/v1/responses", resp_text))["usage"]["input_tokens"];
+  EXPECT_EQ(ok(post(*s, "/v1/responses", resp))["usage"]["input_tokens"],
+            resp_text_in + kImageRows);
+  s->shutdown();
+}
+
+// A Messages reply cut by one of its stop_sequences says so, whole and streamed.
+TEST(ServerHttp, MessagesReportTheMatchedStopSequence) {
+  auto s = start(tiny_options());
+  json body = {{"max_tokens", 24},
+               {"temperature", 0},
+               {"messages", {{{"role", "user"}, {"content", "Count with me"}}}}};
+  const httplib::Result full = post(*s, "/v1/messages", body);
+  ASSERT_TRUE(full && full->status == 200) << (full ? full->body : "no reply");
+  const json whole = json::parse(full->body);
+  std::string text;
+  for (const json& b : whole["content"])
+    if (b["type"] == "text") text += b["text"].get<std::string>();
+  // An ASCII letter or digit of the reply (random weights: the rest may be any bytes).
+  size_t at = 0;
+  while (at < text.size() && !std::isalnum(static_cast<unsigned char>(text[at]))) ++at;
+  ASSERT_LT(at, text.size()) << "no ASCII letter or digit in " << text;
+  const std::string stop = text.substr(at, 1);
+  body["stop_sequences"] = {"\x01never", stop};
+  const httplib::Result cut = post(*s, "/v1/messages", body);
+  ASSERT_TRUE(cut && cut->status == 200) << (cut ? cut->body : "no reply");
+  const json j = json::parse(cut->body);
+  EXPECT_EQ(j["stop_reason"], "stop_sequence") << j;
+  EXPECT_EQ(j["stop_sequence"], stop) << j;
+  body["stream"] = true;
+  const httplib::Result streamed = post(*s, "/v1/messages", body);
+  ASSERT_TRUE(streamed && streamed->status == 200);
+  const std::string want =
+      "{\"stop_reason\":\"stop_sequence\",\"stop_sequence\":" + json(stop).dump() + "}";
+  EXPECT_NE(streamed->body.find(want), std::string::npos) << streamed->body;
+  // Without the stop sequences the same reply ends as it did.
+  EXPECT_NE(whole["stop_reason"], "stop_sequence");
+  EXPECT_TRUE(whole["stop_sequence"].is_null());
+  s->shutdown();
+}
+
+// /v1/responses logprobs: the output_text's tokens with their alternatives, as chat completions
+// reports them for the same prompt (greedy), whole and streamed.
+TEST(ServerHttp, ResponsesLogprobsOfTheOutputText) {
+  auto s = start(tiny_options());
+  const json chat = {{"messages", {user(kPrompt)}},
+                     {"max_tokens", 8},
+                     {"temperature", 0},
+                     {"logprobs", true},
+                     {"top_logprobs", 2}};
+  const httplib::Result c = post(*s, "/v1/chat/completions", chat);
+  ASSERT_TRUE(c && c->status == 200) << (c ? c->body : "no reply");
+  const json cj = json::parse(c->body);
+  json body = {{"input", kPrompt},
+               {"max_output_tokens", 8},
+               {"temperature", 0},
+               {"include", {"message.output_text.logprobs"}},
+               {"top_logprobs", 2}};
+  const httplib::Result r = post(*s, "/v1/responses", body);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+  const json rj = json::parse(r->body);
+  ASSERT_EQ(rj["usage"]["input_tokens"], cj["usage"]["prompt_tokens"]);
+  // The reply text's tokens: chat's, less the special tokens (the tiny vocabulary has no thought
+  // or call markers, so every other token is text).
+  const Tokenizer tok = Tokenizer::from_model_dir(fixture("model"));
+  json want = json::array();
+  for (const json& e : cj["choices"][0]["logprobs"]["content"]) {
+    const auto id = tok.token_to_id(e["token"].get<std::string>());
+    if (!(id && tok.is_special(*id))) want.push_back(e);
+  }
+  json got = json::array();
+  for (const json& item : rj["output"])
+    if (item["type"] == "message") got = item["content"][0]["logprobs"];
+  ASSERT_FALSE(want.empty()) << cj;
+  EXPECT_EQ(got, want);
+  for (const json& e : got) EXPECT_EQ(e["top_logprobs"].size(), 2u) << e;
+
+  body["stream"] = true;
+  const httplib::Result st = post(*s, "/v1/responses", body);
+  ASSERT_TRUE(st && st->status == 200);
+  json streamed = json::array();
+  for (size_t at = 0; at < st->body.size();) {
+    size_t end = st->body.find("\n\n", at);
+    if (end == std::string::npos) end = st->body.size();
+    const size_t data = st->body.find("\ndata: ", at) + 7;
+    const json e = json::parse(st->body.substr(data, end - data));
+    if (e["type"] == "response.output_text.delta")
+      for (const json& x : e["logprobs"]) streamed.push_back(x);
+    at = end + 2;
+  }
+  EXPECT_EQ(streamed, want);
+  // Without include or top_logprobs there are none.
+  body.erase("include");
+  body.erase("top_logprobs");
+  body["stream"] = false;
+  const json plain = json::parse(post(*s, "/v1/responses", body)->body);
+  for (const json& item : plain["output"])
+    if (item["type"] == "message") {
+      EXPECT_EQ(item["content"][0]["logprobs"], json::array());
+    }
+  s->shutdown();
+}
+
+// tool_choice required with thinking on: the model may think first, then must call. The audio
+// fixture's tokenizer has the thought-channel markers; its random weights choose among the
+// allowed tokens, so some replies think first, and every reply is a valid call.
+TEST(ServerHttp, AForcedCallMayFollowAThought) {
+  ServerOptions o = tiny_options();
+  o.model_path = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-audio/model";
+  auto s = start(o);
+  json body = {{"messages", {user("What time is it in Oslo?")}},
+               {"tools", json::parse(R"([{"type":"function","function":{"name":"get_time",
+                   "parameters":{"type":"object","properties":{"tz":{"enum":["UTC","CET"]}},
+                   "required":["tz"]}}}])")},
+               {"tool_choice", "required"},
+               {"chat_template_kwargs", {{"enable_thinking", true}}},
+               {"temperature", 1},
+               {"max_tokens", 96}};
+  int thought_first = 0;
+  for (int seed = 1; seed <= 8; ++seed) {
+    body["seed"] = seed;
+    const httplib::Result r = post(*s, "/v1/chat/completions", body);
+    ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+    const json j = json::parse(r->body);
+    const json& m = j["choices"][0]["message"];
+    EXPECT_EQ(j["choices"][0]["finish_reason"], "tool_calls") << j;
+    const json calls = m.value("tool_calls", json::array());
+    ASSERT_FALSE(calls.empty()) << j;
+    for (const json& c : calls) {
+      EXPECT_EQ(c["function"]["name"], "get_time") << j;
+      const json args = json::parse(c["function"]["arguments"].get<std::string>());
+      EXPECT_TRUE((args == json{{"tz", "UTC"}} || args == json{{"tz", "CET"}})) << j;
+    }
+    EXPECT_TRUE(m["content"].is_null()) << j;
+    thought_first += m.contains("reasoning_content");
+  }
+  EXPECT_GT(thought_first, 0);
   s->shutdown();
 }

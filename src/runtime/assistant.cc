@@ -46,71 +46,80 @@ std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_
   return a;
 }
 
-PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
-                                       const ChatOptions& options) const {
-  std::vector<ChatMessage> rendered;
+struct Assistant::MediaInputs {
   std::vector<VisionInput> images;
   std::vector<AudioInput> clips;
   // gemma4_unified: patches and raw frames for its embedders (no towers).
-  const UnifiedEmbedder* unified = model_->embeddings().unified();
   std::vector<UnifiedImageInput> unified_images;
   std::vector<UnifiedAudioInput> unified_clips;
+  int image_count() const { return static_cast<int>(images.size() + unified_images.size()); }
+  int audio_count() const { return static_cast<int>(clips.size() + unified_clips.size()); }
+};
+
+ChatPart Assistant::add_media(const ChatInputPart& p, MediaInputs& in) const {
+  if (const UnifiedEmbedder* unified = model_->embeddings().unified()) {
+    if (p.audio) {
+      if (!unified->has_audio())
+        fail(model_->path(), ": this model has no audio_config, so it cannot take audio");
+      in.unified_clips.push_back(
+          unified_audio_frames(p.audio->samples, unified->audio_config().frame_samples));
+      return ChatPart::Audio(
+          static_cast<int32_t>(unified->num_audio_soft_tokens(in.unified_clips.back())));
+    }
+    if (!unified->has_vision())
+      fail(model_->path(), ": this model has no vision_config, so it cannot take images");
+    const UnifiedPatches up = preprocess_unified_image(*p.image, image_cfg_);
+    in.unified_images.push_back({up.max_soft_tokens, up.pixel_values, up.position_ids});
+    return ChatPart::Image(up.num_soft_tokens);
+  }
+  if (p.audio) {
+    if (!model_->audio())
+      fail(model_->path(),
+           ": this model has no audio tower (no audio_config), so it cannot "
+           "take audio");
+    const LogMelFeatures f = log_mel_features(
+        p.audio->samples, ("audio clip " + std::to_string(in.clips.size() + 1)).c_str());
+    in.clips.push_back({f.frames, f.values, f.mask});
+    return ChatPart::Audio(
+        static_cast<int32_t>(model_->audio()->num_soft_tokens(in.clips.back().mask)));
+  }
+  if (!model_->vision())
+    fail(model_->path(), ": this model has no vision tower, so it cannot take images");
+  const ProcessedImage pi = preprocess_image(*p.image, image_cfg_);
+  in.images.push_back({pi.max_patches, pi.pixel_values, pi.position_ids});
+  return ChatPart::Image(pi.num_soft_tokens);
+}
+
+void Assistant::encode_media(ThreadPool& pool, const MediaInputs& in, PreparedPrompt& out) const {
+  out.images = in.image_count();
+  out.audios = in.audio_count();
+  FloatTensor image_soft, audio_soft;
+  if (!in.images.empty()) image_soft = model_->embeddings().encode_images(pool, in.images, nullptr);
+  if (!in.clips.empty()) audio_soft = model_->embeddings().encode_audio(pool, in.clips, nullptr);
+  if (const UnifiedEmbedder* unified = model_->embeddings().unified()) {
+    if (!in.unified_images.empty())
+      image_soft = unified->encode_images(pool, in.unified_images, nullptr);
+    if (!in.unified_clips.empty())
+      audio_soft = unified->encode_audio(pool, in.unified_clips, nullptr);
+  }
+  out.soft_tokens =
+      merge_soft_tokens(model_->config(), out.ids, image_soft.data.empty() ? nullptr : &image_soft,
+                        audio_soft.data.empty() ? nullptr : &audio_soft);
+}
+
+PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatInput>& messages,
+                                       const ChatOptions& options) const {
+  std::vector<ChatMessage> rendered;
+  MediaInputs media;
   for (const ChatInput& m : messages) {
     ChatMessage cm{m.role, {}};
-    for (const ChatInputPart& p : m.parts) {
-      if (unified && (p.audio || p.image)) {
-        if (p.audio) {
-          if (!unified->has_audio())
-            fail(model_->path(), ": this model has no audio_config, so it cannot take audio");
-          unified_clips.push_back(
-              unified_audio_frames(p.audio->samples, unified->audio_config().frame_samples));
-          cm.parts.push_back(ChatPart::Audio(
-              static_cast<int32_t>(unified->num_audio_soft_tokens(unified_clips.back()))));
-        } else {
-          if (!unified->has_vision())
-            fail(model_->path(), ": this model has no vision_config, so it cannot take images");
-          const UnifiedPatches up = preprocess_unified_image(*p.image, image_cfg_);
-          unified_images.push_back({up.max_soft_tokens, up.pixel_values, up.position_ids});
-          cm.parts.push_back(ChatPart::Image(up.num_soft_tokens));
-        }
-        continue;
-      }
-      if (p.audio) {
-        if (!model_->audio())
-          fail(model_->path(),
-               ": this model has no audio tower (no audio_config), so it cannot "
-               "take audio");
-        const LogMelFeatures f = log_mel_features(
-            p.audio->samples, ("audio clip " + std::to_string(clips.size() + 1)).c_str());
-        clips.push_back({f.frames, f.values, f.mask});
-        cm.parts.push_back(ChatPart::Audio(
-            static_cast<int32_t>(model_->audio()->num_soft_tokens(clips.back().mask))));
-        continue;
-      }
-      if (!p.image) {
-        cm.parts.push_back(ChatPart::Text(p.text));
-        continue;
-      }
-      if (!model_->vision())
-        fail(model_->path(), ": this model has no vision tower, so it cannot take images");
-      const ProcessedImage pi = preprocess_image(*p.image, image_cfg_);
-      images.push_back({pi.max_patches, pi.pixel_values, pi.position_ids});
-      cm.parts.push_back(ChatPart::Image(pi.num_soft_tokens));
-    }
+    for (const ChatInputPart& p : m.parts)
+      cm.parts.push_back(p.image || p.audio ? add_media(p, media) : ChatPart::Text(p.text));
     rendered.push_back(std::move(cm));
   }
   PreparedPrompt out;
   out.ids = render_chat(tok_, chat_ids_, rendered, options).ids;
-  out.images = static_cast<int>(images.size() + unified_images.size());
-  out.audios = static_cast<int>(clips.size() + unified_clips.size());
-  FloatTensor image_soft, audio_soft;
-  if (!images.empty()) image_soft = model_->embeddings().encode_images(pool, images, nullptr);
-  if (!clips.empty()) audio_soft = model_->embeddings().encode_audio(pool, clips, nullptr);
-  if (!unified_images.empty()) image_soft = unified->encode_images(pool, unified_images, nullptr);
-  if (!unified_clips.empty()) audio_soft = unified->encode_audio(pool, unified_clips, nullptr);
-  out.soft_tokens =
-      merge_soft_tokens(model_->config(), out.ids, image_soft.data.empty() ? nullptr : &image_soft,
-                        audio_soft.data.empty() ? nullptr : &audio_soft);
+  encode_media(pool, media, out);
   return out;
 }
 
@@ -120,16 +129,64 @@ std::unique_ptr<Sequence> Assistant::new_sequence() const {
 
 PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& messages,
                                                const nlohmann::ordered_json& tools,
-                                               const ConversationOptions& options) const {
-  for (const auto& m : messages)
-    if (m.is_object() && m.contains("content") && m["content"].is_array())
-      for (const auto& part : m["content"])
-        if (part.is_object() && part.value("type", "") != "text")
-          fail("media parts together with tool calling are not supported yet; send text only");
+                                               const ConversationOptions& options,
+                                               std::span<const ChatInputPart> media,
+                                               ThreadPool* pool) const {
+  MediaInputs inputs;
+  std::vector<ChatPart> parts;  // each medium as the chat format renders it, in order
+  for (const ChatInputPart& p : media) {
+    if (!p.image && !p.audio) fail("prepare_conversation: a media part holds no image or audio");
+    parts.push_back(add_media(p, inputs));
+  }
   const std::string text = renderer_.render(messages, tools, options);
   PreparedPrompt out;
-  // The rendered text writes <bos> itself; special-token strings in it become their ids.
-  out.ids = tok_.encode(text, /*add_special=*/false, /*parse_special=*/true);
+  // The rendered text writes <bos> itself; special-token strings in it become their ids. The
+  // template writes one <|image|> / <|audio|> per media part; the processor then replaces each
+  // with its open marker, N soft-token placeholders and its close marker
+  // (/work/shared/docs/gemma4-chat-format.md 3.5), which is the same at the id level because the
+  // tokenizer never merges a special token with its neighbours.
+  const std::vector<int32_t> raw = tok_.encode(text, /*add_special=*/false, /*parse_special=*/true);
+  const std::optional<int32_t> image_at = chat_ids_.image_soft, audio_at = chat_ids_.audio_soft;
+  int images_given = 0, images_rendered = 0, audios_rendered = 0;
+  for (const ChatPart& p : parts) images_given += p.kind == ChatPart::Kind::kImage;
+  const int audios_given = static_cast<int>(parts.size()) - images_given;
+  for (int32_t id : raw) {
+    images_rendered += image_at && id == *image_at;
+    audios_rendered += audio_at && id == *audio_at;
+  }
+  if (images_rendered != images_given || audios_rendered != audios_given)
+    fail("the chat template rendered ", images_rendered, " image and ", audios_rendered,
+         " audio placeholders (<|image|>, <|audio|>) but the conversation has ", images_given,
+         " images and ", audios_given,
+         " audio clips (a placeholder typed in a message's text counts too)");
+  size_t next_part = 0;
+  out.ids.reserve(raw.size());
+  for (int32_t id : raw) {
+    const bool is_image = image_at && id == *image_at;
+    const bool is_audio = audio_at && id == *audio_at;
+    if (!is_image && !is_audio) {
+      out.ids.push_back(id);
+      continue;
+    }
+    const ChatPart& part = parts[next_part++];
+    if ((part.kind == ChatPart::Kind::kImage) != is_image)
+      fail(
+          "the chat template rendered the conversation's images and audio clips in another "
+          "order than its messages hold them");
+    const auto open = is_image ? chat_ids_.image_open : chat_ids_.audio_open;
+    const auto close = is_image ? chat_ids_.image_close : chat_ids_.audio_close;
+    if (!open || !close)
+      fail(tok_.source_path(), ": lacks the ",
+           is_image ? "<|image>, <image|>" : "<|audio>, <audio|>",
+           " markers, so this model cannot take ", is_image ? "images" : "audio");
+    out.ids.push_back(*open);
+    out.ids.insert(out.ids.end(), is_image ? part.image_tokens : part.audio_tokens, id);
+    out.ids.push_back(*close);
+  }
+  if (!parts.empty()) {
+    if (!pool) fail("prepare_conversation: media need a thread pool for the towers");
+    encode_media(*pool, inputs, out);
+  }
   static constexpr std::string_view kOpenThought = "<|channel>thought\n";
   if (text.size() >= kOpenThought.size() &&
       text.compare(text.size() - kOpenThought.size(), kOpenThought.size(), kOpenThought) == 0)

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -65,15 +66,26 @@ class Assistant {
                               const ChatOptions& options) const;
   // An OpenAI-style conversation (tools, tool calls, results, reasoning) rendered by the
   // checkpoint's chat template, or the built-in one, and tokenized as HF tokenizes a rendered
-  // template. Media parts are not supported on this path yet (gemstage::Error).
+  // template. `media` holds the conversation's images and audio clips in the order their parts
+  // ({"type": "image"} / {"type": "audio"}) appear in `messages`; each placeholder the template
+  // writes is expanded as the processor expands it (<|image> + N x <|image|> + <image|>), so the
+  // ids and soft tokens equal prepare_chat's for the same conversation. `pool` runs the towers
+  // (needed only with media). A placeholder count that differs from `media` is a gemstage::Error.
   PreparedPrompt prepare_conversation(const nlohmann::ordered_json& messages,
                                       const nlohmann::ordered_json& tools,
-                                      const ConversationOptions& options) const;
+                                      const ConversationOptions& options,
+                                      std::span<const ChatInputPart> media = {},
+                                      ThreadPool* pool = nullptr) const;
   // A raw prompt: <bos> (unless add_bos is false) + the tokenized text, no chat markers.
   PreparedPrompt prepare_raw(const std::string& text, bool add_bos = true) const;
 
  private:
+  struct MediaInputs;  // the towers' inputs of one prompt's images and clips
   Assistant(std::shared_ptr<const Model> m, Tokenizer t);
+  // One image or audio part preprocessed into `in`; the part as the chat format renders it.
+  ChatPart add_media(const ChatInputPart& p, MediaInputs& in) const;
+  // Runs the towers over `in` and splices their soft tokens at out.ids' placeholder rows.
+  void encode_media(ThreadPool& pool, const MediaInputs& in, PreparedPrompt& out) const;
   std::shared_ptr<const Model> model_;
   int64_t max_context_ = 0;
   std::optional<KvType> kv_type_;

@@ -120,7 +120,11 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
   // nothing, as HF's decode skips them.
   if (tok_.has_id(id)) text += decoder_.push(id);
   size_t cut = std::string::npos;
-  for (const std::string& s : opt_.stop_strings) cut = std::min(cut, text.find(s));
+  for (const std::string& s : opt_.stop_strings) {
+    const size_t at = text.find(s);
+    if (at < cut) res_.stop_string = s;
+    cut = std::min(cut, at);
+  }
   if (cut != std::string::npos) {
     text.resize(cut);
     emit_until(text.size(), on_text);

@@ -59,6 +59,7 @@ struct GenerationResult {
   std::vector<TokenLogprob> logprobs;  // one per token when GenerationOptions::top_logprobs >= 0
   std::string text;                    // decoded, cut before a stop string
   std::string finish_reason;           // "stop", "length", "context" (context limit) or "cancelled"
+  std::string stop_string;  // the stop string that ended it (of those found first in the text)
   int64_t prompt_tokens = 0, reused_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
 };

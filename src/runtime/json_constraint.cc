@@ -670,7 +670,7 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
         // Verbatim text up to the closing <|"|>; no escapes, newlines allowed, no other marker.
         if (c == kGemmaQuote)
           return static_cast<int64_t>(f.count) < n.min_length ? Step::kRejected : Step::kPass;
-        if (c == kToolCallOpen || c == kToolCallClose) return Step::kRejected;
+        if (c <= kChannelClose) return Step::kRejected;  // another marker
         if (c < 0x80) {
           if (static_cast<int64_t>(f.count) >= n.max_length) return Step::kRejected;
           ++f.count;
@@ -867,9 +867,12 @@ bool JsonMatcher::complete() const {
 // Forced tool calls.
 
 std::shared_ptr<const ToolCallGrammar> ToolCallGrammar::from_tools(
-    const nlohmann::ordered_json& tools, const std::string& only_name, bool parallel) {
+    const nlohmann::ordered_json& tools, const std::string& only_name, bool parallel,
+    Thought thought, int64_t max_thought_tokens) {
   auto g = std::make_shared<ToolCallGrammar>();
   g->parallel = parallel;
+  g->thought = thought;
+  g->max_thought_tokens = std::max<int64_t>(0, max_thought_tokens);
   if (!tools.is_array()) fail("tools: must be an array");
   for (size_t i = 0; i < tools.size(); ++i) {
     const auto& fn = tools[i].contains("function") ? tools[i]["function"] : tools[i];
@@ -898,6 +901,19 @@ std::shared_ptr<const ToolCallGrammar> ToolCallGrammar::from_tools(
 
 bool ToolCallMatcher::feed_byte(unsigned char c) {
   switch (phase_) {
+    case kThoughtMay:
+      if (c == kChannelOpen) {
+        phase_ = kThought;
+        return true;
+      }
+      phase_ = kOpen;
+      return feed_byte(c);
+    case kThought:
+      if (c == kChannelClose) {
+        phase_ = kOpen;
+        return true;
+      }
+      return c > kChannelClose;  // free text; no other marker
     case kOpen:
       if (c != kToolCallOpen) return false;
       phase_ = kName;
@@ -962,16 +978,19 @@ ConstraintVocabulary::ConstraintVocabulary(const Tokenizer& tokenizer) {
   for (int32_t id = 0; id < n; ++id) {
     if (!tokenizer.has_id(id) || tokenizer.is_special(id)) continue;
     std::string b = tokenizer.token_bytes(id);
-    // Bytes 0-2 stand for the tool-call markers below; no JSON or argument text has them raw.
-    if (b.empty() || b.find_first_of(std::string_view("\0\1\2", 3)) != std::string::npos)
+    // Bytes 0-4 stand for the markers below; no JSON, argument or thought text has them raw.
+    if (b.empty() || b.find_first_of(std::string_view("\0\1\2\3\4", 5)) != std::string::npos)
       continue;
     by_first_[static_cast<unsigned char>(b[0])].push_back(id);
     bytes_[static_cast<size_t>(id)] = std::move(b);
   }
   // The markers of Gemma's tool calls, as the bytes the tool-call matcher reads them as. No JSON
   // text contains these control bytes, so JSON grammars still never allow them.
-  const std::pair<const char*, unsigned char> markers[] = {
-      {"<|\"|>", kGemmaQuote}, {"<|tool_call>", kToolCallOpen}, {"<tool_call|>", kToolCallClose}};
+  const std::pair<const char*, unsigned char> markers[] = {{"<|\"|>", kGemmaQuote},
+                                                           {"<|tool_call>", kToolCallOpen},
+                                                           {"<tool_call|>", kToolCallClose},
+                                                           {"<|channel>", kChannelOpen},
+                                                           {"<channel|>", kChannelClose}};
   for (const auto& [text, byte] : markers)
     if (const auto id = tokenizer.token_to_id(text); id && *id >= 0 && *id < n) {
       bytes_[static_cast<size_t>(*id)] = std::string(1, static_cast<char>(byte));
@@ -1013,18 +1032,26 @@ bool TokenConstraint::is_stop(int32_t id) const {
   return std::find(stop_ids_.begin(), stop_ids_.end(), id) != stop_ids_.end();
 }
 
+bool TokenConstraint::thought_spent() const {
+  return state_.call && state_.call->in_thought() &&
+         thought_tokens_ >= call_grammar_->max_thought_tokens;
+}
+
 bool TokenConstraint::allows(int32_t id) const {
   if (is_stop(id)) return state_.complete();
   if (id < 0 || id >= vocab_->size()) return false;
   const std::string& b = vocab_->bytes(id);
   if (b.empty()) return false;
+  if (thought_spent()) return b.size() == 1 && static_cast<unsigned char>(b[0]) == kChannelClose;
   State m = state_;
   return m.feed(b);
 }
 
 int64_t TokenConstraint::mask(float* logits, int64_t vocab) const {
   std::vector<uint8_t> ok(static_cast<size_t>(vocab), 0);
+  const bool spent = thought_spent();
   for (int c = 0; c < 256; ++c) {
+    if (spent && c != kChannelClose) continue;
     const std::vector<int32_t>& ids = vocab_->starting_with(static_cast<unsigned char>(c));
     if (ids.empty()) continue;
     State first = state_;
@@ -1055,9 +1082,9 @@ void TokenConstraint::accept(int32_t id) {
     if (!state_.complete()) fail("constrained decoding: a stop token before the value ends");
     return;
   }
-  if (id < 0 || id >= vocab_->size() || vocab_->bytes(id).empty() ||
-      !state_.feed(vocab_->bytes(id)))
+  if (!allows(id) || !state_.feed(vocab_->bytes(id)))
     fail("constrained decoding: token ", id, " does not continue the value");
+  if (state_.call && state_.call->in_thought()) ++thought_tokens_;
 }
 
 }  // namespace gemstage

@@ -42,6 +42,8 @@ enum class JsonDialect { kJson, kGemmaArgs };
 inline constexpr unsigned char kGemmaQuote = 0x00;
 inline constexpr unsigned char kToolCallOpen = 0x01;   // <|tool_call>
 inline constexpr unsigned char kToolCallClose = 0x02;  // <tool_call|>
+inline constexpr unsigned char kChannelOpen = 0x03;    // <|channel>
+inline constexpr unsigned char kChannelClose = 0x04;   // <channel|>
 
 class JsonGrammar {
  public:
@@ -114,29 +116,44 @@ class JsonMatcher {
 // The tool calls a request forces (tool_choice "required" or a named function), as Gemma 4 writes
 // them: <|tool_call>call:NAME{ARGS}<tool_call|>, with ARGS matched against that tool's
 // `parameters` schema in the Gemma dialect; then more calls when parallel calls are allowed, then
-// a stop id. (A thought channel before the call is not allowed: the call comes first.)
+// a stop id. With thinking on, a thought channel (<|channel>...<channel|>, free text) may come
+// first, at most max_thought_tokens tokens long; then the call.
 struct ToolCallGrammar {
+  // kNone: the call comes first. kMayOpen: the model may open a thought channel first. kOpen: the
+  // prompt already opened one (its generation prefix), so the text starts inside it.
+  enum class Thought { kNone, kMayOpen, kOpen };
   std::vector<std::string> names;
   std::vector<std::shared_ptr<const JsonGrammar>> arguments;  // per name
   bool parallel = true;
+  Thought thought = Thought::kNone;
+  // Tokens a thought may take before only <channel|> is allowed, so room is left for the call.
+  int64_t max_thought_tokens = 0;
   // tools: OpenAI function tools ([{"type": "function", "function": {"name", "parameters"}}]);
   // only_name: the one tool a named tool_choice allows ("" for any). Throws gemstage::Error
   // naming the tool whose parameters cannot be enforced.
   static std::shared_ptr<const ToolCallGrammar> from_tools(const nlohmann::ordered_json& tools,
                                                            const std::string& only_name,
-                                                           bool parallel);
+                                                           bool parallel,
+                                                           Thought thought = Thought::kNone,
+                                                           int64_t max_thought_tokens = 0);
 };
 
 class ToolCallMatcher {
  public:
-  explicit ToolCallMatcher(const ToolCallGrammar& grammar) : g_(&grammar) {}
+  explicit ToolCallMatcher(const ToolCallGrammar& grammar)
+      : g_(&grammar),
+        phase_(grammar.thought == ToolCallGrammar::Thought::kMayOpen ? kThoughtMay
+               : grammar.thought == ToolCallGrammar::Thought::kOpen  ? kThought
+                                                                     : kOpen) {}
   bool feed(std::string_view symbols);
   bool feed_byte(unsigned char c);
   // Between calls, with at least one closed: a stop id may come.
   bool complete() const { return phase_ == kAfter; }
+  // Inside the thought channel (free text until <channel|>).
+  bool in_thought() const { return phase_ == kThought; }
 
  private:
-  enum Phase : uint8_t { kOpen, kName, kArgs, kClose, kAfter };
+  enum Phase : uint8_t { kThoughtMay, kThought, kOpen, kName, kArgs, kClose, kAfter };
   const ToolCallGrammar* g_;
   Phase phase_ = kOpen;
   uint64_t cand_ = 0;  // names still matching "call:NAME"
@@ -185,11 +202,14 @@ class TokenConstraint {
     bool complete() const { return json ? json->complete() : call->complete(); }
   };
   bool is_stop(int32_t id) const;
+  // A thought that used its max_thought_tokens: only <channel|> may come.
+  bool thought_spent() const;
   std::shared_ptr<const JsonGrammar> json_grammar_;
   std::shared_ptr<const ToolCallGrammar> call_grammar_;
   std::shared_ptr<const ConstraintVocabulary> vocab_;
   std::vector<int32_t> stop_ids_;
   State state_;
+  int64_t thought_tokens_ = 0;
 };
 
 }  // namespace gemstage

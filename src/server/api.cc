@@ -304,10 +304,10 @@ RgbImage decode_data_url(const std::string& url, const std::string& param,
 // decoded here (libsndfile: WAV, MP3, and FLAC/OGG too), so a bad clip is refused with a 400
 // before the request waits for a slot; clips over 30 s are refused, not truncated.
 AudioClip parse_input_audio(const json& part, const std::string& param, const std::string& role) {
-  if (role != "user")
-    bad_request(
-        param, "invalid_value",
-        detail::concat("audio is only accepted in user messages, not in ", role, " messages"));
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat("audio is only accepted in user and tool messages, not in ", role,
+                               " messages"));
   const json* ia = member(part, "input_audio");
   const std::string p = param + ".input_audio";
   if (!ia) bad_request(p, "missing_required_parameter", "'input_audio' is required");
@@ -349,10 +349,10 @@ ChatInputPart parse_part(const json& part, const std::string& param, const std::
     return {text->get<std::string>(), std::nullopt};
   }
   if (t == "image_url") {
-    if (role != "user")
-      bad_request(
-          param, "invalid_value",
-          detail::concat("images are only accepted in user messages, not in ", role, " messages"));
+    if (role != "user" && role != "tool")
+      bad_request(param, "invalid_value",
+                  detail::concat("images are only accepted in user and tool messages, not in ",
+                                 role, " messages"));
     const json* iu = member(part, "image_url");
     if (!iu)
       bad_request(param + ".image_url", "missing_required_parameter", "'image_url' is required");
@@ -609,18 +609,6 @@ std::string sse_event(const json& chunk) {
   return "data: " + wire_json(chunk) + "\n\n";
 }
 
-void refuse_media_with_tools(const json& chat_body, const std::string& param) {
-  if (chat_body.contains("tools") || chat_body.contains("tool_choice"))
-    bad_request(param, "unsupported_value",
-                "images together with tools are not supported yet; send the images without "
-                "tools, or the tool conversation without images");
-  for (const json& m : chat_body.value("messages", json::array()))
-    if (m.contains("tool_calls") || m.value("role", "") == "tool" ||
-        m.contains("reasoning_content"))
-      bad_request(param, "unsupported_value",
-                  "images together with tool calls or reasoning are not supported yet");
-}
-
 json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens) {
   auto entry = [&](int32_t id, float logprob) {
     const std::string text = tokenizer.has_id(id) ? tokenizer.token_bytes(id) : std::string();
@@ -637,6 +625,32 @@ json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tok
     content.push_back(std::move(e));
   }
   return {{"content", std::move(content)}, {"refusal", nullptr}};
+}
+
+ReplyTextTokens::ReplyTextTokens(const Tokenizer& tokenizer, std::string_view generation_prefix)
+    : tokenizer_(tokenizer),
+      channel_open_(tokenizer.token_to_id("<|channel>")),
+      channel_close_(tokenizer.token_to_id("<channel|>")),
+      call_open_(tokenizer.token_to_id("<|tool_call>")),
+      call_close_(tokenizer.token_to_id("<tool_call|>")) {
+  for (int32_t id : tokenizer.encode(generation_prefix, false, true)) take(id);
+}
+
+bool ReplyTextTokens::take(int32_t id) {
+  if (channel_open_ && id == *channel_open_ && in_ == In::kText) in_ = In::kThought;
+  if (call_open_ && id == *call_open_ && in_ == In::kText) in_ = In::kCall;
+  const bool text = in_ == In::kText && !(tokenizer_.has_id(id) && tokenizer_.is_special(id));
+  if ((channel_close_ && id == *channel_close_ && in_ == In::kThought) ||
+      (call_close_ && id == *call_close_ && in_ == In::kCall))
+    in_ = In::kText;
+  return text;
+}
+
+json ReplyTextTokens::take_logprobs(std::span<const TokenLogprob> tokens) {
+  std::vector<TokenLogprob> text;
+  for (const TokenLogprob& t : tokens)
+    if (take(t.id)) text.push_back(t);
+  return std::move(logprobs_json(tokenizer_, text)["content"]);
 }
 
 std::string sse_named_event(const std::string& name, const json& data) {
@@ -657,8 +671,10 @@ ojson ordered(const json& j) {
 
 }  // namespace
 
-ToolRequest parse_tool_request(const json& body) {
+ToolRequest parse_tool_request(const json& body, const RequestLimits& limits) {
   ToolRequest r;
+  ImageBudget images;
+  images.pixels_left = kRequestImageBudget * limits.max_image_pixels;
   std::vector<std::string> names;
   if (const json* tools = member(body, "tools")) {
     if (!tools->is_array()) wrong_type("tools", "an array", *tools);
@@ -738,6 +754,17 @@ ToolRequest parse_tool_request(const json& body) {
       wrong_type(p + ".content", "a string, an array of content parts or null", *content);
     if (!content && rs != "assistant")
       bad_request(p + ".content", "missing_required_parameter", "'content' is required");
+    if (content && content->is_array()) {
+      // Images and audio are decoded here (a bad one is refused before the request queues); the
+      // template gets the part it writes a placeholder for.
+      for (size_t j = 0; j < content->size(); ++j) {
+        ChatInputPart part = parse_part((*content)[j], p + ".content[" + std::to_string(j) + "]",
+                                        rs, limits, images);
+        if (!part.image && !part.audio) continue;
+        out["content"][j] = ojson{{"type", part.image ? "image" : "audio"}};
+        r.media.push_back(std::move(part));
+      }
+    }
     if (const json* calls = member(m, "tool_calls")) {
       if (rs != "assistant")
         bad_request(p + ".tool_calls", "invalid_value", "only assistant messages carry tool_calls");

@@ -156,11 +156,16 @@ struct ToolRequest {
   // chat_template_kwargs.enable_thinking (llama.cpp's convention; a Messages request's
   // `thinking`): this request's choice, else the server's --think.
   std::optional<bool> enable_thinking;
+  // The images (image_url data URLs) and audio clips (input_audio) of user messages, decoded, in
+  // message order; in `messages` each such part is {"type": "image"} / {"type": "audio"}, the
+  // parts the chat template writes a placeholder for.
+  std::vector<ChatInputPart> media;
 };
 
 // Validates tools, tool_choice, parallel_tool_calls and the messages (tool role, assistant
-// tool_calls with JSON-string arguments, reasoning_content). Throws ApiError 400 naming the part.
-ToolRequest parse_tool_request(const nlohmann::json& body);
+// tool_calls with JSON-string arguments, reasoning_content, content parts as
+// parse_chat_request takes them). Throws ApiError 400 naming the part.
+ToolRequest parse_tool_request(const nlohmann::json& body, const RequestLimits& limits = {});
 // True when a chat request needs the tool path: tools, a tool_choice, a tool message, an
 // assistant message with tool_calls or reasoning_content.
 bool wants_tool_path(const nlohmann::json& body);
@@ -186,13 +191,28 @@ std::vector<nlohmann::json> chat_delta_chunks(const ResponseMeta& m, const Outpu
 // bytes) is replaced rather than thrown on, so building a reply can never fail.
 std::string wire_json(const nlohmann::json& j);
 
-// A chat body with images must not also have tools, tool calls, tool results or reasoning: the
-// tool path renders text only. A 400 naming `param` (the dialect's field) otherwise.
-void refuse_media_with_tools(const nlohmann::json& chat_body, const std::string& param);
-
 // A choice's `logprobs`: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}],
 // "refusal": null}, tokens as their text (special tokens by name) and raw bytes.
 nlohmann::json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens);
+
+// Sorts generated tokens, in order, into reply text and the rest: a thought channel
+// (<|channel>...<channel|>), a tool call (<|tool_call>...<tool_call|>) and every special token
+// are not reply text. The Responses API gives only the output_text's tokens logprobs.
+class ReplyTextTokens {
+ public:
+  // generation_prefix: what the prompt's model turn already began with (an open thought channel).
+  ReplyTextTokens(const Tokenizer& tokenizer, std::string_view generation_prefix);
+  // True when `id`, the next generated token, is reply text.
+  bool take(int32_t id);
+  // The reply-text tokens of `tokens` (taken in order) as logprobs_json's content entries.
+  nlohmann::json take_logprobs(std::span<const TokenLogprob> tokens);
+
+ private:
+  enum class In { kText, kThought, kCall };
+  const Tokenizer& tokenizer_;
+  In in_ = In::kText;
+  std::optional<int32_t> channel_open_, channel_close_, call_open_, call_close_;
+};
 
 // "data: <json>\n\n", the server-sent-events framing of one stream chunk.
 std::string sse_event(const nlohmann::json& chunk);

@@ -123,15 +123,40 @@ void convert_message(const json& m, const std::string& p, json& out, bool& has_m
             {{"name", required_string(b, "name", bp + ".name")}, {"arguments", input.dump()}}}});
     } else if (type == "tool_result") {
       only("user");
-      std::string text;
-      if (const json* c = member(b, "content"))
-        text = text_only(*c, bp + ".content", "a tool_result");
       if (const json* e = member(b, "is_error"); e && !e->is_boolean())
         wrong_type(bp + ".is_error", "a boolean", *e);
-      if (b.value("is_error", false)) text = "Error: " + text;
+      const std::string error_prefix = b.value("is_error", false) ? "Error: " : "";
+      // Text, or text and image blocks (a screenshot, an image file read by a tool): the
+      // template writes the text as the result and an image placeholder after it per image.
+      json content = error_prefix;
+      if (const json* c = member(b, "content")) {
+        const std::vector<json> result = blocks_of(*c, bp + ".content");
+        const bool images = std::any_of(result.begin(), result.end(),
+                                        [](const json& r) { return r["type"] == "image"; });
+        if (!images) {
+          content = error_prefix + text_only(*c, bp + ".content", "a tool_result");
+        } else {
+          content = json::array();
+          if (!error_prefix.empty()) content.push_back({{"type", "text"}, {"text", error_prefix}});
+          for (size_t k = 0; k < result.size(); ++k) {
+            const std::string rp = at(bp + ".content", k);
+            const std::string rt = result[k]["type"].get<std::string>();
+            if (rt == "text") {
+              content.push_back(
+                  {{"type", "text"}, {"text", required_string(result[k], "text", rp + ".text")}});
+            } else if (rt == "image") {
+              content.push_back(image_part(result[k], rp));
+              has_media = true;
+            } else {
+              bad_request(rp + ".type", "unsupported_value",
+                          "a tool_result may hold only text and image blocks, not '" + rt + "'");
+            }
+          }
+        }
+      }
       out.push_back({{"role", "tool"},
                      {"tool_call_id", required_string(b, "tool_use_id", bp + ".tool_use_id")},
-                     {"content", text}});
+                     {"content", std::move(content)}});
     } else if (type == "thinking") {
       only("assistant");
       if (!reasoning.empty()) reasoning += "\n";
@@ -239,14 +264,13 @@ Request to_chat_body(const json& body) {
       c["parallel_tool_calls"] = !d->get<bool>();
     }
   }
-  if (r.has_media) refuse_media_with_tools(c, "messages");
   return r;
 }
 
-std::string stop_reason(const std::string& tool_finish_reason) {
+std::string stop_reason(const std::string& tool_finish_reason, const std::string& stop_sequence) {
   if (tool_finish_reason == "tool_calls") return "tool_use";
   if (tool_finish_reason == "length") return "max_tokens";
-  return "end_turn";
+  return stop_sequence.empty() ? "end_turn" : "stop_sequence";
 }
 
 json error_json(const ApiError& e) {
@@ -283,6 +307,10 @@ json error_json(const ApiError& e) {
 
 namespace {
 
+json stop_sequence_json(const std::string& stop_reason, const std::string& stop_sequence) {
+  return stop_reason == "stop_sequence" ? json(stop_sequence) : json(nullptr);
+}
+
 json usage(int64_t input_tokens, int64_t output_tokens) {
   return {{"input_tokens", input_tokens}, {"output_tokens", output_tokens}};
 }
@@ -299,7 +327,8 @@ json tool_use_block(const ParsedToolCall& c, const std::string& id, bool streame
 
 json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::string& stop_reason,
                   int64_t input_tokens, int64_t output_tokens,
-                  const std::function<std::string()>& new_tool_use_id) {
+                  const std::function<std::string()>& new_tool_use_id,
+                  const std::string& stop_sequence) {
   json content = json::array();
   if (parsed.reasoning)
     content.push_back({{"type", "thinking"}, {"thinking", *parsed.reasoning}, {"signature", ""}});
@@ -312,7 +341,7 @@ json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::
           {"model", m.model},
           {"content", std::move(content)},
           {"stop_reason", stop_reason},
-          {"stop_sequence", nullptr},
+          {"stop_sequence", stop_sequence_json(stop_reason, stop_sequence)},
           {"usage", usage(input_tokens, output_tokens)}};
 }
 
@@ -371,11 +400,14 @@ std::string EventStream::delta(const OutputDelta& d) {
   return out;
 }
 
-std::string EventStream::end(const std::string& stop_reason, int64_t output_tokens) {
+std::string EventStream::end(const std::string& stop_reason, int64_t output_tokens,
+                             const std::string& stop_sequence) {
   return close() +
          named_event("message_delta",
                      {{"type", "message_delta"},
-                      {"delta", {{"stop_reason", stop_reason}, {"stop_sequence", nullptr}}},
+                      {"delta",
+                       {{"stop_reason", stop_reason},
+                        {"stop_sequence", stop_sequence_json(stop_reason, stop_sequence)}}},
                       {"usage", {{"output_tokens", output_tokens}}}}) +
          named_event("message_stop", {{"type", "message_stop"}});
 }

@@ -19,26 +19,29 @@ namespace gemstage::server::messages {
 
 struct Request {
   nlohmann::json chat_body;  // the same request as a /v1/chat/completions body
-  bool has_media = false;    // image blocks: the request takes the media path (no tools)
+  bool has_media = false;    // image blocks
   bool stream = false;
 };
 
 // Throws ApiError 400 naming the Messages field (e.g. "messages[2].content[0].source").
 Request to_chat_body(const nlohmann::json& body);
 
-// finish as the tool path reports it (stop / tool_calls / length) in Anthropic's words.
-std::string stop_reason(const std::string& tool_finish_reason);
+// finish as the tool path reports it (stop / tool_calls / length) in Anthropic's words; a "stop"
+// on one of the request's stop_sequences is "stop_sequence".
+std::string stop_reason(const std::string& tool_finish_reason,
+                        const std::string& stop_sequence = {});
 
 // {"type": "error", "error": {"type", "message"}}, the Messages error shape; the HTTP status
 // stays the ApiError's.
 nlohmann::json error_json(const ApiError& e);
 
 // A whole reply: {"id", "type": "message", "role", "model", "content": [blocks], "stop_reason",
-// "stop_sequence", "usage"}.
+// "stop_sequence" (the matched string when stop_reason is "stop_sequence", else null), "usage"}.
 nlohmann::json message_json(const ResponseMeta& m, const ParsedOutput& parsed,
                             const std::string& stop_reason, int64_t input_tokens,
                             int64_t output_tokens,
-                            const std::function<std::string()>& new_tool_use_id);
+                            const std::function<std::string()>& new_tool_use_id,
+                            const std::string& stop_sequence = {});
 
 // A streamed reply: message_start, then content_block_start / _delta / _stop per block (a block
 // opens when its kind of output first arrives and closes when another kind begins), message_delta
@@ -49,7 +52,8 @@ class EventStream {
       : meta_(std::move(meta)), new_tool_use_id_(std::move(new_tool_use_id)) {}
   std::string begin(int64_t input_tokens);
   std::string delta(const OutputDelta& d);
-  std::string end(const std::string& stop_reason, int64_t output_tokens);
+  std::string end(const std::string& stop_reason, int64_t output_tokens,
+                  const std::string& stop_sequence = {});
   static std::string error(const ApiError& e);
 
  private:

@@ -39,28 +39,44 @@ json content_parts(const json& content, const std::string& param, const std::str
           {{"type", "image_url"},
            {"image_url", {{"url", required_string(part, "image_url", pp + ".image_url")}}}});
       has_media = true;
+    } else if (type == "input_audio") {  // as chat completions takes it: {data, format}
+      if (role != "user")
+        bad_request(pp + ".type", "invalid_value", "audio is only accepted in user messages");
+      parts.push_back({{"type", "input_audio"},
+                       {"input_audio", required_member(part, "input_audio", pp + ".input_audio")}});
+      has_media = true;
     } else {
       bad_request(pp + ".type", "unsupported_value",
                   "content part type '" + type +
-                      "' is not supported; use input_text, output_text or input_image");
+                      "' is not supported; use input_text, output_text, input_image or "
+                      "input_audio");
     }
   }
   return parts;
 }
 
-// The text of a function_call_output's output: a string, or input_text parts.
-std::string output_text_of(const json& output, const std::string& param) {
-  if (output.is_string()) return output.get<std::string>();
-  if (!output.is_array()) wrong_type(param, "a string or an array of input_text parts", output);
+// A function_call_output's output as a tool message's content: a string, input_text parts
+// joined, or with input_image parts the chat-completions parts (text and image_url).
+json output_content_of(const json& output, const std::string& param, bool& has_media) {
+  if (output.is_string()) return output;
+  if (!output.is_array())
+    wrong_type(param, "a string or an array of input_text / input_image parts", output);
   std::string text;
+  bool images = false;
   for (size_t i = 0; i < output.size(); ++i) {
     const json& part = output[i];
-    if (!part.is_object() || part.value("type", "") != "input_text")
+    const std::string type = part.is_object() ? part.value("type", "") : "";
+    if (type == "input_image") {
+      images = true;
+    } else if (type == "input_text") {
+      text += required_string(part, "text", at(param, i) + ".text");
+    } else {
       bad_request(at(param, i), "unsupported_value",
-                  "a function_call_output may hold only input_text parts here");
-    text += required_string(part, "text", at(param, i) + ".text");
+                  "a function_call_output may hold only input_text and input_image parts here");
+    }
   }
-  return text;
+  if (!images) return text;
+  return content_parts(output, param, "user", has_media);
 }
 
 std::string reasoning_text_of(const json& item, const std::string& param) {
@@ -148,8 +164,8 @@ void convert_input(const json& input, json& msgs, bool& has_media) {
     } else if (type == "function_call_output") {
       msgs.push_back({{"role", "tool"},
                       {"tool_call_id", required_string(item, "call_id", p + ".call_id")},
-                      {"content", output_text_of(required_member(item, "output", p + ".output"),
-                                                 p + ".output")}});
+                      {"content", output_content_of(required_member(item, "output", p + ".output"),
+                                                    p + ".output", has_media)}});
     } else if (type == "reasoning") {
       reasoning = reasoning_text_of(item, p);
     } else {
@@ -189,8 +205,27 @@ Request to_chat_body(const json& body) {
   echo["temperature"] = body.value("temperature", json(1.0));
   echo["top_p"] = body.value("top_p", json(1.0));
   echo["parallel_tool_calls"] = body.value("parallel_tool_calls", json(true));
-  if (member(body, "top_logprobs"))
-    bad_request("top_logprobs", "unsupported_value", "'top_logprobs' is not supported");
+  // Logprobs of the output_text's tokens: include "message.output_text.logprobs", with
+  // top_logprobs (0-20) alternatives each (top_logprobs alone asks for them too).
+  bool want_logprobs = false;
+  if (const json* inc = member(body, "include")) {
+    if (!inc->is_array()) wrong_type("include", "an array of strings", *inc);
+    for (size_t i = 0; i < inc->size(); ++i) {
+      if (!(*inc)[i].is_string()) wrong_type(at("include", i), "a string", (*inc)[i]);
+      // Other values name items this server never produces (file search results, encrypted
+      // reasoning, ...): there is nothing to include.
+      want_logprobs = want_logprobs || (*inc)[i] == "message.output_text.logprobs";
+    }
+  }
+  if (const json* top = member(body, "top_logprobs")) {
+    if (!top->is_number_integer() || top->get<int64_t>() < 0 || top->get<int64_t>() > 20)
+      bad_request("top_logprobs", "invalid_value",
+                  "'top_logprobs' must be an integer from 0 to 20");
+    c["top_logprobs"] = *top;
+    want_logprobs = true;
+  }
+  if (want_logprobs) c["logprobs"] = true;
+  echo["top_logprobs"] = body.value("top_logprobs", json(0));
   if (const json* s = member(body, "stream")) {
     if (!s->is_boolean()) wrong_type("stream", "a boolean", *s);
     r.stream = s->get<bool>();
@@ -266,17 +301,16 @@ Request to_chat_body(const json& body) {
       wrong_type("tool_choice", "a string or an object", *tc);
     }
   }
-  if (r.has_media) refuse_media_with_tools(c, "input");
   return r;
 }
 
 namespace {
 
-json output_text_part(const std::string& text) {
+json output_text_part(const std::string& text, const json& logprobs = json::array()) {
   return {{"type", "output_text"},
           {"text", text},
           {"annotations", json::array()},
-          {"logprobs", json::array()}};
+          {"logprobs", logprobs}};
 }
 
 json reasoning_item(const std::string& id, const std::string& text) {
@@ -335,12 +369,12 @@ std::string status_of(const std::string& tool_finish_reason) {
 
 json response_json(const ResponseMeta& m, const json& echo, const ParsedOutput& parsed,
                    const std::string& tool_finish_reason, int64_t input_tokens,
-                   int64_t output_tokens, const NewId& new_id) {
+                   int64_t output_tokens, const NewId& new_id, const json& text_logprobs) {
   json output = json::array();
   if (parsed.reasoning) output.push_back(reasoning_item(new_id("rs_"), *parsed.reasoning));
   if (parsed.content)
     output.push_back(message_item(new_id("msg_"), "completed",
-                                  json::array({output_text_part(*parsed.content)})));
+                                  json::array({output_text_part(*parsed.content, text_logprobs)})));
   for (const ParsedToolCall& c : parsed.tool_calls)
     output.push_back(function_call_item(new_id("fc_"), new_id("call_"), c, "completed", true));
   return envelope(m, echo, status_of(tool_finish_reason), std::move(output),
@@ -366,6 +400,7 @@ std::string EventStream::open(Item kind) {
   std::string out = close();
   open_ = kind;
   open_text_.clear();
+  open_logprobs_ = json::array();
   const bool reasoning = kind == Item::kReasoning;
   const std::string id = new_id_(reasoning ? "rs_" : "msg_");
   const json item =
@@ -389,7 +424,7 @@ std::string EventStream::close() {
   json& item = output_.back();
   const std::string id = item["id"];
   const json part = reasoning ? json{{"type", "reasoning_text"}, {"text", open_text_}}
-                              : output_text_part(open_text_);
+                              : output_text_part(open_text_, open_logprobs_);
   const json where = {{"item_id", id}, {"output_index", index}, {"content_index", 0}};
   json text_done = where;
   text_done["text"] = open_text_;
@@ -403,14 +438,19 @@ std::string EventStream::close() {
   return out + event("response.output_item.done", {{"output_index", index}, {"item", item}});
 }
 
-std::string EventStream::delta(const OutputDelta& d) {
+std::string EventStream::delta(const OutputDelta& d, const json& text_logprobs) {
   std::string out;
   auto text_delta = [&](const char* type, const std::string& text) {
     open_text_ += text;
-    out += event(type, {{"item_id", output_.back()["id"]},
-                        {"output_index", output_.size() - 1},
-                        {"content_index", 0},
-                        {"delta", text}});
+    json data = {{"item_id", output_.back()["id"]},
+                 {"output_index", output_.size() - 1},
+                 {"content_index", 0},
+                 {"delta", text}};
+    if (open_ == Item::kMessage) {
+      data["logprobs"] = text_logprobs.is_array() ? text_logprobs : json::array();
+      for (const json& e : data["logprobs"]) open_logprobs_.push_back(e);
+    }
+    out += event(type, std::move(data));
   };
   if (!d.reasoning.empty()) {
     out += open(Item::kReasoning);
@@ -419,6 +459,10 @@ std::string EventStream::delta(const OutputDelta& d) {
   if (!d.content.empty()) {
     out += open(Item::kMessage);
     text_delta("response.output_text.delta", d.content);
+  } else if (open_ == Item::kMessage && !text_logprobs.empty()) {
+    // Tokens whose text the parser dropped (whitespace trimmed at the end): their logprobs
+    // still belong to the output_text, as they do in the whole response.
+    text_delta("response.output_text.delta", "");
   }
   for (const ParsedToolCall& c : d.tool_calls) {
     out += close();

@@ -21,7 +21,7 @@ namespace gemstage::server::responses {
 
 struct Request {
   nlohmann::json chat_body;  // the same request as a /v1/chat/completions body
-  bool has_media = false;    // input_image parts: the request takes the media path (no tools)
+  bool has_media = false;    // input_image / input_audio parts
   bool stream = false;
   // Echoed in the response object, as OpenAI's is.
   nlohmann::json echo;  // instructions, max_output_tokens, temperature, top_p, tools, ...
@@ -34,10 +34,12 @@ Request to_chat_body(const nlohmann::json& body);
 using NewId = std::function<std::string(const char* prefix)>;
 
 // The response object; status "completed", or "incomplete" with incomplete_details when the
-// tool path's finish is "length".
+// tool path's finish is "length". text_logprobs: the output_text part's "logprobs" (entries as
+// logprobs_json's content, of the reply text's tokens: ReplyTextTokens).
 nlohmann::json response_json(const ResponseMeta& m, const nlohmann::json& echo,
                              const ParsedOutput& parsed, const std::string& tool_finish_reason,
-                             int64_t input_tokens, int64_t output_tokens, const NewId& new_id);
+                             int64_t input_tokens, int64_t output_tokens, const NewId& new_id,
+                             const nlohmann::json& text_logprobs = nlohmann::json::array());
 
 // A streamed reply: response.created / in_progress, then per output item output_item.added,
 // its part and text (or arguments) deltas and their done events, output_item.done, and last
@@ -48,7 +50,10 @@ class EventStream {
   EventStream(ResponseMeta meta, nlohmann::json echo, NewId new_id)
       : meta_(std::move(meta)), echo_(std::move(echo)), new_id_(std::move(new_id)) {}
   std::string begin();
-  std::string delta(const OutputDelta& d);
+  // text_logprobs: the logprobs of the reply-text tokens behind d.content (output_text.delta's
+  // "logprobs"; they also add up to the output_text part's).
+  std::string delta(const OutputDelta& d,
+                    const nlohmann::json& text_logprobs = nlohmann::json::array());
   std::string end(const std::string& tool_finish_reason, int64_t input_tokens,
                   int64_t output_tokens);
   std::string error(const ApiError& e);
@@ -63,7 +68,8 @@ class EventStream {
   NewId new_id_;
   std::vector<nlohmann::json> output_;  // items finished so far, in order
   Item open_ = Item::kNone;
-  std::string open_text_;  // the open item's text so far
+  std::string open_text_;                                   // the open item's text so far
+  nlohmann::json open_logprobs_ = nlohmann::json::array();  // and its text's logprobs
   int64_t sequence_ = 0;
 };
 

@@ -146,6 +146,7 @@ struct Job {
   std::string text;                    // the whole reply, once done
   int64_t prompt_tokens = 0, completion_tokens = 0;
   std::string finish_reason;
+  std::string stop_sequence;  // the stop string that ended the reply, if one did
 
   // Rendered before the request queues (Impl::prepare).
   PreparedPrompt prompt;
@@ -460,8 +461,14 @@ void Server::Impl::prepare(Job& job) {
     // and keeps special tokens in the text, which the output parser reads.
     ConversationOptions conv;
     conv.enable_thinking = job.tool_request->enable_thinking.value_or(opt.think);
-    job.prompt =
-        assistant->prepare_conversation(job.tool_request->messages, job.tool_request->tools, conv);
+    const ToolRequest& t = *job.tool_request;
+    if (t.media.empty()) {
+      job.prompt = assistant->prepare_conversation(t.messages, t.tools, conv);
+    } else {  // the towers run on the preparation pool, one conversation at a time
+      std::lock_guard<std::mutex> lk(prepare_mu);
+      job.prompt =
+          assistant->prepare_conversation(t.messages, t.tools, conv, t.media, prepare_pool.get());
+    }
     std::lock_guard<std::mutex> lk(job.mu);
     job.generation_prefix = job.prompt.generation_prefix;
   } else if (job.chat) {
@@ -495,8 +502,20 @@ void Server::Impl::prepare(Job& job) {
                            t.tool_choice + "'",
                        "invalid_request_error", "tool_choice", "invalid_value");
       try {
+        // With thinking on the model may think first, then must call. The thought leaves the
+        // last kCallReserveTokens of max_tokens to the call; with fewer, it has no room.
+        constexpr int64_t kCallReserveTokens = 64;
+        using Thought = ToolCallGrammar::Thought;
+        const int64_t thought_budget = int64_t{job.gen.max_tokens} - kCallReserveTokens;
+        const bool can_think = t.enable_thinking.value_or(opt.think) &&
+                               assistant->tokenizer().token_to_id("<channel|>").has_value();
+        const Thought thought = !can_think                              ? Thought::kNone
+                                : !job.prompt.generation_prefix.empty() ? Thought::kOpen
+                                : thought_budget > 0                    ? Thought::kMayOpen
+                                                                        : Thought::kNone;
         job.gen.tool_call_grammar = ToolCallGrammar::from_tools(
-            t.tools, t.tool_choice == "function" ? t.tool_choice_name : "", t.parallel_tool_calls);
+            t.tools, t.tool_choice == "function" ? t.tool_choice_name : "", t.parallel_tool_calls,
+            thought, thought_budget);
       } catch (const Error& e) {
         throw ApiError(400, e.what(), "invalid_request_error", "tools", "unsupported_schema");
       }
@@ -638,6 +657,7 @@ void Server::Impl::end_job(Slot& s, const std::string& reason,
       job->text = r.text;
       job->completion_tokens = static_cast<int64_t>(r.tokens.size());
       job->finish_reason = r.finish_reason;
+      job->stop_sequence = r.stop_string;
     }
     job->cv.notify_all();
   }
@@ -979,12 +999,17 @@ struct StreamState {
   // A reply framed as named events (/v1/messages, /v1/responses): the dialect's writers.
   struct EventReply {
     std::function<std::string(int64_t prompt_tokens)> begin;
-    std::function<std::string(const OutputDelta&)> delta;
-    std::function<std::string(const std::string& tool_finish, int64_t prompt, int64_t completion)>
+    std::function<std::string(const OutputDelta&, const json& text_logprobs)> delta;
+    std::function<std::string(const std::string& tool_finish, int64_t prompt, int64_t completion,
+                              const std::string& stop_sequence)>
         end;
     std::function<std::string(const ApiError&)> error;
   };
   std::optional<EventReply> events;
+  // /v1/responses with logprobs: which tokens are output_text, and the logprobs of those whose
+  // text the parser still holds back.
+  std::optional<ReplyTextTokens> reply_tokens;
+  json pending_text_logprobs = json::array();
   ~StreamState() {
     if (on_close) on_close();
   }
@@ -995,7 +1020,7 @@ struct StreamProgress {
   std::string piece;
   bool done = false;
   std::optional<ApiError> error;
-  std::string finish;
+  std::string finish, stop_sequence;
   int64_t prompt_tokens = 0, completion_tokens = 0;
   std::vector<TokenLogprob> logprobs;  // of the tokens since the last look
 };
@@ -1013,14 +1038,14 @@ StreamProgress take_progress(Job& j, size_t* logprobs_sent = nullptr) {
   p.done = j.done;
   p.error = j.error;
   p.finish = j.finish_reason;
+  p.stop_sequence = j.stop_sequence;
   p.prompt_tokens = j.prompt_tokens;
   p.completion_tokens = j.completion_tokens;
   return p;
 }
 
 // The /v1/messages and /v1/responses streams: the same progress, framed as the dialect's named
-// events. Text-only requests take the tool path, whose parser splits reasoning, text and tool
-// calls; requests with images stream plain text.
+// events. They take the tool path, whose parser splits reasoning, text and tool calls.
 bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
   auto write = [&](const std::string& events) {
@@ -1039,7 +1064,10 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
     }
     if (!write(st.events->begin(prompt_tokens))) return gone();
   }
-  StreamProgress p = take_progress(j);
+  StreamProgress p = take_progress(j, st.reply_tokens ? &st.logprobs_sent : nullptr);
+  if (st.reply_tokens)
+    for (json& e : st.reply_tokens->take_logprobs(p.logprobs))
+      st.pending_text_logprobs.push_back(std::move(e));
   OutputDelta d;
   if (st.tool_parser) {
     d = st.tool_parser->feed(p.piece);
@@ -1052,7 +1080,9 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   } else {
     d.content = std::move(p.piece);
   }
-  if (!write(st.events->delta(d))) return gone();
+  json text_logprobs = json::array();
+  if (!d.content.empty() || p.done) std::swap(text_logprobs, st.pending_text_logprobs);
+  if (!write(st.events->delta(d, text_logprobs))) return gone();
   if (!p.done) return st.client->alive() ? true : gone();
   if (p.error || p.finish == "cancelled") {
     write(st.events->error(p.error ? *p.error : shutting_down_error()));
@@ -1064,7 +1094,8 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
     const std::string& raw = st.tool_parser->text();
     fr = tool_finish_reason(parse_model_output(raw), raw, p.finish == "stop");
   }
-  if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens))) return gone();
+  if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens, p.stop_sequence)))
+    return gone();
   sink.done();
   return true;
 }
@@ -1151,8 +1182,8 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
 }  // namespace
 
 // A request body as a job, not yet prepared; `common` receives the streaming fields. A Messages
-// body becomes the equivalent chat body first; without images it always takes the tool path, so
-// its reply can be split into thinking, text and tool_use blocks.
+// or Responses body becomes the equivalent chat body first and always takes the tool path (images
+// included), so its reply can be split into thinking, text and tool_use blocks.
 std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
                                              GenerationRequest& common) {
   auto job = std::make_shared<Job>();
@@ -1166,14 +1197,13 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
     job->response_echo = rs->echo;
   }
   const bool dialect = m || rs;
-  const bool has_media = m ? m->has_media : rs ? rs->has_media : false;
   const json& chat_body = m ? m->chat_body : rs ? rs->chat_body : body;
   if (route == Route::kCompletion) {
     CompletionRequest r = parse_completion_request(body);
     job->prompt_text = std::move(r.prompt);
     common = std::move(r);
-  } else if (dialect ? !has_media : wants_tool_path(body)) {
-    job->tool_request = parse_tool_request(chat_body);
+  } else if (dialect || wants_tool_path(body)) {
+    job->tool_request = parse_tool_request(chat_body, opt.limits);
     common = parse_generation_fields(chat_body);
   } else {
     ChatRequest r = parse_chat_request(chat_body, opt.limits);
@@ -1240,12 +1270,17 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       }
       const json out =
           route == Route::kMessages
-              ? messages::message_json(meta, parsed, messages::stop_reason(finish),
-                                       job->prompt_tokens, job->completion_tokens,
-                                       [this] { return new_id("toolu_"); })
-              : responses::response_json(meta, job->response_echo, parsed, finish,
-                                         job->prompt_tokens, job->completion_tokens,
-                                         [this](const char* prefix) { return new_id(prefix); });
+              ? messages::message_json(
+                    meta, parsed, messages::stop_reason(finish, job->stop_sequence),
+                    job->prompt_tokens, job->completion_tokens, [this] { return new_id("toolu_"); },
+                    job->stop_sequence)
+              : responses::response_json(
+                    meta, job->response_echo, parsed, finish, job->prompt_tokens,
+                    job->completion_tokens, [this](const char* prefix) { return new_id(prefix); },
+                    job->gen.top_logprobs >= 0
+                        ? ReplyTextTokens(assistant->tokenizer(), job->generation_prefix)
+                              .take_logprobs(job->logprobs)
+                        : json::array());
       res.set_content(wire_json(out), "application/json");
       return;
     }
@@ -1277,22 +1312,28 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   }
   if (route == Route::kMessages) {
     auto es = std::make_shared<messages::EventStream>(meta, [this] { return new_id("toolu_"); });
-    st->events =
-        StreamState::EventReply{[es](int64_t prompt) { return es->begin(prompt); },
-                                [es](const OutputDelta& d) { return es->delta(d); },
-                                [es](const std::string& finish, int64_t, int64_t completion) {
-                                  return es->end(messages::stop_reason(finish), completion);
-                                },
-                                [](const ApiError& e) { return messages::EventStream::error(e); }};
+    st->events = StreamState::EventReply{
+        [es](int64_t prompt) { return es->begin(prompt); },
+        [es](const OutputDelta& d, const json&) { return es->delta(d); },
+        [es](const std::string& finish, int64_t, int64_t completion,
+             const std::string& stop_sequence) {
+          return es->end(messages::stop_reason(finish, stop_sequence), completion, stop_sequence);
+        },
+        [](const ApiError& e) { return messages::EventStream::error(e); }};
   } else if (route == Route::kResponses) {
     auto es = std::make_shared<responses::EventStream>(
         meta, job->response_echo, [this](const char* prefix) { return new_id(prefix); });
     st->events = StreamState::EventReply{
-        [es](int64_t) { return es->begin(); }, [es](const OutputDelta& d) { return es->delta(d); },
-        [es](const std::string& finish, int64_t prompt, int64_t completion) {
+        [es](int64_t) { return es->begin(); },
+        [es](const OutputDelta& d, const json& text_logprobs) {
+          return es->delta(d, text_logprobs);
+        },
+        [es](const std::string& finish, int64_t prompt, int64_t completion, const std::string&) {
           return es->end(finish, prompt, completion);
         },
         [es](const ApiError& e) { return es->error(e); }};
+    if (job->gen.top_logprobs >= 0)
+      st->reply_tokens.emplace(assistant->tokenizer(), job->generation_prefix);
   }
   {
     std::lock_guard<std::mutex> lk(streams_mu);

@@ -1,7 +1,8 @@
 // `gemstage serve`'s Anthropic Messages API through the official `@anthropic-ai/sdk` client, on
 // the tiny fixture model: text equal to `gemstage generate`'s greedy output, the same text
-// streamed as Messages events, an image block, a tool round trip (tools, tool_use history,
-// tool_result), thinking on, count_tokens, the x-api-key header, and errors in Anthropic's shape.
+// streamed as Messages events, an image block (also with tools and thinking), a stop sequence, a
+// tool round trip (tools, tool_use history, tool_result), thinking on, count_tokens, the
+// x-api-key header, and errors in Anthropic's shape.
 //
 //   node tests/js/serve_anthropic.mjs path/to/gemstage path/to/tests/fixtures
 import fs from "node:fs";
@@ -88,8 +89,56 @@ await step("image block equals gemstage generate --image (greedy)", async () => 
       { type: "text", text: "What is this?" },
     ] }],
   });
-  eq(textOf(r), wantImage.text, "text");
+  eq(textOf(r), wantImage.text.trim(), "text");
   eq(r.usage.input_tokens, wantImage.prompt_tokens, "input_tokens (with the image's tokens)");
+});
+
+await step("image block with tools and thinking: the image's rows are in the prompt", async () => {
+  const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
+  const tools = [{ name: "get_weather", input_schema: { type: "object",
+                                                        properties: { city: { type: "string" } } } }];
+  const request = (withImage) => ({
+    model: "model", max_tokens: 4, tools, thinking: { type: "enabled", budget_tokens: 1024 },
+    messages: [{ role: "user", content: [
+      ...(withImage ? [{ type: "image", source: { type: "base64", media_type: "image/png",
+                                                  data: fs.readFileSync(image).toString("base64") } }]
+                    : []),
+      { type: "text", text: "Weather where this was taken?" }] }],
+  });
+  const withImage = await client.messages.create(request(true));
+  const without = await client.messages.create(request(false));
+  // The fixture image is 56 soft tokens (gemma4-tiny/multimodal/manifest.json) plus its markers.
+  eq(withImage.usage.input_tokens, without.usage.input_tokens + 58, "input_tokens with the image");
+  const final = await client.messages.stream(request(true)).finalMessage();
+  eq(final.usage.input_tokens, withImage.usage.input_tokens, "streamed input_tokens");
+  // An image in a tool_result (a screenshot tool, an image file an agent's Read tool returns).
+  const roundTrip = (result) => client.messages.create({
+    model: "model", max_tokens: 4, tools, messages: [
+      { role: "user", content: "Take a screenshot." },
+      { role: "assistant", content: [{ type: "tool_use", id: "toolu_1", name: "get_weather",
+                                        input: { city: "Oslo" } }] },
+      { role: "user", content: [{ type: "tool_result", tool_use_id: "toolu_1", content: result }] },
+    ] });
+  const shot = await roundTrip([{ type: "text", text: "Done." }, { type: "image", source: {
+    type: "base64", media_type: "image/png", data: fs.readFileSync(image).toString("base64") } }]);
+  const text = await roundTrip([{ type: "text", text: "Done." }]);
+  eq(shot.usage.input_tokens, text.usage.input_tokens + 58, "input_tokens with the tool_result image");
+});
+
+await step("a matched stop sequence is the stop_reason, with its string", async () => {
+  const text = textOf(whole);
+  const ch = [...text][0];  // the reply's first character
+  check(ch !== undefined, "the greedy reply has no text");
+  const request = { model: "model", max_tokens: 12, temperature: 0, stop_sequences: ["\u0001", ch],
+                    messages: [{ role: "user", content: prompt }] };
+  const r = await client.messages.create(request);
+  eq(r.stop_reason, "stop_sequence", "stop_reason");
+  eq(r.stop_sequence, ch, "stop_sequence");
+  check(!textOf(r).includes(ch), `the text ${JSON.stringify(textOf(r))} is cut before ${ch}`);
+  const final = await client.messages.stream(request).finalMessage();
+  eq(final.stop_reason, "stop_sequence", "streamed stop_reason");
+  eq(final.stop_sequence, ch, "streamed stop_sequence");
+  eq(whole.stop_sequence, null, "no stop_sequence without one");
 });
 
 await step("tool round trip: tools, tool_use history, tool_result; plain and streamed", async () => {

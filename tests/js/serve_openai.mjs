@@ -114,6 +114,25 @@ await step("image message equals gemstage generate --image (greedy)", async () =
   eq(r.choices[0].message.content, wantImage.text, "content");
   eq(r.usage.prompt_tokens, wantImage.prompt_tokens, "prompt_tokens (with the image's tokens)");
   eq(r.usage.completion_tokens, wantImage.completion_tokens, "completion_tokens");
+  // With tools (the tool path): the same prompt plus the tool declarations, and the same greedy
+  // tokens when thinking is switched off explicitly (that prompt is the plain one).
+  const withTools = await client.chat.completions.create({
+    model: "model", max_tokens: 4, tools: [{ type: "function", function: { name: "get_weather",
+      parameters: { type: "object", properties: { city: { type: "string" } } } } }],
+    messages: [{ role: "user", content: [
+      { type: "image_url", image_url: { url: dataUrl(image, "image/png") } },
+      { type: "text", text: "What is this?" }] }],
+  });
+  check(withTools.usage.prompt_tokens > wantImage.prompt_tokens, "tool declarations in the prompt");
+  const toolPath = await client.chat.completions.create({
+    model: "model", temperature: 0, max_tokens: 8, chat_template_kwargs: { enable_thinking: false },
+    messages: [{ role: "user", content: [
+      { type: "image_url", image_url: { url: dataUrl(image, "image/png") } },
+      { type: "text", text: "What is this?" }] }],
+  });
+  eq(toolPath.usage.prompt_tokens, wantImage.prompt_tokens, "tool path prompt_tokens");
+  eq(toolPath.usage.completion_tokens, wantImage.completion_tokens, "tool path completion_tokens");
+  eq(toolPath.choices[0].message.content, wantImage.text.trim() || null, "tool path content");
 });
 
 await step("multi-turn chat with a system prompt", async () => {

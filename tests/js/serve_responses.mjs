@@ -1,7 +1,8 @@
 // `gemstage serve`'s OpenAI Responses API through the official `openai` npm client, on the tiny
 // fixture model: output equal to `gemstage generate`'s greedy output, the same output streamed as
-// typed events the client assembles, an input_image, a function-call round trip (function_call
-// and function_call_output items), reasoning effort, and errors in OpenAI's shape.
+// typed events the client assembles, an input_image (also with tools), output_text logprobs, a
+// function-call round trip (function_call and function_call_output items), reasoning effort, and
+// errors in OpenAI's shape.
 //
 //   node tests/js/serve_responses.mjs path/to/gemstage path/to/tests/fixtures
 import path from "node:path";
@@ -75,8 +76,44 @@ await step("input_image equals gemstage generate --image (greedy)", async () => 
       { type: "input_image", image_url: dataUrl(image, "image/png") },
       { type: "input_text", text: "What is this?" }] }],
   });
-  eq(r.output_text, wantImage.text, "output_text");
+  eq(r.output_text, wantImage.text.trim(), "output_text");
   eq(r.usage.input_tokens, wantImage.prompt_tokens, "input_tokens (with the image's tokens)");
+});
+
+await step("input_image with function tools: the image's rows are in the prompt", async () => {
+  const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
+  const tools = [{ type: "function", name: "get_weather",
+                   parameters: { type: "object", properties: { city: { type: "string" } } } }];
+  const request = (withImage) => ({
+    model: "model", max_output_tokens: 4, tools,
+    input: [{ role: "user", content: [
+      ...(withImage ? [{ type: "input_image", image_url: dataUrl(image, "image/png") }] : []),
+      { type: "input_text", text: "Weather where this was taken?" }] }],
+  });
+  const withImage = await client.responses.create(request(true));
+  const without = await client.responses.create(request(false));
+  // The fixture image is 56 soft tokens (gemma4-tiny/multimodal/manifest.json) plus its markers.
+  eq(withImage.usage.input_tokens, without.usage.input_tokens + 58, "input_tokens with the image");
+});
+
+await step("logprobs of the output_text: include and top_logprobs, whole and streamed", async () => {
+  const request = { model: "model", input: prompt, max_output_tokens: 12, temperature: 0,
+                    include: ["message.output_text.logprobs"], top_logprobs: 2 };
+  const r = await client.responses.create(request);
+  const part = r.output.find((i) => i.type === "message").content[0];
+  eq(part.text, whole.output_text, "the same greedy text");
+  check(part.logprobs.length > 0, "no logprobs");
+  eq(part.logprobs.map((e) => e.token).join("").trim(), part.text, "the tokens spell the text");
+  for (const e of part.logprobs) {
+    check(e.logprob <= 0, `logprob ${e.logprob}`);
+    eq(e.top_logprobs.length, 2, "top_logprobs alternatives");
+  }
+  eq(r.top_logprobs, 2, "top_logprobs echoed");
+  const streamed = [];
+  const stream = client.responses.stream(request);
+  stream.on("response.output_text.delta", (ev) => streamed.push(...ev.logprobs));
+  await stream.finalResponse();
+  eq(streamed, part.logprobs, "streamed logprobs");
 });
 
 await step("function-call round trip: function_call and function_call_output items", async () => {
