@@ -413,7 +413,8 @@ TEST(JsonConstraint, WithThinkingAThoughtMayComeBeforeTheForcedCall) {
     ASSERT_FALSE(parsed.tool_calls.empty()) << text;
     EXPECT_FALSE(parsed.content.has_value()) << text;
     thought_first += ids[0] == channel_open;
-    for (const ParsedToolCall& call : parsed.tool_calls) EXPECT_EQ(call.name, "get_time") << text;
+    for (const ParsedToolCall& tool_call : parsed.tool_calls)
+      EXPECT_EQ(tool_call.name, "get_time") << text;
   }
   EXPECT_GT(finished, 10);
   EXPECT_GT(thought_first, 5);
