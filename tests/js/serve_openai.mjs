@@ -43,7 +43,7 @@ await step("GET /health: ready, with the slots -np asked for", async () => {
   const r = await fetch(`${server.url}/health`);
   eq(r.status, 200, "status");
   eq(await r.json(), {
-    kv_budget: 131072, kv_rows_reserved: 0, queued: 0,
+    kv_budget: 131072, kv_rows_reserved: 0, pipeline_depth: 1, queued: 0,
     slot_states: [{ id: 0, rows: 0, state: "idle" }, { id: 1, rows: 0, state: "idle" }],
     slots: 2, slots_busy: 0, status: "ok",
   }, "health");
