@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -99,11 +100,13 @@ bool probe_until(int src, int tag, std::optional<Clock::time_point> deadline, MP
 }
 
 // Sends, waiting at most until `deadline` for the send to leave (a dead peer's buffers fill).
-void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point deadline) {
+// `meanwhile` runs while it waits (true: it had something to do, so the wait spins on).
+void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point deadline,
+                const std::function<bool()>& meanwhile = {}) {
   MPI_Request req;
   check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest, tag, MPI_COMM_WORLD, &req),
             "MPI_Isend");
-  Backoff b(std::chrono::microseconds(500));
+  Backoff b(std::chrono::microseconds(200));
   for (;;) {
     int done = 0;
     check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
@@ -112,7 +115,10 @@ void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point
       MPI_Request_free(&req);
       fail("could not send to it within the stage timeout");
     }
-    b.pause();
+    if (meanwhile && meanwhile())
+      b.reset();
+    else
+      b.pause();
   }
 }
 
@@ -346,25 +352,11 @@ class MpiTransport final : public StageTransport {
   void send_taking_in(const std::vector<uint8_t>& bytes, int dest) {
     const auto deadline = Clock::now() + timeout_;
     auto send_piece_taking_in = [&](const void* data, size_t n) {
-      MPI_Request req;
-      check_mpi(
-          MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest, kTagRequest, MPI_COMM_WORLD, &req),
-          "MPI_Isend");
-      Backoff b(std::chrono::microseconds(200));
-      for (;;) {
-        int done = 0;
-        check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
-        if (done) return;
-        if (Clock::now() > deadline) {
-          MPI_Request_free(&req);
-          fail("could not send to it within the stage timeout");
-        }
-        if (take_in())
-          b.reset();
-        else
-          b.pause();
+      send_piece(data, n, dest, kTagRequest, deadline, [this] {
+        const bool any = take_in();
         keep_alive();
-      }
+        return any;
+      });
     };
     if (bytes.size() <= kPieceBytes) return send_piece_taking_in(bytes.data(), bytes.size());
     uint8_t header[9];
