@@ -162,3 +162,18 @@ TEST(Jinja, LimitsBoundHostileTemplates) {
           .find("nested too deeply"),
       std::string::npos);
 }
+
+// Found by fuzz_chat_template: `9**99` multiplied past int64 (undefined behaviour). Jinja2's
+// integers are Python's, unbounded; ours are 64-bit, so what fits is exact (Python's values
+// below) and what does not is an error naming the operator.
+TEST(Jinja, IntegerArithmeticIsExactOrAnErrorNeverWrapped) {
+  EXPECT_EQ(render("{{ 2 ** 62 }} {{ (-2) ** 63 }} {{ 1 ** 100000 }} {{ 7 ** 0 }} {{ 3 ** 39 }}"),
+            "4611686018427387904 -9223372036854775808 1 1 4052555153018976267");
+  EXPECT_EQ(render("{{ 9223372036854775806 + 1 }} {{ 3037000499 * 3037000499 }}"),
+            "9223372036854775807 9223372030926249001");
+  for (const char* src : {"{{ 9 ** 99 }}", "{{ 2 ** 63 }}", "{{ 9223372036854775807 + 1 }}",
+                          "{{ -9223372036854775807 - 2 }}", "{{ 3037000500 * 3037000500 }}"}) {
+    const std::string err = error_of(src);
+    EXPECT_NE(err.find("integer overflow in "), std::string::npos) << src << ": " << err;
+  }
+}

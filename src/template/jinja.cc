@@ -1802,9 +1802,22 @@ struct Interp {
     const int64_t a = l.kind == Value::Kind::kBool ? l.b : l.i;
     const int64_t b = r.kind == Value::Kind::kBool ? r.b : r.i;
     const double x = l.as_double(), y = r.as_double();
-    if (op == "+") return ints ? Value::integer(a + b) : Value::real(x + y);
-    if (op == "-") return ints ? Value::integer(a - b) : Value::real(x - y);
-    if (op == "*") return ints ? Value::integer(a * b) : Value::real(x * y);
+    // Jinja's integers are unbounded (Python's); ours are 64-bit, so a result beyond that is an
+    // error, never a wrapped (undefined) value.
+    auto checked = [&](bool overflowed, int64_t v) {
+      if (overflowed) error(e.pos, "integer overflow in " + op + " (integers are 64-bit here)");
+      return Value::integer(v);
+    };
+    if (ints && (op == "+" || op == "-" || op == "*")) {
+      int64_t v = 0;
+      const bool overflowed = op == "+"   ? __builtin_add_overflow(a, b, &v)
+                              : op == "-" ? __builtin_sub_overflow(a, b, &v)
+                                          : __builtin_mul_overflow(a, b, &v);
+      return checked(overflowed, v);
+    }
+    if (op == "+") return Value::real(x + y);
+    if (op == "-") return Value::real(x - y);
+    if (op == "*") return Value::real(x * y);
     if (op == "/") {
       if (y == 0) error(e.pos, "division by zero");
       return Value::real(x / y);
@@ -1812,6 +1825,7 @@ struct Interp {
     if (op == "//" || op == "%") {
       if (y == 0) error(e.pos, "division by zero");
       if (ints) {
+        checked(a == std::numeric_limits<int64_t>::min() && b == -1, 0);
         int64_t q = a / b, m = a % b;
         if (m != 0 && ((m < 0) != (b < 0))) {
           --q;
@@ -1824,9 +1838,14 @@ struct Interp {
     }
     if (op == "**") {
       if (ints && b >= 0) {
-        int64_t out = 1;
-        for (int64_t k = 0; k < b && k < 64; ++k) out *= a;
-        return Value::integer(out);
+        // By squaring: exact for any exponent whose result fits, an error past that.
+        int64_t out = 1, base = a;
+        bool overflowed = false;
+        for (int64_t k = b; k > 0 && !overflowed; k >>= 1) {
+          if (k & 1) overflowed = __builtin_mul_overflow(out, base, &out);
+          if (k > 1 && !overflowed) overflowed = __builtin_mul_overflow(base, base, &base);
+        }
+        return checked(overflowed, out);
       }
       return Value::real(std::pow(x, y));
     }
