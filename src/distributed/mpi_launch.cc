@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -99,29 +100,6 @@ bool probe_until(int src, int tag, std::optional<Clock::time_point> deadline, MP
   }
 }
 
-// Sends, waiting at most until `deadline` for the send to leave (a dead peer's buffers fill).
-// `meanwhile` runs while it waits (true: it had something to do, so the wait spins on).
-void send_piece(const void* data, size_t n, int dest, int tag, Clock::time_point deadline,
-                const std::function<bool()>& meanwhile = {}) {
-  MPI_Request req;
-  check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest, tag, MPI_COMM_WORLD, &req),
-            "MPI_Isend");
-  Backoff b(std::chrono::microseconds(200));
-  for (;;) {
-    int done = 0;
-    check_mpi(MPI_Test(&req, &done, MPI_STATUS_IGNORE), "MPI_Test");
-    if (done) return;
-    if (Clock::now() > deadline) {
-      MPI_Request_free(&req);
-      fail("could not send to it within the stage timeout");
-    }
-    if (meanwhile && meanwhile())
-      b.reset();
-    else
-      b.pause();
-  }
-}
-
 // Receives the message `st` announced (and its pieces, if it was split).
 std::vector<uint8_t> receive_bytes(const MPI_Status& st, std::optional<Clock::time_point> deadline,
                                    std::chrono::microseconds cap) {
@@ -160,6 +138,73 @@ std::string broadcast_string(std::string s, int root) {
   s.resize(static_cast<size_t>(n));
   check_mpi(MPI_Bcast(s.data(), static_cast<int>(n), MPI_CHAR, root, MPI_COMM_WORLD), "MPI_Bcast");
   return s;
+}
+
+// A message on its way out, in pieces when it exceeds what one MPI count holds, progressed
+// between the sender's other duties (taking in what arrives meanwhile). The bytes must outlive it.
+class OutgoingMessage {
+ public:
+  OutgoingMessage(std::span<const uint8_t> bytes, int dest, int tag)
+      : bytes_(bytes), dest_(dest), tag_(tag) {
+    if (bytes_.size() <= kPieceBytes) {
+      pieces_.push_back({bytes_.data(), bytes_.size()});
+      return;
+    }
+    header_[0] = kPiecedMarker;
+    const uint64_t total = bytes_.size();
+    std::memcpy(header_ + 1, &total, 8);
+    pieces_.push_back({header_, sizeof header_});
+    for (size_t at = 0; at < bytes_.size(); at += kPieceBytes)
+      pieces_.push_back({bytes_.data() + at, std::min(kPieceBytes, bytes_.size() - at)});
+  }
+  OutgoingMessage(const OutgoingMessage&) = delete;
+  OutgoingMessage& operator=(const OutgoingMessage&) = delete;
+  // Gives up on a send that cannot leave (a dead peer never takes it).
+  ~OutgoingMessage() {
+    if (active_) MPI_Request_free(&req_);
+  }
+
+  // Moves the send on; true once every piece left.
+  bool progress() {
+    for (;;) {
+      if (active_) {
+        int done = 0;
+        check_mpi(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
+        if (!done) return false;
+        active_ = false;
+        ++next_;
+      }
+      if (next_ == pieces_.size()) return true;
+      const auto [data, n] = pieces_[next_];
+      check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest_, tag_, MPI_COMM_WORLD, &req_),
+                "MPI_Isend");
+      active_ = true;
+    }
+  }
+
+ private:
+  std::span<const uint8_t> bytes_;
+  uint8_t header_[9] = {};
+  std::vector<std::pair<const void*, size_t>> pieces_;
+  int dest_, tag_;
+  size_t next_ = 0;
+  bool active_ = false;
+  MPI_Request req_ = MPI_REQUEST_NULL;
+};
+
+// Sends `bytes`, waiting at most until `deadline` for it to leave (a dead peer never takes it);
+// `meanwhile` runs while it waits (true: it had something to do, so the wait spins on).
+void send_within(std::span<const uint8_t> bytes, int dest, int tag, Clock::time_point deadline,
+                 const std::function<bool()>& meanwhile = {}) {
+  OutgoingMessage out(bytes, dest, tag);
+  Backoff b(std::chrono::microseconds(200));
+  while (!out.progress()) {
+    if (Clock::now() > deadline) fail("could not send to it within the stage timeout");
+    if (meanwhile && meanwhile())
+      b.reset();
+    else
+      b.pause();
+  }
 }
 
 // Rank 0's channels to the workers. Every wait here also takes in whatever the workers sent
@@ -347,25 +392,13 @@ class MpiTransport final : public StageTransport {
     }
   }
 
-  // Sends, taking in what arrives meanwhile, waiting at most the timeout for the send to leave
-  // (a dead peer never takes it).
+  // Sends, taking in what arrives meanwhile, waiting at most the timeout for the send to leave.
   void send_taking_in(const std::vector<uint8_t>& bytes, int dest) {
-    const auto deadline = Clock::now() + timeout_;
-    auto send_piece_taking_in = [&](const void* data, size_t n) {
-      send_piece(data, n, dest, kTagRequest, deadline, [this] {
-        const bool any = take_in();
-        keep_alive();
-        return any;
-      });
-    };
-    if (bytes.size() <= kPieceBytes) return send_piece_taking_in(bytes.data(), bytes.size());
-    uint8_t header[9];
-    header[0] = kPiecedMarker;
-    const uint64_t total = bytes.size();
-    std::memcpy(header + 1, &total, 8);
-    send_piece_taking_in(header, sizeof header);
-    for (size_t at = 0; at < bytes.size(); at += kPieceBytes)
-      send_piece_taking_in(bytes.data() + at, std::min(kPieceBytes, bytes.size() - at));
+    send_within(bytes, dest, kTagRequest, Clock::now() + timeout_, [this] {
+      const bool any = take_in();
+      keep_alive();
+      return any;
+    });
   }
 
   std::vector<std::string> hosts_;
@@ -496,7 +529,8 @@ std::unique_ptr<DistributedSession> DistributedSession::start(const DistributedO
   std::vector<RankIdentity> identities;
   if (rank != 0) {
     const std::string bytes = encode_rank_identity(me);
-    send_piece(bytes.data(), bytes.size(), 0, kTagHandshake, handshake_deadline);
+    send_within(std::span(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size()), 0,
+                kTagHandshake, handshake_deadline);
   } else {
     try {
       if (!me.error.empty()) fail("rank 0 (host ", host, "): ", me.error);
@@ -560,58 +594,6 @@ DistributedSession::~DistributedSession() {
   s.finalize();
 }
 
-namespace {
-
-// A message on its way out, in pieces when it exceeds what one MPI count holds; progressed by
-// the worker's channel thread between its other duties.
-class OutgoingMessage {
- public:
-  OutgoingMessage(std::vector<uint8_t> bytes, int dest, int tag)
-      : bytes_(std::move(bytes)), dest_(dest), tag_(tag) {
-    if (bytes_.size() <= kPieceBytes) {
-      pieces_.push_back({bytes_.data(), bytes_.size()});
-      return;
-    }
-    header_[0] = kPiecedMarker;
-    const uint64_t total = bytes_.size();
-    std::memcpy(header_ + 1, &total, 8);
-    pieces_.push_back({header_, sizeof header_});
-    for (size_t at = 0; at < bytes_.size(); at += kPieceBytes)
-      pieces_.push_back({bytes_.data() + at, std::min(kPieceBytes, bytes_.size() - at)});
-  }
-  OutgoingMessage(const OutgoingMessage&) = delete;
-  OutgoingMessage& operator=(const OutgoingMessage&) = delete;
-
-  // Moves the send on; true once every piece left.
-  bool progress() {
-    for (;;) {
-      if (active_) {
-        int done = 0;
-        check_mpi(MPI_Test(&req_, &done, MPI_STATUS_IGNORE), "MPI_Test");
-        if (!done) return false;
-        active_ = false;
-        ++next_;
-      }
-      if (next_ == pieces_.size()) return true;
-      const auto [data, n] = pieces_[next_];
-      check_mpi(MPI_Isend(data, static_cast<int>(n), MPI_BYTE, dest_, tag_, MPI_COMM_WORLD, &req_),
-                "MPI_Isend");
-      active_ = true;
-    }
-  }
-
- private:
-  std::vector<uint8_t> bytes_;
-  uint8_t header_[9] = {};
-  std::vector<std::pair<const void*, size_t>> pieces_;
-  int dest_, tag_;
-  size_t next_ = 0;
-  bool active_ = false;
-  MPI_Request req_ = MPI_REQUEST_NULL;
-};
-
-}  // namespace
-
 // The worker's two threads: calls run one after another, in the order they came, on a compute
 // thread, while this thread keeps the channel - it takes the next requests as they arrive (so
 // rank 0 hands over the next micro-batch while this one computes, and its send never waits on
@@ -664,6 +646,7 @@ int DistributedSession::run_worker() {
   });
 
   const auto never = std::optional<Clock::time_point>{};
+  std::vector<uint8_t> sending_bytes;
   std::optional<OutgoingMessage> sending;
   auto last_beat = Clock::now(), heard = Clock::now();
   const auto silence_limit = worker_silence_limit(s.options.stage_timeout_seconds);
@@ -703,7 +686,8 @@ int DistributedSession::run_worker() {
     {
       std::lock_guard<std::mutex> lk(mu);
       if (!sending && !outbox.empty()) {
-        sending.emplace(encode_wire_message(outbox.front()), 0, kTagReply);
+        sending_bytes = encode_wire_message(outbox.front());
+        sending.emplace(sending_bytes, 0, kTagReply);
         outbox.pop_front();
         any = true;
       }
