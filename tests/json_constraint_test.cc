@@ -231,6 +231,28 @@ std::string run_cli(const std::string& args) {
   return out;
 }
 
+// One step of a random walk through what the constraint allows (its mask already applied to
+// `logits`): a random allowed id, or the stop id half the times it is allowed; accepted and
+// returned.
+int32_t accept_random_allowed(TokenConstraint& c, const std::vector<float>& logits, int32_t stop,
+                              std::mt19937& rng) {
+  std::vector<int32_t> allowed;
+  for (size_t id = 0; id < logits.size(); ++id)
+    if (std::isfinite(logits[id])) allowed.push_back(static_cast<int32_t>(id));
+  int32_t id = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
+  if (c.allows(stop) && rng() % 2 == 0) id = stop;
+  c.accept(id);
+  return id;
+}
+
+// The walk's text as the server streams it, special tokens (the call markers) included.
+std::string stream_text(const Tokenizer& tok, const std::vector<int32_t>& ids) {
+  std::string text;
+  StreamDecoder dec(tok, /*skip_special=*/false);
+  for (int32_t id : ids) text += dec.push(id);
+  return text + dec.flush();
+}
+
 }  // namespace
 
 TEST(JsonConstraint, RandomWeightModelAtTemperatureOneAlwaysWritesValidOutput) {
@@ -306,21 +328,13 @@ TEST(JsonConstraint, ForcedToolCallsAlwaysParseAndValidate) {
     for (int step = 0; step < 300; ++step) {
       std::vector<float> logits(static_cast<size_t>(V), 0.0f);
       ASSERT_GT(c.mask(logits.data(), V), 0);
-      std::vector<int32_t> allowed;
-      for (int32_t id = 0; id < V; ++id)
-        if (std::isfinite(logits[static_cast<size_t>(id)])) allowed.push_back(id);
-      int32_t id = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
-      if (c.allows(stop) && rng() % 2 == 0) id = stop;
-      c.accept(id);
+      const int32_t id = accept_random_allowed(c, logits, stop, rng);
       if (id == stop) break;
       ids.push_back(id);
     }
     if (!c.complete()) continue;
     ++finished;
-    std::string text;
-    StreamDecoder dec(tok, /*skip_special=*/false);
-    for (int32_t id : ids) text += dec.push(id);
-    text += dec.flush();
+    const std::string text = stream_text(tok, ids);
     const ParsedOutput parsed = parse_model_output(text);
     ASSERT_FALSE(parsed.tool_calls.empty()) << text;
     EXPECT_FALSE(parsed.content.has_value()) << text;
@@ -394,21 +408,13 @@ TEST(JsonConstraint, WithThinkingAThoughtMayComeBeforeTheForcedCall) {
         EXPECT_EQ(allowed_count, 1);
         EXPECT_TRUE(std::isfinite(logits[static_cast<size_t>(channel_close)]));
       }
-      std::vector<int32_t> allowed;
-      for (int32_t id = 0; id < V; ++id)
-        if (std::isfinite(logits[static_cast<size_t>(id)])) allowed.push_back(id);
-      int32_t id = allowed[std::uniform_int_distribution<size_t>(0, allowed.size() - 1)(rng)];
-      if (c.allows(stop) && rng() % 2 == 0) id = stop;
-      c.accept(id);
+      const int32_t id = accept_random_allowed(c, logits, stop, rng);
       if (id == stop) break;
       ids.push_back(id);
     }
     if (!c.complete()) continue;
     ++finished;
-    std::string text;
-    StreamDecoder dec(tok, /*skip_special=*/false);
-    for (int32_t id : ids) text += dec.push(id);
-    text += dec.flush();
+    const std::string text = stream_text(tok, ids);
     const ParsedOutput parsed = parse_model_output(text);
     ASSERT_FALSE(parsed.tool_calls.empty()) << text;
     EXPECT_FALSE(parsed.content.has_value()) << text;
