@@ -319,7 +319,9 @@ INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                                             ::testing::Values(1, 7, 13, 37)));
 // The AMX path's blocking (kernels/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
 // rows x 2080 columns are three passes (the last a single tile pair, mostly padding) of two K
-// blocks, the second a one-block short chunk, so accumulators are parked and reloaded.
+// blocks, the second a one-block short chunk, so accumulators are parked and reloaded. On the
+// other tiers the same shape walks the activation rows in blocks of 124 (kernels/quant_kernels.cc,
+// prefill_tiles): four whole blocks and a last one of 34 rows that ends in a 2-row tile.
 INSTANTIATE_TEST_SUITE_P(AmxBlocking, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
                                             ::testing::Values(530), ::testing::Values(2080),
