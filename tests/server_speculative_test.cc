@@ -431,6 +431,23 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
     EXPECT_EQ(st.result().finish_reason, "stop");
   }
   {
+    // An accepted draft that is a stop id ends the reply before it.
+    opt.stop_strings.clear();
+    opt.stop_ids = {106};
+    TokenStream st(tok, {2, 900}, opt);
+    const std::vector<float> first = rows({500});
+    ASSERT_EQ(st.next(first.data(), V, true), 500);
+    const std::vector<float> verify = rows({600, 106, 800});
+    const std::vector<int32_t> drafts = {600, 106};
+    int accepted = -1;
+    EXPECT_FALSE(st.next_verified(
+        verify.data(), V, drafts, [](int64_t) { return true; }, {}, &accepted));
+    EXPECT_EQ(accepted, 2);
+    EXPECT_EQ(st.result().tokens, (std::vector<int32_t>{500, 600}));
+    EXPECT_EQ(st.result().finish_reason, "stop");
+    opt.stop_ids.clear();
+  }
+  {
     // No room for the row after the second token: the reply ends at the context limit.
     opt.stop_strings.clear();
     TokenStream st(tok, {2, 900}, opt);

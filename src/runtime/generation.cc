@@ -149,6 +149,10 @@ std::optional<int32_t> TokenStream::next_verified(const float* logits, int64_t v
 
 std::optional<int32_t> TokenStream::take(int32_t id, const float* raw_logits, int64_t vocab,
                                          bool has_room, const TextCallback& on_text) {
+  if (std::find(opt_.stop_ids.begin(), opt_.stop_ids.end(), id) != opt_.stop_ids.end()) {
+    finish("stop", true, on_text);
+    return std::nullopt;
+  }
   res_.tokens.push_back(id);
   if (opt_.top_logprobs >= 0)
     res_.logprobs.push_back(token_logprob(raw_logits, vocab, id, opt_.top_logprobs));
