@@ -464,3 +464,29 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
 }
 
 }  // namespace
+
+namespace {
+
+int run_cli(const std::string& args, const std::string& err) {
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " " + args + " > /dev/null 2> " + err;
+  const int status = std::system(cmd.c_str());
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  return std::string((std::istreambuf_iterator<char>(f)), {});
+}
+
+TEST(ServerSpeculative, ServeDraftFlagsAreChecked) {
+  const std::string dir = temp_dir("serve_cli_draft_flags");
+  const std::string serve = "serve -m " + fixture("model") + " --port 0 ";
+  EXPECT_NE(
+      run_cli(serve + "-md " + assistant_fixture("assistant_e") + " --draft-max 65", dir + "/err"),
+      0);
+  EXPECT_NE(slurp(dir + "/err").find("draft-max"), std::string::npos) << slurp(dir + "/err");
+  EXPECT_NE(run_cli(serve + "-md " + dir + "/missing", dir + "/err"), 0);
+  EXPECT_NE(slurp(dir + "/err").find("missing"), std::string::npos) << slurp(dir + "/err");
+}
+
+}  // namespace
