@@ -185,8 +185,18 @@ int run_generate(const GenerateArgs& a) {
   if (!a.no_bundle_drafter && is_bundle_dir(a.model) && a.images.empty() && a.audios.empty() &&
       !output_grammar(a)) {
     const BundleManifest m = read_bundle_manifest(a.model);
-    if (const auto drafter = open_bundle_drafter(a.model, m))
-      return run_generate_speculative(a, *as, pool, p, drafter.get());
+    if (const auto drafter = open_bundle_drafter(a.model, m)) {
+      // It reads the caches of the stage it is placed with, which must run in this process.
+      const AssistantDonors donors = assistant_donor_layers(as->model().config().text);
+      const auto probe = as->new_sequence();
+      bool local = true;
+      for (const int layer : {donors.sliding, donors.full})
+        local = local && (layer < 0 || probe->layer_cache(layer));
+      if (local) return run_generate_speculative(a, *as, pool, p, drafter.get());
+      std::cerr << "note: decoding without the bundle's drafter stage: the stage it is placed "
+                   "with ("
+                << m.drafter->placed_with << ") runs in another process\n";
+    }
   }
   auto sequence = as->new_sequence();
   GenerationSession session(*sequence, as->tokenizer());

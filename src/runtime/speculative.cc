@@ -180,6 +180,10 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
   ctx.full = donors.full >= 0 ? target.layer_cache(donors.full) : nullptr;
   if (!ctx.target_embed->valid())
     fail("speculative decoding: the target's embedding table is not held");
+  for (const int layer : {donors.sliding, donors.full})
+    if (layer >= 0 && !target.layer_cache(layer))
+      fail("speculative decoding: the drafter reads the KV cache of target layer ", layer,
+           ", which runs in another process");
 
   std::vector<int32_t> history(target.tokens());
   history.insert(history.end(), prompt.begin(), prompt.end());
