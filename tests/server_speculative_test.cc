@@ -17,6 +17,7 @@
 #include "runtime/generation.h"
 #include "server/api.h"
 #include "server/server.h"
+#include "stage/bundle.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -254,6 +255,35 @@ TEST(ServerSpeculative, GreedyDraftedRepliesAreTheTargetsWhileAPlainOneRuns) {
                    std::to_string(text.drafted + longer.drafted) + "\n"),
             std::string::npos)
       << m;
+}
+
+// A bundle's drafter stage (export -md) drafts in the server as the checkpoint does, unless
+// turned off.
+TEST(ServerSpeculative, ABundlesDrafterStageDrafts) {
+  const SpecFixture f = spec_fixture("e_text");
+  const std::string bundle = temp_dir("spec_bundle");
+  ExportOptions e;
+  e.stages = "2";
+  e.weights = "f32";
+  e.progress = false;
+  e.force = true;
+  e.drafter = assistant_fixture("assistant_e");
+  export_bundle(id_named_model(), bundle, e);
+  ServerOptions o = spec_options(false);
+  o.model_path = bundle;
+  o.draft_adapt = false;
+  {
+    auto s = start(o);
+    EXPECT_EQ(ids_of(completion(*s, f)["choices"][0]["text"]), f.greedy);
+    const json spec = health(*s)["speculative"];
+    EXPECT_NE(spec["draft_model"].get<std::string>().find("drafter"), std::string::npos) << spec;
+    EXPECT_EQ(spec["rounds"], f.rounds) << spec;
+    EXPECT_EQ(spec["accepted"], f.accepted) << spec;
+  }
+  o.bundle_drafter = false;
+  auto s = start(o);
+  EXPECT_EQ(ids_of(completion(*s, f)["choices"][0]["text"]), f.greedy);
+  EXPECT_FALSE(health(*s).contains("speculative"));
 }
 
 // max_tokens and stop strings end a reply inside a round exactly where plain decoding ends it;

@@ -29,6 +29,7 @@ struct ServeArgs : CommonArgs {
   std::string model_draft;  // -md: speculative decoding with a gemma4_assistant drafter
   int draft_max = 4, draft_min = 0;
   bool no_draft_adapt = false;
+  bool no_bundle_drafter = false;
 };
 
 // The signal that arrived within `wait`, or 0.
@@ -75,6 +76,7 @@ int run_serve(const ServeArgs& a) {
   o.draft_max = a.draft_max;
   o.draft_min = a.draft_min;
   o.draft_adapt = !a.no_draft_adapt;
+  o.bundle_drafter = !a.no_bundle_drafter;
 
   server::Server srv(o);
   srv.start();
@@ -179,6 +181,8 @@ void add_serve_command(CLI::App& app, Registry& reg) {
                   "(\"speculative.n_min\")")
       ->capture_default_str()
       ->check(CLI::Range(0, server::kMaxDraftsPerRound));
+  sub->add_flag("--no-bundle-drafter", a->no_bundle_drafter,
+                "serve a bundle without its drafter stage (export -md), which drafts otherwise");
   sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
                 "keep every round's draft length at the request's maximum instead of adapting it "
                 "to the measured acceptance");

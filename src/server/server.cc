@@ -29,6 +29,7 @@
 #include "server/chat_page.h"
 #include "server/messages_api.h"
 #include "server/responses_api.h"
+#include "stage/bundle.h"
 #include "stage/call_pipeline.h"
 #include "trace/taps.h"
 
@@ -253,6 +254,7 @@ struct Server::Impl {
   std::unique_ptr<Assistant> assistant;     // the model and tokenizer every slot shares
   std::unique_ptr<AssistantModel> drafter;  // -md: the MTP drafter every drafting slot runs
   AssistantDonors draft_donors;             // the target layers whose K/V the drafter reads
+  std::string drafter_name;                 // -md DIR, or the bundle and its drafter stage
   std::atomic<int64_t> draft_rounds_total{0}, drafted_total{0}, draft_accepted_total{0};
   std::unique_ptr<ThreadPool> pool;  // all compute threads, the engine's alone
   // Renders chat prompts (the vision tower for their images) beside the engine.
@@ -382,7 +384,7 @@ void Server::Impl::load() {
       s->sequence = assistant->new_sequence();
       slots.push_back(std::move(s));
     }
-    if (!opt.model_draft.empty()) open_drafter();
+    open_drafter();
     model_name = a.model_name();
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
@@ -408,18 +410,37 @@ void Server::Impl::load() {
 void Server::Impl::open_drafter() {
   if (opt.draft_max < 0 || opt.draft_max > kMaxDraftsPerRound || opt.draft_min < 0)
     fail("--draft-max must be 0-", kMaxDraftsPerRound, " and --draft-min at least 0");
-  drafter = AssistantModel::open(opt.model_draft);
+  // -md DIR, else a bundle's drafter stage (export -md) unless turned off.
+  const bool from_bundle = opt.model_draft.empty();
+  std::unique_ptr<AssistantModel> d;
+  if (!from_bundle) {
+    d = AssistantModel::open(opt.model_draft);
+    drafter_name = opt.model_draft;
+  } else if (opt.bundle_drafter && is_bundle_dir(opt.model_path)) {
+    const BundleManifest m = read_bundle_manifest(opt.model_path);
+    d = open_bundle_drafter(opt.model_path, m);
+    if (d) drafter_name = opt.model_path + " (stage " + m.drafter->id + ")";
+  }
+  if (!d) return;
   const Model& target = assistant->model();
-  check_assistant_matches(drafter->config(), target.config(), opt.model_draft, opt.model_path);
+  check_assistant_matches(d->config(), target.config(), drafter_name, opt.model_path);
   draft_donors = assistant_donor_layers(target.config().text);
+  std::string missing;
   if (!target.embeddings_model().weights().embed_tokens.valid())
-    fail("-md ", opt.model_draft, ": the drafter needs the target's embedding table, which ",
-         opt.model_path, " does not hold in this process");
+    missing = "the drafter needs the target's embedding table, which " + opt.model_path +
+              " does not hold in this process";
   for (const int layer : {draft_donors.sliding, draft_donors.full})
-    if (layer >= 0 && !slots.front()->sequence->layer_cache(layer))
-      fail("-md ", opt.model_draft, ": the drafter reads the KV cache of target layer ", layer,
-           ", which runs in another process; serve without -md, or keep the last transformer "
-           "stage in the server's process");
+    if (missing.empty() && layer >= 0 && !slots.front()->sequence->layer_cache(layer))
+      missing = "the drafter reads the KV cache of target layer " + std::to_string(layer) +
+                ", which runs in another process";
+  if (!missing.empty()) {
+    if (!from_bundle)
+      fail("-md ", opt.model_draft, ": ", missing,
+           "; serve without -md, or keep the last transformer stage in the server's process");
+    std::cerr << "serve: decoding without the bundle's drafter stage: " << missing << "\n";
+    return;
+  }
+  drafter = std::move(d);
 }
 
 namespace {
@@ -1686,7 +1707,7 @@ void Server::Impl::setup_routes() {
            {"pipeline_depth", pipeline_depth},
            {"slot_states", std::move(states)}};
       if (drafter)
-        j["speculative"] = {{"draft_model", opt.model_draft},
+        j["speculative"] = {{"draft_model", drafter_name},
                             {"draft_max", opt.draft_max},
                             {"draft_min", opt.draft_min},
                             {"draft_adapt", opt.draft_adapt},

@@ -57,7 +57,8 @@ struct ServerOptions {
   std::optional<uint64_t> seed;  // fixed sampler seed for requests without one (else random)
   bool think = false;            // render chat prompts with thinking enabled
   RequestLimits limits;
-  // Speculative decoding with a gemma4_assistant (MTP) drafter, -md DIR: every request drafts
+  // Speculative decoding with a gemma4_assistant (MTP) drafter, -md DIR (or a bundle's drafter
+  // stage): every request drafts
   // unless it sends "speculative.n_max": 0 (or has images / audio or an output constraint, which
   // decode plainly). draft_max / draft_min: a request's defaults (--draft-max / --draft-min).
   std::string model_draft;
@@ -65,6 +66,9 @@ struct ServerOptions {
   // Adapt each request's draft length to its acceptance (runtime/speculative.h DraftControl);
   // false keeps k = draft_max (--no-draft-adapt).
   bool draft_adapt = true;
+  // Without model_draft, a bundle's drafter stage (export -md) drafts, unless this is false
+  // (--no-bundle-drafter).
+  bool bundle_drafter = true;
   double shutdown_grace_seconds = 5;  // how long shutdown() lets running generations finish
   // Run on the loader thread before the model is opened: lets a test hold the server in its
   // "loading" state.
