@@ -31,6 +31,9 @@ void add_export_command(CLI::App& app, Registry& reg) {
       ->capture_default_str();
   sub->add_option("--max-context", a->opt.max_context,
                   "context the caches are declared for (default: the model's maximum)");
+  sub->add_option("--model-draft", a->opt.drafter,
+                  "also write this gemma4_assistant (MTP) drafter as the bundle's drafter stage "
+                  "(also -md), placed with the last transformer stage; matrices in --weights");
   sub->add_flag("--force", a->opt.force,
                 "write into an --out folder that holds other files (they are left alone)");
   reg.add(sub, [a] {

@@ -10,6 +10,7 @@
 #include "runtime/assistant.h"
 #include "runtime/generation.h"
 #include "runtime/speculative.h"
+#include "stage/bundle.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
 #include "tools/generation_args.h"
@@ -40,6 +41,7 @@ struct GenerateArgs : CommonArgs {
   std::string model_draft;
   int draft_max = 4, draft_min = 0;
   bool no_draft_adapt = false;
+  bool no_bundle_drafter = false;  // a bundle's drafter stage is used unless this is set
 };
 
 // The end of a generate run on stdout: with --json one object (text, ids, finish reason, usage,
@@ -88,13 +90,12 @@ std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
 // generate with a drafter: the target verifies the drafter's proposals; the ids are the ones
 // plain decoding gives (greedy) or are distributed as its samples are (sampling).
 int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& pool,
-                             const PreparedPrompt& p) {
+                             const PreparedPrompt& p, const AssistantModel* drafter) {
   if (!a.images.empty() || !a.audios.empty())
     fail("--model-draft runs text prompts only (no --image / --audio)");
   if (output_grammar(a))
     fail("--model-draft cannot be combined with --json-schema yet (drafts are not constrained)");
-  const auto drafter = AssistantModel::open(a.model_draft);
-  check_assistant_matches(drafter->config(), as.model().config(), a.model_draft, a.model);
+  check_assistant_matches(drafter->config(), as.model().config(), drafter->path(), a.model);
   auto sequence = as.new_sequence();
   const GenerationOptions opt = generation_options(a, as);
   SpeculativeOptions so;
@@ -175,7 +176,28 @@ int run_generate(const GenerateArgs& a) {
     msgs.push_back(std::move(user));
     p = as->prepare_chat(pool, msgs, {true, a.think});
   }
-  if (!a.model_draft.empty()) return run_generate_speculative(a, *as, pool, p);
+  if (!a.model_draft.empty()) {
+    const auto drafter = AssistantModel::open(a.model_draft);
+    return run_generate_speculative(a, *as, pool, p, drafter.get());
+  }
+  // A bundle's drafter stage drafts text prompts unless --no-bundle-drafter; images, audio and
+  // --json-schema decode plainly.
+  if (!a.no_bundle_drafter && is_bundle_dir(a.model) && a.images.empty() && a.audios.empty() &&
+      !output_grammar(a)) {
+    const BundleManifest m = read_bundle_manifest(a.model);
+    if (const auto drafter = open_bundle_drafter(a.model, m)) {
+      // It reads the caches of the stage it is placed with, which must run in this process.
+      const AssistantDonors donors = assistant_donor_layers(as->model().config().text);
+      const auto probe = as->new_sequence();
+      bool local = true;
+      for (const int layer : {donors.sliding, donors.full})
+        local = local && (layer < 0 || probe->layer_cache(layer));
+      if (local) return run_generate_speculative(a, *as, pool, p, drafter.get());
+      std::cerr << "note: decoding without the bundle's drafter stage: the stage it is placed "
+                   "with ("
+                << m.drafter->placed_with << ") runs in another process\n";
+    }
+  }
   auto sequence = as->new_sequence();
   GenerationSession session(*sequence, as->tokenizer());
   GenerationOptions opt = generation_options(a, *as);
@@ -297,6 +319,8 @@ void add_generate_command(CLI::App& app, Registry& reg) {
   sub->add_option("--draft-min", a->draft_min,
                   "draft only when at least this many drafts fit (default 0)")
       ->check(CLI::Range(0, 64));
+  sub->add_flag("--no-bundle-drafter", a->no_bundle_drafter,
+                "decode without the bundle's drafter stage (export -md) even when it has one");
   sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
                 "keep the draft length fixed (default: adapt it to the acceptance and stop "
                 "drafting while it does not pay)");

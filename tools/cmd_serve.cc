@@ -26,6 +26,10 @@ struct ServeArgs : CommonArgs {
   size_t max_body = size_t{32} << 20;
   int64_t max_image_pixels = server::RequestLimits{}.max_image_pixels;
   double shutdown_grace = 5;
+  std::string model_draft;  // -md: speculative decoding with a gemma4_assistant drafter
+  int draft_max = 4, draft_min = 0;
+  bool no_draft_adapt = false;
+  bool no_bundle_drafter = false;
 };
 
 // The signal that arrived within `wait`, or 0.
@@ -68,6 +72,11 @@ int run_serve(const ServeArgs& a) {
   o.think = a.think;
   o.limits.max_image_pixels = a.max_image_pixels;
   o.shutdown_grace_seconds = a.shutdown_grace;
+  o.model_draft = a.model_draft;
+  o.draft_max = a.draft_max;
+  o.draft_min = a.draft_min;
+  o.draft_adapt = !a.no_draft_adapt;
+  o.bundle_drafter = !a.no_bundle_drafter;
 
   server::Server srv(o);
   srv.start();
@@ -158,6 +167,25 @@ void add_serve_command(CLI::App& app, Registry& reg) {
                   "cancelled")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 3600.0));
+  sub->add_option("--model-draft", a->model_draft,
+                  "speculative decoding with this gemma4_assistant (MTP) drafter checkpoint (also "
+                  "-md): every request drafts unless it sends \"speculative.n_max\": 0")
+      ->check(CLI::ExistingDirectory);
+  sub->add_option("--draft-max", a->draft_max,
+                  "drafts per round at most, a request's default (\"speculative.n_max\"; 0: "
+                  "requests draft only when they ask)")
+      ->capture_default_str()
+      ->check(CLI::Range(0, server::kMaxDraftsPerRound));
+  sub->add_option("--draft-min", a->draft_min,
+                  "rounds that would draft fewer run a plain step, a request's default "
+                  "(\"speculative.n_min\")")
+      ->capture_default_str()
+      ->check(CLI::Range(0, server::kMaxDraftsPerRound));
+  sub->add_flag("--no-bundle-drafter", a->no_bundle_drafter,
+                "serve a bundle without its drafter stage (export -md), which drafts otherwise");
+  sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
+                "keep every round's draft length at the request's maximum instead of adapting it "
+                "to the measured acceptance");
   reg.add(sub, [a] { return run_serve(*a); });
 }
 

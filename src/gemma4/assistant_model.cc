@@ -166,10 +166,17 @@ void check_assistant_matches(const AssistantConfig& a, const ModelConfig& target
 AssistantModel::~AssistantModel() = default;
 
 std::unique_ptr<AssistantModel> AssistantModel::open(const std::string& dir) {
+  return open_from(dir, load_assistant_config(dir),
+                   std::make_shared<TensorStore>(TensorStore::open_dir(dir)));
+}
+
+std::unique_ptr<AssistantModel> AssistantModel::open_from(
+    const std::string& dir, AssistantConfig cfg, std::shared_ptr<const TensorSource> tensors) {
   std::unique_ptr<AssistantModel> m(new AssistantModel());
   m->path_ = dir;
-  m->cfg_ = load_assistant_config(dir);
-  m->store_ = TensorStore::open_dir(dir);
+  m->cfg_ = std::move(cfg);
+  m->tensors_ = std::move(tensors);
+  const TensorSource& store = *m->tensors_;
   const AssistantConfig& c = m->cfg_;
   const TextConfig& t = c.text;
   const int64_t Ha = t.hidden_size, Ht = c.backbone_hidden_size, V = t.vocab_size,
@@ -177,17 +184,21 @@ std::unique_ptr<AssistantModel> AssistantModel::open(const std::string& dir) {
   std::vector<std::string> problems;
   auto take = [&](const std::string& key, const Shape& shape, DType need_dtype = DType::F32,
                   bool any_float = true) -> WeightView {
-    if (!m->store_.has(key)) {
+    if (!store.has(key)) {
       problems.push_back("missing tensor " + key + " (expected " + shape_str(shape) + ")");
       return {};
     }
-    WeightView w = m->store_.view(key);
+    WeightView w = store.view(key);
+    m->keys_.push_back(key);
     if (w.shape != shape) {
-      problems.push_back("tensor " + key + " in " + m->store_.file_of(key) + ": expected " +
+      problems.push_back("tensor " + key + " in " + store.file_of(key) + ": expected " +
                          shape_str(shape) + ", found " + shape_str(w.shape));
       return {};
     }
-    const bool float_ok = w.dtype == DType::F32 || w.dtype == DType::BF16 || w.dtype == DType::F16;
+    // Matrices may be quantized blocks (a bundle's q8_0 / q4_0 drafter); vectors are widened.
+    const bool quant_ok = shape.size() == 2 && (w.dtype == DType::Q8_0 || w.dtype == DType::Q4_0);
+    const bool float_ok =
+        w.dtype == DType::F32 || w.dtype == DType::BF16 || w.dtype == DType::F16 || quant_ok;
     if (any_float ? !float_ok : w.dtype != need_dtype) {
       problems.push_back("tensor " + key + ": dtype " + std::string(dtype_name(w.dtype)) +
                          " is not supported");

@@ -74,10 +74,16 @@ class AssistantModel {
  public:
   // Opens DIR (config.json + safetensors), validating every tensor it runs.
   static std::unique_ptr<AssistantModel> open(const std::string& dir);
+  // The same from any tensor source (a bundle's drafter stage), its config already parsed; `where`
+  // names it in messages. Matrices may also be Q8_0 / Q4_0 blocks.
+  static std::unique_ptr<AssistantModel> open_from(const std::string& where, AssistantConfig cfg,
+                                                   std::shared_ptr<const TensorSource> tensors);
   ~AssistantModel();
 
   const AssistantConfig& config() const { return cfg_; }
   const std::string& path() const { return path_; }
+  // The checkpoint keys it runs, in load order (what a bundle's drafter stage holds).
+  const std::vector<std::string>& tensor_keys() const { return keys_; }
 
   // One draft step from the newest token `token` (a raw id: placeholders are not mapped to PAD)
   // and the target-width hidden h ([H_t], replaced by the next step's h). Returns the drafted id.
@@ -98,7 +104,8 @@ class AssistantModel {
 
   std::string path_;
   AssistantConfig cfg_;
-  TensorStore store_;
+  std::shared_ptr<const TensorSource> tensors_;  // keeps the mapped weights alive
+  std::vector<std::string> keys_;
   WeightView pre_projection_, post_projection_, embed_tokens_, centroids_;
   std::vector<int64_t> token_ordering_;  // [V] when use_ordered_embeddings
   std::vector<float> final_norm_;

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "gemma4/multimodal.h"
+#include "runtime/speculative.h"
 
 namespace gemstage {
 
@@ -77,13 +78,7 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     return std::nullopt;
   }
   const float* raw_logits = logits;
-  if (!opt_.banned_ids.empty()) {
-    masked_.assign(logits, logits + vocab);
-    for (const int32_t b : opt_.banned_ids)
-      if (b >= 0 && b < vocab)
-        masked_[static_cast<size_t>(b)] = -std::numeric_limits<float>::infinity();
-    logits = masked_.data();
-  }
+  logits = without_banned(raw_logits, vocab);
   int32_t id = -1;
   if (!constraint_) {
     id = sampler_.sample(logits, vocab, history_);
@@ -107,6 +102,53 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     }
     constraint_->accept(id);
   }
+  return take(id, raw_logits, vocab, has_room, on_text);
+}
+
+const float* TokenStream::without_banned(const float* raw_logits, int64_t vocab) {
+  if (opt_.banned_ids.empty()) return raw_logits;
+  masked_.assign(raw_logits, raw_logits + vocab);
+  for (const int32_t b : opt_.banned_ids)
+    if (b >= 0 && b < vocab)
+      masked_[static_cast<size_t>(b)] = -std::numeric_limits<float>::infinity();
+  return masked_.data();
+}
+
+std::optional<int32_t> TokenStream::next_verified(const float* logits, int64_t vocab,
+                                                  std::span<const int32_t> drafts,
+                                                  const std::function<bool(int64_t)>& has_room,
+                                                  const TextCallback& on_text, int* accepted) {
+  *accepted = 0;
+  if (constraint_) fail("drafts cannot be verified under an output constraint");
+  if (done_) return std::nullopt;
+  if (opt_.cancel && opt_.cancel->load(std::memory_order_relaxed)) {
+    finish("cancelled", false, on_text);
+    return std::nullopt;
+  }
+  const auto rows = static_cast<int64_t>(drafts.size()) + 1;
+  const float* decide = logits;
+  std::vector<float> masked;
+  if (!opt_.banned_ids.empty()) {
+    masked.assign(logits, logits + rows * vocab);
+    for (int64_t r = 0; r < rows; ++r)
+      for (const int32_t b : opt_.banned_ids)
+        if (b >= 0 && b < vocab)
+          masked[static_cast<size_t>(r * vocab + b)] = -std::numeric_limits<float>::infinity();
+    decide = masked.data();
+  }
+  const VerifyOutcome v = speculative_verify(decide, vocab, drafts, &sampler_, history_);
+  *accepted = v.accepted;
+  std::optional<int32_t> fed;
+  for (int64_t j = 0; j <= v.accepted; ++j) {
+    const int32_t id = j < v.accepted ? drafts[static_cast<size_t>(j)] : v.next;
+    fed = take(id, logits + j * vocab, vocab, has_room(j), on_text);
+    if (!fed) return std::nullopt;
+  }
+  return fed;
+}
+
+std::optional<int32_t> TokenStream::take(int32_t id, const float* raw_logits, int64_t vocab,
+                                         bool has_room, const TextCallback& on_text) {
   if (std::find(opt_.stop_ids.begin(), opt_.stop_ids.end(), id) != opt_.stop_ids.end()) {
     finish("stop", true, on_text);
     return std::nullopt;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -80,6 +81,23 @@ class TokenStream {
   // the generation ended (see result()). has_room: the sequence can take one more row.
   std::optional<int32_t> next(const float* logits, int64_t vocab, bool has_room,
                               const TextCallback& on_text = {});
+  // Speculative decoding (runtime/speculative.h): `logits` are the k+1 rows ([k+1, vocab]) the
+  // sequence ran for [x, d_1..d_k], x the id this stream returned last. speculative_verify
+  // decides the round with this stream's sampler; the accepted drafts, then the target's own
+  // token, are taken one by one as next() takes a sampled id (stop ids, stop strings,
+  // max_tokens, logprobs of each row's own logits), so a generation that ends inside the round
+  // drops the rest. has_room(j): the sequence can take a row after the j-th token taken (0-based).
+  // *accepted: the drafts accepted (the caller keeps rows x, d_1..d_n). Not with a constraint
+  // (see can_verify).
+  std::optional<int32_t> next_verified(const float* logits, int64_t vocab,
+                                       std::span<const int32_t> drafts,
+                                       const std::function<bool(int64_t)>& has_room,
+                                       const TextCallback& on_text, int* accepted);
+  // Drafts can be verified: no JSON or tool-call constraint (drafts are not constrained).
+  bool can_verify() const { return !constraint_; }
+  // Generated tokens so far.
+  int steps() const { return step_; }
+  const GenerationOptions& options() const { return opt_; }
   // Ends the generation early (e.g. "cancelled"); text held back is dropped for "cancelled".
   void end(const std::string& reason, const TextCallback& on_text = {});
   bool done() const { return done_; }
@@ -88,6 +106,11 @@ class TokenStream {
 
  private:
   bool emit_until(size_t end, const TextCallback& on_text);
+  // Takes `id` (drawn from raw_logits, before any mask) as the next generated token.
+  std::optional<int32_t> take(int32_t id, const float* raw_logits, int64_t vocab, bool has_room,
+                              const TextCallback& on_text);
+  // The logits with the banned ids masked (raw_logits itself when none are banned).
+  const float* without_banned(const float* raw_logits, int64_t vocab);
   void finish(const std::string& reason, bool flush, const TextCallback& on_text);
 
   const Tokenizer& tok_;

@@ -69,6 +69,98 @@ int32_t speculative_accept_or_resample(std::span<const int32_t> ids, std::span<c
   return last;
 }
 
+DraftControl::DraftControl(const SpeculativeOptions& opt)
+    : opt_(opt), k_cur_(std::max(opt.draft_max, 0)) {
+  if (opt.draft_max < 0 || opt.draft_min < 0) fail("--draft-max and --draft-min must be >= 0");
+}
+
+int64_t DraftControl::next_draft(int64_t limit) const {
+  int64_t k = opt_.adaptive ? (pause_ > 0 ? 0 : k_cur_) : opt_.draft_max;
+  k = std::min(k, limit);
+  return k < std::max(opt_.draft_min, 1) ? 0 : k;
+}
+
+void DraftControl::plain_step(double seconds) {
+  if (pause_ > 0) --pause_;
+  if (seconds >= 0) plain_s_ = plain_s_ > 0 ? 0.8 * plain_s_ + 0.2 * seconds : seconds;
+}
+
+void DraftControl::round(int64_t k, int64_t n, double seconds_per_token) {
+  if (seconds_per_token >= 0)
+    round_tokens_s_ =
+        round_tokens_s_ > 0 ? 0.7 * round_tokens_s_ + 0.3 * seconds_per_token : seconds_per_token;
+  if (!opt_.adaptive) return;
+  // k follows acceptance (+1 after a fully accepted round, -1 after a round with a rejection),
+  // never below --draft-min, which would stop drafting for good.
+  k_cur_ = n == k ? std::min<int64_t>(k_cur_ + 1, opt_.draft_max)
+                  : std::max<int64_t>({k_cur_ - 1, 1, opt_.draft_min});
+  // Three rounds in a row without an accepted draft also switch drafting off: such rounds cost
+  // more than plain steps, and the plain-step time they are compared with may be stale.
+  zero_rounds_ = n == 0 ? zero_rounds_ + 1 : 0;
+  if ((plain_s_ > 0 && round_tokens_s_ > plain_s_) || zero_rounds_ >= 3) {
+    pause_ = pause_len_;
+    pause_len_ = std::min<int64_t>(pause_len_ * 2, 512);
+    round_tokens_s_ = 0;
+  } else if (n > 0 && (plain_s_ > 0 || seconds_per_token < 0)) {
+    // Only a round that accepted drafts and beat plain steps restores short pauses: a round
+    // without accepted drafts can only look cheaper through timing noise.
+    pause_len_ = 16;
+  } else if (plain_s_ == 0 && n == 0 && seconds_per_token >= 0) {
+    pause_ = 1;  // measure a plain step to compare against
+  }
+}
+
+VerifyOutcome speculative_verify(const float* logits, int64_t vocab,
+                                 std::span<const int32_t> drafts, Sampler* sampler,
+                                 std::vector<int32_t>& history) {
+  if (vocab <= 0) fail("speculative verify: empty vocabulary");
+  const auto k = static_cast<int64_t>(drafts.size());
+  auto row = [&](int64_t i) { return logits + i * vocab; };
+  VerifyOutcome v;
+  if (!sampler) {
+    // Every row's choice is recorded (the fixtures' spec_round_target_ids); the first
+    // disagreement ends the accepted prefix.
+    for (int64_t j = 0; j <= k; ++j)
+      v.target_ids.push_back(
+          static_cast<int32_t>(std::max_element(row(j), row(j) + vocab) - row(j)));
+    while (v.accepted < k &&
+           v.target_ids[static_cast<size_t>(v.accepted)] == drafts[static_cast<size_t>(v.accepted)])
+      ++v.accepted;
+    v.next = v.target_ids[static_cast<size_t>(v.accepted)];
+    return v;
+  }
+  std::vector<double> prob;
+  for (int64_t i = 0; i <= k; ++i) {
+    const double total = sampler->distribution(row(i), vocab, history, prob);
+    const std::vector<int32_t> cand = sampler->candidates();
+    if (i == k) {  // every draft accepted: the extra token from the last row
+      double u = sampler->next_uniform() * total;
+      v.next = cand.back();
+      for (size_t j = 0; j < cand.size(); ++j)
+        if ((u -= prob[j]) < 0) {
+          v.next = cand[j];
+          break;
+        }
+      v.target_ids.push_back(v.next);
+      break;
+    }
+    bool accepted = false;
+    const double u = sampler->next_uniform(), u2 = sampler->next_uniform();
+    const int32_t t = speculative_accept_or_resample(
+        cand, prob, total, drafts[static_cast<size_t>(i)], u, u2, &accepted);
+    v.target_ids.push_back(t);
+    if (accepted) {
+      ++v.accepted;
+      history.push_back(t);  // the next row's repetition penalty sees it
+      continue;
+    }
+    v.next = t;
+    break;
+  }
+  history.resize(history.size() - static_cast<size_t>(v.accepted));
+  return v;
+}
+
 std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           const AssistantModel& drafter,
                                           std::span<const int32_t> prompt, int64_t n_new,
@@ -88,11 +180,14 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
   ctx.full = donors.full >= 0 ? target.layer_cache(donors.full) : nullptr;
   if (!ctx.target_embed->valid())
     fail("speculative decoding: the target's embedding table is not held");
+  for (const int layer : {donors.sliding, donors.full})
+    if (layer >= 0 && !target.layer_cache(layer))
+      fail("speculative decoding: the drafter reads the KV cache of target layer ", layer,
+           ", which runs in another process");
 
   std::vector<int32_t> history(target.tokens());
   history.insert(history.end(), prompt.begin(), prompt.end());
   std::vector<int32_t> out;
-  std::vector<double> prob;
   auto choose = [&](const FloatTensor& logits, int64_t row) -> int32_t {
     if (!sampler) return argmax_row(logits, row);
     return sampler->sample(logits.row(row), logits.dim(1), history);
@@ -109,35 +204,24 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
   if (n_new <= 0) return out;
   if (!emit(x)) return out;
 
-  // Adaptive control: k follows acceptance (+1 after a fully accepted round, -1 after a round
-  // with a rejection); drafting switches off while rounds yield tokens more slowly than plain
-  // steps, and is probed again after a pause that doubles each time it does not pay.
-  int k_cur = std::max(opt.draft_max, 0);
-  double plain_s = 0, round_tokens_s = 0;  // seconds per token: plain steps, drafting rounds
-  int64_t pause = 0, pause_len = 16, zero_rounds = 0;
-
+  DraftControl control(opt);
   while (static_cast<int64_t>(out.size()) < n_new) {
     const int64_t P = target.n_past();
     const int64_t remaining = n_new - static_cast<int64_t>(out.size());
-    int64_t k = std::min<int64_t>(opt.adaptive ? k_cur : opt.draft_max, remaining - 1);
-    if (opt.adaptive && pause > 0) k = 0;
     // The verify's k+1 rows must fit the context; the last row then is its last position.
-    k = std::min<int64_t>(k, target.max_context() - P - 1);
-    if (k < std::max(opt.draft_min, 1)) k = 0;
+    const int64_t k = control.next_draft(std::min(remaining - 1, target.max_context() - P - 1));
     const auto t0 = std::chrono::steady_clock::now();
     if (k == 0) {
       const int32_t in[1] = {x};
       // While paused for more than this step, the next step is plain too and needs no h.
-      const bool want_hidden = !(opt.adaptive && pause > 1);
+      const bool want_hidden = !control.paused_beyond_next();
       TargetRows r = run_target(pool, target, in, false, want_hidden);
       if (want_hidden) h.assign(r.hidden.row(0), r.hidden.row(0) + r.hidden.dim(1));
       x = choose(r.logits, 0);
       // Recorded as a round without drafts, as the fixtures record the last step.
       if (rounds) rounds->push_back({P, in[0], {}, 0, {x}});
       ++st.plain_steps;
-      if (pause > 0) --pause;
-      const double dt = seconds_since(t0);
-      plain_s = plain_s > 0 ? 0.8 * plain_s + 0.2 * dt : dt;
+      control.plain_step(seconds_since(t0));
       if (!emit(x)) break;
       continue;
     }
@@ -154,45 +238,11 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     }
     round.drafts.assign(ids.begin() + 1, ids.end());
     TargetRows r = run_target(pool, target, ids, true);
-    int n = 0;
-    int32_t next = 0;
-    for (int64_t i = 0; i <= k; ++i) {
-      if (!sampler) {
-        // Every row's choice is recorded (the fixtures' spec_round_target_ids); the first
-        // disagreement ends the accepted prefix.
-        for (int64_t j = 0; j <= k; ++j) round.target_ids.push_back(argmax_row(r.logits, j));
-        while (n < k && round.target_ids[static_cast<size_t>(n)] == ids[static_cast<size_t>(n + 1)])
-          ++n;
-        next = round.target_ids[static_cast<size_t>(n)];
-        break;
-      }
-      const double total = sampler->distribution(r.logits.row(i), r.logits.dim(1), history, prob);
-      const std::vector<int32_t> cand = sampler->candidates();
-      if (i == k) {  // every draft accepted: the extra token from the last row
-        double u = sampler->next_uniform() * total;
-        next = cand.back();
-        for (size_t j = 0; j < cand.size(); ++j)
-          if ((u -= prob[j]) < 0) {
-            next = cand[j];
-            break;
-          }
-        round.target_ids.push_back(next);
-        break;
-      }
-      bool accepted = false;
-      const double u = sampler->next_uniform(), u2 = sampler->next_uniform();
-      const int32_t t = speculative_accept_or_resample(
-          cand, prob, total, ids[static_cast<size_t>(i + 1)], u, u2, &accepted);
-      round.target_ids.push_back(t);
-      if (accepted) {
-        ++n;
-        history.push_back(t);  // the next row's repetition penalty sees it
-        continue;
-      }
-      next = t;
-      break;
-    }
-    if (sampler) history.resize(history.size() - static_cast<size_t>(n));
+    VerifyOutcome v =
+        speculative_verify(r.logits.row(0), r.logits.dim(1), round.drafts, sampler, history);
+    const int n = v.accepted;
+    const int32_t next = v.next;
+    round.target_ids = std::move(v.target_ids);
     round.accepted = n;
     if (!target.truncate(P + n + 1))
       fail("speculative decoding: the target's KV cache cannot roll back to ", P + n + 1);
@@ -203,27 +253,10 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     st.accepted += n;
     if (rounds) rounds->push_back(round);
     const double per_token = seconds_since(t0) / static_cast<double>(n + 1);
-    round_tokens_s = round_tokens_s > 0 ? 0.7 * round_tokens_s + 0.3 * per_token : per_token;
     bool stop = false;
     for (int i = 0; i < n && !stop; ++i) stop = !emit(ids[static_cast<size_t>(i + 1)]);
     if (stop || !emit(next)) break;
-    if (opt.adaptive) {
-      k_cur = n == k ? std::min(k_cur + 1, opt.draft_max) : std::max(k_cur - 1, 1);
-      // Three rounds in a row without an accepted draft also switch drafting off: such rounds
-      // cost more than plain steps, and the plain-step time they are compared with may be stale.
-      zero_rounds = n == 0 ? zero_rounds + 1 : 0;
-      if ((plain_s > 0 && round_tokens_s > plain_s) || zero_rounds >= 3) {
-        pause = pause_len;
-        pause_len = std::min<int64_t>(pause_len * 2, 512);
-        round_tokens_s = 0;
-      } else if (plain_s > 0 && n > 0) {
-        // Only a round that accepted drafts and beat plain steps restores short pauses: a
-        // round without accepted drafts can only look cheaper through timing noise.
-        pause_len = 16;
-      } else if (plain_s == 0 && n == 0) {
-        pause = 1;  // measure a plain step to compare against
-      }
-    }
+    control.round(k, n, per_token);
   }
   return out;
 }

@@ -31,6 +31,30 @@ struct SpeculativeOptions {
   bool adaptive = true;
 };
 
+// How many drafts each round makes. Adaptive: k follows acceptance (+1 after a fully accepted
+// round, -1 otherwise), and drafting switches off while rounds yield tokens more slowly than
+// plain steps (when timed) or three rounds in a row accept nothing, probed again after a pause
+// that doubles (16 ... 512 tokens) each time it does not pay. A caller that cannot time its
+// rounds alone (a server step runs many sequences) passes negative seconds: then only acceptance
+// decides.
+class DraftControl {
+ public:
+  explicit DraftControl(const SpeculativeOptions& opt);
+  // Drafts for the next round, at most `limit` (what max_tokens and the context leave); 0: the
+  // next step is a plain one.
+  int64_t next_draft(int64_t limit) const;
+  // True while the step after the next plain one is plain too (its hidden state is not needed).
+  bool paused_beyond_next() const { return opt_.adaptive && pause_ > 1; }
+  void plain_step(double seconds);
+  void round(int64_t k, int64_t n, double seconds_per_token);
+
+ private:
+  SpeculativeOptions opt_;
+  int64_t k_cur_;
+  double plain_s_ = 0, round_tokens_s_ = 0;  // seconds per token: plain steps, drafting rounds
+  int64_t pause_ = 0, pause_len_ = 16, zero_rounds_ = 0;
+};
+
 // One drafting round, as the fixtures' spec_round_* taps record it.
 struct SpeculativeRound {
   int64_t position = 0;     // P
@@ -58,6 +82,22 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           SpeculativeStats* stats = nullptr,
                                           std::vector<SpeculativeRound>* rounds = nullptr,
                                           const std::function<bool(int32_t)>& on_token = {});
+
+// One verify call's outcome: the target ran [x_P, d_1..d_k] as k+1 rows (logits [k+1, vocab]).
+struct VerifyOutcome {
+  int accepted = 0;                 // n: the leading drafts the target agreed with
+  int32_t next = 0;                 // the target's own token after them
+  std::vector<int32_t> target_ids;  // its choice at each row it decided (greedy: every row)
+};
+
+// Decides a verify call: sampler null is greedy (argmax, first index on ties); otherwise the
+// acceptance rule below over the sampler's distribution of each row (its repetition penalty sees
+// `history`, the ids up to and including x_P, plus the drafts accepted so far; `history` is as it
+// was on return). Every speculative decoder (speculative_generate, the server's batched engine
+// through TokenStream::next_verified) decides its rounds here.
+VerifyOutcome speculative_verify(const float* logits, int64_t vocab,
+                                 std::span<const int32_t> drafts, Sampler* sampler,
+                                 std::vector<int32_t>& history);
 
 // The acceptance rule for one verify row: given the target's weights `prob` over `ids` (as
 // Sampler::distribution returns them, summing to `total`) and the draft d, returns d if accepted

@@ -229,6 +229,19 @@ void parse_common(const json& body, GenerationRequest& r) {
                       "' is not supported (the sampler has no frequency/presence penalty); "
                       "omit it or send 0");
   if (const json* rf = member(body, "response_format")) s.json_grammar = parse_response_format(*rf);
+  // llama.cpp's names, keys with a dot in them (not a nested object).
+  if (const auto n = get_int(body, "speculative.n_max", 0, kMaxDraftsPerRound))
+    s.draft_max = static_cast<int>(*n);
+  if (const auto n = get_int(body, "speculative.n_min", 0, kMaxDraftsPerRound))
+    s.draft_min = static_cast<int>(*n);
+  if (s.draft_max && s.draft_min && *s.draft_max > 0 && *s.draft_min > *s.draft_max)
+    bad_request("speculative.n_min", "invalid_value",
+                detail::concat("'speculative.n_min' (", *s.draft_min,
+                               ") must not exceed 'speculative.n_max' (", *s.draft_max, ")"));
+  if (const json* spec = member(body, "speculative"); spec && spec->is_object())
+    bad_request("speculative", "invalid_type",
+                "send the speculative fields as llama.cpp does, as top-level keys "
+                "\"speculative.n_max\" and \"speculative.n_min\", not as an object");
   // Chat's form: logprobs true, then top_logprobs 0-20 (the legacy completions form, an integer
   // logprobs, is refused by parse_completion_request).
   const json* lp = member(body, "logprobs");

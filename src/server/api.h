@@ -81,7 +81,15 @@ struct SamplingOverrides {
   std::shared_ptr<const JsonGrammar> json_grammar;
   // logprobs: true, with top_logprobs alternatives (0-20) per token.
   std::optional<int> top_logprobs;
+  // llama.cpp's per-request speculative fields "speculative.n_max" (drafts per round at most; 0:
+  // no drafting for this request) and "speculative.n_min" (rounds that would draft fewer run a
+  // plain step), 0-kMaxDraftsPerRound; unset: the server's --draft-max / --draft-min.
+  std::optional<int> draft_max, draft_min;
 };
+
+// The most drafts one round may verify (the target's sliding rings keep room for this many rows
+// to roll back: gemma4/assistant_model.cc).
+constexpr int kMaxDraftsPerRound = 64;
 
 // The fields chat and text completions share.
 struct GenerationRequest {

@@ -25,10 +25,13 @@
 
 #include "gemma4/multimodal.h"
 #include "io/mapped_file.h"
+#include "runtime/speculative.h"
 #include "server/chat_page.h"
 #include "server/messages_api.h"
 #include "server/responses_api.h"
+#include "stage/bundle.h"
 #include "stage/call_pipeline.h"
+#include "trace/taps.h"
 
 namespace gemstage::server {
 
@@ -152,6 +155,9 @@ struct Job {
   PreparedPrompt prompt;
   GenerationOptions gen;
   int64_t capacity = 0;  // KV rows it may need: prompt + max_tokens, at most a sequence's context
+  // Speculative decoding for this request (Impl::prepare): drafts per round at most (0: plain
+  // decoding) and at least.
+  int draft_max = 0, draft_min = 0;
 };
 
 // What a slot is doing, as /health reports it.
@@ -188,6 +194,12 @@ struct Slot {
   int64_t rows = 0;        // KV rows the sequence holds
   int64_t reserved = 0;    // budget rows counted for it: capacity while running, rows when idle
   bool in_flight = false;  // in a call the pipeline has not finished (engine thread only)
+  // Speculative decoding (engine thread only): the request's draft control, the target's
+  // post-final-norm hidden of the row before next_id (the drafter's h; empty when not known),
+  // and this step's verify rows [next_id, d_1..d_k] (empty: a plain decode row).
+  std::optional<DraftControl> draft;
+  std::vector<float> draft_h;
+  std::vector<int32_t> verify_ids;
 };
 
 // The Messages routes answer in Anthropic's error shape, every other route in OpenAI's.
@@ -239,8 +251,12 @@ struct Server::Impl {
   int64_t created = 0;                  // when the model was loaded, for /v1/models
   GenerationOptions defaults;
 
-  std::unique_ptr<Assistant> assistant;  // the model and tokenizer every slot shares
-  std::unique_ptr<ThreadPool> pool;      // all compute threads, the engine's alone
+  std::unique_ptr<Assistant> assistant;     // the model and tokenizer every slot shares
+  std::unique_ptr<AssistantModel> drafter;  // -md: the MTP drafter every drafting slot runs
+  AssistantDonors draft_donors;             // the target layers whose K/V the drafter reads
+  std::string drafter_name;                 // -md DIR, or the bundle and its drafter stage
+  std::atomic<int64_t> draft_rounds_total{0}, drafted_total{0}, draft_accepted_total{0};
+  std::unique_ptr<ThreadPool> pool;  // all compute threads, the engine's alone
   // Renders chat prompts (the vision tower for their images) beside the engine.
   std::mutex prepare_mu;
   std::unique_ptr<ThreadPool> prepare_pool;
@@ -251,6 +267,9 @@ struct Server::Impl {
     std::vector<Slot*> owners;
     std::vector<int64_t> soft_rows;  // soft tokens each entry consumed
     int64_t rows = 0;
+    // With a drafter: the post-final-norm hidden of every head row (the drafter's h), each
+    // entry's rows in turn (all of a verify's rows, the last row of any other entry).
+    std::unique_ptr<TapRecorder> hidden;
   };
   int pipeline_depth = 1;
   std::unique_ptr<CallPipeline> pipeline;
@@ -320,10 +339,12 @@ struct Server::Impl {
 
   void setup_routes();
   void load();
+  void open_drafter();
   void engine();
   void prepare(Job& job);
   void admit();
   void start_job(Slot& s, const std::shared_ptr<Job>& job);
+  bool draft(Slot& s);
   void step();
   int64_t finish_call();
   void drop_calls_in_flight();
@@ -363,6 +384,7 @@ void Server::Impl::load() {
       s->sequence = assistant->new_sequence();
       slots.push_back(std::move(s));
     }
+    open_drafter();
     model_name = a.model_name();
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
@@ -381,6 +403,44 @@ void Server::Impl::load() {
     load_finished = true;
   }
   load_cv.notify_all();
+}
+
+// -md: the drafter, checked against the target. It reads the target's donor caches through each
+// slot's own sequence, so those layers must run in this process.
+void Server::Impl::open_drafter() {
+  if (opt.draft_max < 0 || opt.draft_max > kMaxDraftsPerRound || opt.draft_min < 0)
+    fail("--draft-max must be 0-", kMaxDraftsPerRound, " and --draft-min at least 0");
+  // -md DIR, else a bundle's drafter stage (export -md) unless turned off.
+  const bool from_bundle = opt.model_draft.empty();
+  std::unique_ptr<AssistantModel> d;
+  if (!from_bundle) {
+    d = AssistantModel::open(opt.model_draft);
+    drafter_name = opt.model_draft;
+  } else if (opt.bundle_drafter && is_bundle_dir(opt.model_path)) {
+    const BundleManifest m = read_bundle_manifest(opt.model_path);
+    d = open_bundle_drafter(opt.model_path, m);
+    if (d) drafter_name = opt.model_path + " (stage " + m.drafter->id + ")";
+  }
+  if (!d) return;
+  const Model& target = assistant->model();
+  check_assistant_matches(d->config(), target.config(), drafter_name, opt.model_path);
+  draft_donors = assistant_donor_layers(target.config().text);
+  std::string missing;
+  if (!target.embeddings_model().weights().embed_tokens.valid())
+    missing = "the drafter needs the target's embedding table, which " + opt.model_path +
+              " does not hold in this process";
+  for (const int layer : {draft_donors.sliding, draft_donors.full})
+    if (missing.empty() && layer >= 0 && !slots.front()->sequence->layer_cache(layer))
+      missing = "the drafter reads the KV cache of target layer " + std::to_string(layer) +
+                ", which runs in another process";
+  if (!missing.empty()) {
+    if (!from_bundle)
+      fail("-md ", opt.model_draft, ": ", missing,
+           "; serve without -md, or keep the last transformer stage in the server's process");
+    std::cerr << "serve: decoding without the bundle's drafter stage: " << missing << "\n";
+    return;
+  }
+  drafter = std::move(d);
 }
 
 namespace {
@@ -528,6 +588,30 @@ void Server::Impl::prepare(Job& job) {
     if (stop.empty())
       throw ApiError(400, "stop strings must not be empty", "invalid_request_error", "stop");
   job.capacity = std::min(max_context, n + std::max(0, job.gen.max_tokens));
+  // Speculative decoding: the request's speculative.n_max / n_min, else the server's.
+  const SamplingOverrides& so = job.sampling;
+  if (!drafter) {
+    if (so.draft_max.value_or(0) > 0)
+      throw ApiError(400,
+                     "'speculative.n_max' asks for drafting, but the server was started without "
+                     "a drafter (-md DIR)",
+                     "invalid_request_error", "speculative.n_max", "invalid_value");
+    return;
+  }
+  job.draft_max = so.draft_max.value_or(opt.draft_max);
+  job.draft_min = so.draft_min.value_or(std::min(opt.draft_min, job.draft_max));
+  if (job.draft_max > 0 && job.draft_min > job.draft_max)
+    throw ApiError(400,
+                   "'speculative.n_min' (" + std::to_string(job.draft_min) +
+                       ") must not exceed the drafts per round at most (" +
+                       std::to_string(job.draft_max) + ")",
+                   "invalid_request_error", "speculative.n_min", "invalid_value");
+  // Decoded plainly: prompts with images or audio (the drafter runs text prompts only, as
+  // `generate -md` does) and constrained output (drafts are not constrained).
+  if (job.prompt.soft_tokens.numel() > 0 ||
+      count_placeholders(assistant->model().config(), job.prompt.ids) > 0 || job.gen.json_grammar ||
+      job.gen.tool_call_grammar)
+    job.draft_max = 0;
 }
 
 // Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
@@ -605,6 +689,16 @@ void Server::Impl::start_job(Slot& s, const std::shared_ptr<Job>& job) {
   s.capacity = job->capacity;
   s.stream = std::make_unique<TokenStream>(assistant->tokenizer(), ids, job->gen);
   s.next_id.reset();
+  s.draft.reset();
+  s.draft_h.clear();
+  s.verify_ids.clear();
+  if (job->draft_max > 0) {
+    SpeculativeOptions so;
+    so.draft_max = job->draft_max;
+    so.draft_min = job->draft_min;
+    so.adaptive = opt.draft_adapt;
+    s.draft.emplace(so);
+  }
   s.admitted = ++admissions;
   s.job = job;
   s.state = SlotState::kPrefill;
@@ -664,6 +758,49 @@ void Server::Impl::end_job(Slot& s, const std::string& reason,
   s.stream.reset();
   s.prompt.clear();
   s.soft = FloatTensor();
+  s.draft.reset();
+  s.draft_h.clear();
+  s.verify_ids.clear();
+}
+
+// A drafting slot's round for this step: up to k drafts from next_id and the hidden state of the
+// row before it, at the constant position P, reading the slot's own committed caches (it is in
+// no call); verified in this step as the k+1 rows [next_id, d_1..d_k] of one sequence. Leaves
+// verify_ids empty for a plain decode row. False when the drafter failed (the request ended).
+bool Server::Impl::draft(Slot& s) {
+  s.verify_ids.clear();
+  if (!s.draft || s.draft_h.empty()) return true;
+  Sequence& seq = *s.sequence;
+  const int64_t P = seq.n_past();
+  // max_tokens leaves room for the drafts and the target's own token; the verify's rows fit the
+  // request's reservation; one call takes them whole.
+  const int64_t k =
+      s.draft->next_draft(std::min({int64_t{s.job->gen.max_tokens} - s.stream->steps() - 1,
+                                    s.capacity - P - 1, int64_t{ubatch_rows} - 1}));
+  if (k <= 0) return true;
+  try {
+    DraftContext ctx;
+    ctx.target_embed = &seq.embeddings_model().weights().embed_tokens;
+    ctx.sliding = draft_donors.sliding >= 0 ? seq.layer_cache(draft_donors.sliding) : nullptr;
+    ctx.full = draft_donors.full >= 0 ? seq.layer_cache(draft_donors.full) : nullptr;
+    ctx.position = P;
+    std::vector<float> h = s.draft_h;
+    int32_t tok = *s.next_id;
+    s.verify_ids.push_back(tok);
+    for (int64_t i = 0; i < k; ++i) {
+      tok = drafter->step(*pool, ctx, tok, h);
+      // A drafted image/audio placeholder would be a row without its soft token, which a call
+      // that also carries another request's image refuses: the round ends before it.
+      if (std::find(placeholders.begin(), placeholders.end(), tok) != placeholders.end()) break;
+      s.verify_ids.push_back(tok);
+    }
+  } catch (const std::exception& e) {
+    s.verify_ids.clear();
+    end_job(s, "", ApiError(500, std::string("drafting failed: ") + e.what(), "server_error"));
+    return false;
+  }
+  if (s.verify_ids.size() == 1) s.verify_ids.clear();
+  return true;
 }
 
 // One batched step: a decode row for every sequence that is generating, then prompt rows of the
@@ -687,8 +824,9 @@ void Server::Impl::step() {
   // Every generating sequence gets its row each step (none starves when --parallel exceeds -b).
   for (auto& s : slots)
     if (s->job && !s->in_flight && s->next_id) {
+      if (drafter && !draft(*s)) continue;
       pieces.push_back({s.get(), 0, 0});
-      --room;
+      room -= std::max<int64_t>(1, static_cast<int64_t>(s->verify_ids.size()));
     }
   std::vector<Slot*> filling;
   for (auto& s : slots)
@@ -737,7 +875,13 @@ void Server::Impl::step() {
       if (std::find(owners.begin(), owners.end(), &s) != owners.end()) break;
       BatchEntry e;
       e.sequence = s.sequence.get();
-      if (p.n == 0) {
+      if (p.n == 0 && !s.verify_ids.empty()) {  // a speculative round: every row's logits
+        e.ids = std::span<const int32_t>(s.verify_ids);
+        e.all_logits = true;
+        soft_rows.push_back(0);
+        ++next_piece;
+        call_rows += static_cast<int64_t>(s.verify_ids.size());
+      } else if (p.n == 0) {
         e.ids = std::span<const int32_t>(&*s.next_id, 1);
         soft_rows.push_back(0);
         ++next_piece;
@@ -795,8 +939,10 @@ void Server::Impl::step() {
     if (live.empty()) continue;
     batch = std::move(live);
     call.rows = call_rows;
+    if (drafter)
+      call.hidden = std::make_unique<TapRecorder>(std::vector<std::string>{"final_hidden"});
     try {
-      const uint64_t id = pipeline->start(batch);
+      const uint64_t id = pipeline->start(batch, call.hidden.get());
       for (Slot* s : call.owners) s->in_flight = true;
       calls_in_flight.emplace(id, std::move(call));
     } catch (const std::exception& e) {
@@ -851,29 +997,76 @@ int64_t Server::Impl::finish_call() {
     return 0;
   }
   const int64_t V = assistant->model().config().text.vocab_size;
+  // The drafter's h: the post-final-norm hidden of each head row, entry after entry.
+  FloatTensor hidden;
+  if (call.hidden && call.hidden->has("final_hidden")) hidden = call.hidden->get("final_hidden");
+  int64_t head_row = 0;
   for (size_t i = 0; i < call.owners.size(); ++i) {
     Slot& s = *call.owners[i];
+    const FloatTensor& l = f.logits[i];
+    const int64_t row0 = head_row;
+    head_row += l.dim(0);
     if (!s.job) continue;
     s.soft_at += call.soft_rows[i];
     const bool prompt_done = s.state == SlotState::kDecode ||
                              s.sequence->n_past() == static_cast<int64_t>(s.prompt.size());
     if (!prompt_done) continue;
+    const bool was_decoding = s.state == SlotState::kDecode;
     if (s.state == SlotState::kPrefill) {
       s.soft = FloatTensor();
       std::lock_guard<std::mutex> lk(q_mu);
       s.state = SlotState::kDecode;
     }
     Job& job = *s.job;
-    const FloatTensor& l = f.logits[i];
-    s.next_id = s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity,
-                               [&job](std::string_view piece) {
-                                 {
-                                   std::lock_guard<std::mutex> lk(job.mu);
-                                   job.pending.append(piece);
-                                 }
-                                 job.cv.notify_all();
-                                 return !job.cancel.load();
-                               });
+    const TextCallback emit = [&job](std::string_view piece) {
+      {
+        std::lock_guard<std::mutex> lk(job.mu);
+        job.pending.append(piece);
+      }
+      job.cv.notify_all();
+      return !job.cancel.load();
+    };
+    // The hidden state of this entry's head row r becomes the drafter's h.
+    auto keep_hidden = [&](int64_t r) {
+      if (!s.draft || row0 + r >= hidden.dim(0) || hidden.numel() == 0) {
+        s.draft_h.clear();
+        return;
+      }
+      s.draft_h.assign(hidden.row(row0 + r), hidden.row(row0 + r) + hidden.dim(1));
+    };
+    if (!s.verify_ids.empty()) {
+      // A speculative round: the stream takes the accepted drafts and the target's own token
+      // (each as a plain step would, so stop strings, max_tokens and logprobs stay exact), and
+      // the sequence drops the rows past them.
+      const int64_t k = static_cast<int64_t>(s.verify_ids.size()) - 1;
+      const int64_t P = s.sequence->n_past() - k - 1;
+      int n = 0;
+      s.next_id = s.stream->next_verified(
+          l.row(0), V, std::span<const int32_t>(s.verify_ids).subspan(1),
+          [&](int64_t j) { return P + j + 2 <= s.capacity; }, emit, &n);
+      s.verify_ids.clear();
+      ++draft_rounds_total;
+      drafted_total += k;
+      draft_accepted_total += n;
+      s.draft->round(k, n, -1);
+      if (!s.sequence->truncate(P + n + 1)) {
+        if (s.next_id) {
+          end_job(s, "",
+                  ApiError(500,
+                           "speculative decoding: the KV cache cannot roll back to " +
+                               std::to_string(P + n + 1) + " rows",
+                           "server_error"));
+          continue;
+        }
+        s.sequence->reset();
+      }
+      keep_hidden(n);
+    } else {
+      s.next_id =
+          s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity, emit);
+      if (s.draft && was_decoding) s.draft->plain_step(-1);
+      keep_hidden(l.dim(0) - 1);
+    }
     if (job.gen.top_logprobs >= 0) {
       const std::vector<TokenLogprob>& all = s.stream->result().logprobs;
       std::lock_guard<std::mutex> lk(job.mu);
@@ -890,7 +1083,10 @@ int64_t Server::Impl::finish_call() {
 void Server::Impl::drop_calls_in_flight() {
   pipeline = std::make_unique<CallPipeline>(*pool);
   calls_in_flight.clear();
-  for (auto& s : slots) s->in_flight = false;
+  for (auto& s : slots) {
+    s->in_flight = false;
+    s->verify_ids.clear();
+  }
 }
 
 // GET /metrics: Prometheus text exposition format, version 0.0.4.
@@ -918,6 +1114,13 @@ std::string Server::Impl::metrics_text() {
   value("gemstage_prompt_tokens_reused_total", static_cast<double>(reused_tokens_total.load()));
   metric("gemstage_generated_tokens_total", "counter", "Tokens generated.");
   value("gemstage_generated_tokens_total", static_cast<double>(generated_tokens_total.load()));
+  metric("gemstage_draft_rounds_total", "counter",
+         "Speculative rounds: drafts verified in one step of their sequence (-md).");
+  value("gemstage_draft_rounds_total", static_cast<double>(draft_rounds_total.load()));
+  metric("gemstage_draft_tokens_total", "counter", "Tokens the drafter proposed.");
+  value("gemstage_draft_tokens_total", static_cast<double>(drafted_total.load()));
+  metric("gemstage_draft_accepted_total", "counter", "Drafted tokens the target accepted.");
+  value("gemstage_draft_accepted_total", static_cast<double>(draft_accepted_total.load()));
   std::lock_guard<std::mutex> lk(q_mu);
   metric("gemstage_step_seconds", "histogram", "Wall time of one engine step (all its calls).");
   int64_t cumulative = 0;
@@ -1503,6 +1706,14 @@ void Server::Impl::setup_routes() {
            {"kv_rows_reserved", reserved},
            {"pipeline_depth", pipeline_depth},
            {"slot_states", std::move(states)}};
+      if (drafter)
+        j["speculative"] = {{"draft_model", drafter_name},
+                            {"draft_max", opt.draft_max},
+                            {"draft_min", opt.draft_min},
+                            {"draft_adapt", opt.draft_adapt},
+                            {"rounds", draft_rounds_total.load()},
+                            {"drafted", drafted_total.load()},
+                            {"accepted", draft_accepted_total.load()}};
     }
     res.set_content(wire_json(j), "application/json");
   });
@@ -1682,6 +1893,9 @@ Server::Stats Server::stats() const {
   std::lock_guard<std::mutex> lk(impl_->q_mu);
   Stats st{slots, impl_->busy, static_cast<int>(impl_->queue.size()), impl_->completed.load(),
            impl_->cancelled.load()};
+  st.draft_rounds = impl_->draft_rounds_total.load();
+  st.drafted = impl_->drafted_total.load();
+  st.draft_accepted = impl_->draft_accepted_total.load();
   if (impl_->ready.load()) {
     st.kv_budget = impl_->kv_budget;
     st.max_context = impl_->max_context;

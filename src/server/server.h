@@ -57,6 +57,18 @@ struct ServerOptions {
   std::optional<uint64_t> seed;  // fixed sampler seed for requests without one (else random)
   bool think = false;            // render chat prompts with thinking enabled
   RequestLimits limits;
+  // Speculative decoding with a gemma4_assistant (MTP) drafter, -md DIR (or a bundle's drafter
+  // stage): every request drafts
+  // unless it sends "speculative.n_max": 0 (or has images / audio or an output constraint, which
+  // decode plainly). draft_max / draft_min: a request's defaults (--draft-max / --draft-min).
+  std::string model_draft;
+  int draft_max = 4, draft_min = 0;
+  // Adapt each request's draft length to its acceptance (runtime/speculative.h DraftControl);
+  // false keeps k = draft_max (--no-draft-adapt).
+  bool draft_adapt = true;
+  // Without model_draft, a bundle's drafter stage (export -md) drafts, unless this is false
+  // (--no-bundle-drafter).
+  bool bundle_drafter = true;
   double shutdown_grace_seconds = 5;  // how long shutdown() lets running generations finish
   // Run on the loader thread before the model is opened: lets a test hold the server in its
   // "loading" state.
@@ -88,6 +100,8 @@ class Server {
     // KV rows: the budget (-c), one request's context, rows the slots hold, and rows counted
     // against the budget (a running request's whole share, an idle slot's held prefix).
     int64_t kv_budget = 0, max_context = 0, kv_rows_used = 0, kv_rows_reserved = 0;
+    // Speculative decoding: verify rounds, drafts made and drafts the target accepted.
+    int64_t draft_rounds = 0, drafted = 0, draft_accepted = 0;
   };
   Stats stats() const;
 

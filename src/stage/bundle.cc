@@ -76,6 +76,48 @@ std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelCon
   return out;
 }
 
+constexpr const char* kDrafterConfigFile = "drafter_config.json";
+constexpr const char* kDrafterWeightsFile = "drafter.gsw";
+
+// The drafter stage's contract: what one draft step takes and gives, and the target state it
+// reads in place (the KV of two target layers, the target's embedding table).
+json drafter_contract_json(const ModelConfig& c, const AssistantDonors& donors,
+                           const std::string& placed_with) {
+  const std::string Ht = std::to_string(c.text.hidden_size);
+  StageContract k;
+  k.inputs = {
+      {"input_token",
+       {"1"},
+       "i32",
+       "x_P: the newest token, not yet in the target's caches (its raw id, placeholders too)"},
+      {"target_hidden",
+       {Ht},
+       "f32",
+       "step 0: the target's post-final-norm hidden of row P-1; later steps: the previous "
+       "step's next_hidden"},
+      {"position", {"1"}, "i32", "P, the number of rows in the target's caches, for all steps"}};
+  k.outputs = {{"draft_token", {"1"}, "i32", "the drafted id (argmax of the drafter's head)"},
+               {"next_hidden", {Ht}, "f32", "post_projection output: the next step's h"}};
+  json j = contract_to_json(k);
+  json kv = json::array();
+  for (const auto& [layer, kind] :
+       {std::pair{donors.sliding, "sliding"}, std::pair{donors.full, "full"}})
+    if (layer >= 0)
+      kv.push_back(
+          {{"layer", layer},
+           {"kind", kind},
+           {"stage", placed_with},
+           {"meaning", std::string("K (after k_norm and RoPE) and V (after v_norm) of "
+                                   "positions 0..P-1") +
+                           (std::string(kind) == "sliding" ? ", the last W+1 of them" : "")}});
+  j["reads_kv"] = std::move(kv);
+  j["reads_target_weights"] =
+      json::array({{{"tensor", "embed_tokens"},
+                    {"stage", "embeddings"},
+                    {"meaning", "the target's token embedding of x_P, times sqrt(hidden_size)"}}});
+  return j;
+}
+
 void convert_rows(const WeightView& src, DType dst, WeightsFileWriter& out, Progress& progress) {
   const int64_t rows =
       src.shape.empty() ? 1 : shape_numel(src.shape) / std::max<int64_t>(1, src.shape.back());
@@ -344,6 +386,11 @@ std::vector<std::string> files_of_existing_bundle(const std::string& dir) {
     if (j.contains("copied_files") && j["copied_files"].is_object())
       for (auto it = j["copied_files"].begin(); it != j["copied_files"].end(); ++it)
         out.push_back(it.key());
+    if (j.contains("drafter") && j["drafter"].is_object())
+      for (const char* part : {"weights", "config"})
+        if (j["drafter"].contains(part) && j["drafter"][part].is_object() &&
+            j["drafter"][part].contains("file") && j["drafter"][part]["file"].is_string())
+          out.push_back(j["drafter"][part]["file"].get<std::string>());
   } catch (const std::exception&) {
     out.clear();
   }
@@ -432,6 +479,19 @@ std::shared_ptr<TensorSource> open_bundle_tensors(const std::string& dir, const 
   for (const BundleStage& s : m.stages)
     files.push_back(std::make_shared<WeightsFile>((fs::path(dir) / s.weights_file).string()));
   return std::make_shared<UnionSource>(std::move(files));
+}
+
+std::unique_ptr<AssistantModel> open_bundle_drafter(const std::string& dir,
+                                                    const BundleManifest& m) {
+  if (!m.drafter) return nullptr;
+  const BundleDrafter& d = *m.drafter;
+  const std::string cfg_path = (fs::path(dir) / d.config_file).string();
+  const std::string weights = (fs::path(dir) / d.weights_file).string();
+  auto model =
+      AssistantModel::open_from(weights, parse_assistant_config(read_text_file(cfg_path), cfg_path),
+                                std::make_shared<WeightsFile>(weights));
+  check_assistant_matches(model->config(), m.config, weights, dir);
+  return model;
 }
 
 bool is_bundle_dir(const std::string& path) {
@@ -543,6 +603,33 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
                                       it.value().get<int>());
       m.stages.push_back(std::move(bs));
     }
+    if (j.contains("drafter")) {
+      const json& d = j["drafter"];
+      const std::string where = "drafter";
+      BundleDrafter bd;
+      bd.id = need(d, "id", where).get<std::string>();
+      bd.placed_with = need(d, "placed_with", where).get<std::string>();
+      bd.config_file = need(need(d, "config", where), "file", where + ".config").get<std::string>();
+      bd.config_sha256 = d["config"].value("sha256", "");
+      const json& wf = need(d, "weights", where);
+      bd.weights_file = need(wf, "file", where + ".weights").get<std::string>();
+      bd.sha256 = wf.value("sha256", "");
+      bd.bytes = need(wf, "bytes", where + ".weights").get<uint64_t>();
+      for (const std::string& f : {bd.config_file, bd.weights_file})
+        if (f.find('/') != std::string::npos || f.find("..") != std::string::npos)
+          fail(path, ": drafter file '", f, "' must be a plain file name inside the bundle");
+      for (const json& r : need(need(d, "contract", where), "reads_kv", where + ".contract")) {
+        const std::string kind = need(r, "kind", where + ".contract.reads_kv").get<std::string>();
+        const int layer = need(r, "layer", where + ".contract.reads_kv").get<int>();
+        if (kind == "sliding")
+          bd.reads_sliding = layer;
+        else if (kind == "full")
+          bd.reads_full = layer;
+        else
+          fail(path, ": drafter.contract.reads_kv kind '", kind, "' is not sliding or full");
+      }
+      m.drafter = std::move(bd);
+    }
   } catch (const Error&) {
     throw;
   } catch (const std::exception& e) {
@@ -595,6 +682,29 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
                    {0, 0},
                    contract_for(StageRole::FinalNormHead, {0, 0}, cfg)});
   check_contract_chain(decls, cfg);
+
+  // -md: the drafter stage, placed with the last transformer stage, whose caches it reads.
+  std::unique_ptr<AssistantModel> drafter;
+  std::optional<TensorStore> drafter_store;
+  AssistantDonors donors;
+  const StageDecl& last_layers = decls[decls.size() - 2];
+  if (!opt.drafter.empty()) {
+    drafter = AssistantModel::open(opt.drafter);
+    check_assistant_matches(drafter->config(), cfg, opt.drafter, hf_dir);
+    drafter_store.emplace(TensorStore::open_dir(opt.drafter));
+    donors = assistant_donor_layers(cfg.text);
+    for (const int layer : {donors.sliding, donors.full})
+      if (layer >= 0 && (layer < last_layers.layers.begin || layer >= last_layers.layers.end))
+        fail("the drafter ", opt.drafter, " reads the KV cache of layer ", layer,
+             ", which is not in the last transformer stage ", last_layers.id,
+             " (the drafter stage is placed with it)");
+    for (const std::string& key : drafter->tensor_keys()) {
+      const WeightView v = drafter_store->view(key);
+      if (v.shape.size() == 2 && (w == DType::Q8_0 || w == DType::Q4_0) && v.shape[1] % 32 != 0)
+        fail("drafter tensor ", key, " has ", v.shape[1],
+             " input columns, not a multiple of the 32-wide quantization block");
+    }
+  }
 
   const std::vector<std::string> old_files = prepare_output_dir(out_dir, opt.force);
   PartialFiles partial;
@@ -649,6 +759,52 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
       stages.push_back(s);
     }
     progress.finish();
+    json drafter_json;
+    if (drafter) {
+      // Matrices in the bundle's format, vectors f32, the token ordering as stored (i64).
+      const std::string final_path = (fs::path(out_dir) / kDrafterWeightsFile).string();
+      const std::string path = partial.add(final_path);
+      WeightsFileWriter writer(path);
+      auto stored = [&](const WeightView& v) {
+        if (v.dtype == DType::I64) return DType::I64;
+        return v.shape.size() == 2 ? w : DType::F32;
+      };
+      uint64_t bytes = 0;
+      for (const std::string& key : drafter->tensor_keys()) {
+        const WeightView v = drafter_store->view(key);
+        writer.declare(key, stored(v), v.shape);
+        bytes += v.nbytes;
+      }
+      writer.begin_data();
+      Progress dp("export drafter", bytes, opt.progress);
+      for (const std::string& key : drafter->tensor_keys()) {
+        const WeightView v = drafter_store->view(key);
+        if (stored(v) == DType::I64) {
+          writer.write(v.data, v.nbytes);
+          dp.advance(v.nbytes);
+        } else {
+          convert_rows(v, stored(v), writer, dp);
+        }
+        writer.end_tensor();
+      }
+      writer.finish();
+      dp.finish();
+      written.emplace_back(path, final_path);
+      const std::string cfg_final = (fs::path(out_dir) / kDrafterConfigFile).string();
+      const std::string cfg_path = partial.add(cfg_final);
+      write_file_synced(cfg_path, read_text_file((fs::path(opt.drafter) / "config.json").string()));
+      written.emplace_back(cfg_path, cfg_final);
+      drafter_json = {{"id", "drafter"},
+                      {"role", "mtp_drafter"},
+                      {"source", fs::absolute(opt.drafter).string()},
+                      {"placed_with", last_layers.id},
+                      {"config", {{"file", kDrafterConfigFile}, {"sha256", sha256_file(cfg_path)}}},
+                      {"weights",
+                       {{"file", kDrafterWeightsFile},
+                        {"sha256", sha256_file(path)},
+                        {"bytes", fs::file_size(path)}}},
+                      {"contract", drafter_contract_json(cfg, donors, last_layers.id)}};
+    }
     json copied = json::object();
     for (const char* f : kCopiedFiles) {
       const fs::path src = fs::path(hf_dir) / f;
@@ -661,21 +817,21 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
     }
     const json model_config =
         json::parse(read_text_file((fs::path(hf_dir) / "config.json").string()));
-    const json manifest = {
-        {"format", "gemstage-bundle"},
-        {"schema_version", kBundleSchemaVersion},
-        {"generator", "gemstage export"},
-        {"source_model",
-         opt.source_description.empty() ? fs::absolute(hf_dir).string() : opt.source_description},
-        {"weights", opt.weights},
-        {"ple_weights", ple == DType::F32    ? "f32"
-                        : ple == DType::Q8_0 ? "int8"
-                                             : "bf16"},
-        {"max_context", max_context},
-        {"num_layers", cfg.text.num_hidden_layers},
-        {"model_config", model_config},
-        {"copied_files", copied},
-        {"stages", stages}};
+    json manifest = {{"format", "gemstage-bundle"},
+                     {"schema_version", kBundleSchemaVersion},
+                     {"generator", "gemstage export"},
+                     {"source_model", opt.source_description.empty() ? fs::absolute(hf_dir).string()
+                                                                     : opt.source_description},
+                     {"weights", opt.weights},
+                     {"ple_weights", ple == DType::F32    ? "f32"
+                                     : ple == DType::Q8_0 ? "int8"
+                                                          : "bf16"},
+                     {"max_context", max_context},
+                     {"num_layers", cfg.text.num_hidden_layers},
+                     {"model_config", model_config},
+                     {"copied_files", copied},
+                     {"stages", stages}};
+    if (drafter) manifest["drafter"] = drafter_json;
     const std::string manifest_final = (fs::path(out_dir) / "manifest.json").string();
     const std::string manifest_path = partial.add(manifest_final);
     write_file_synced(manifest_path, manifest.dump(2) + "\n");
@@ -779,6 +935,42 @@ int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& 
     }
     return std::to_string(n) + " tensors";
   });
+  if (m.drafter)
+    run("drafter stage: files, placement, the KV it reads, tensors", [&] {
+      const BundleDrafter& d = *m.drafter;
+      for (const auto& [file, sha] :
+           {std::pair{d.weights_file, d.sha256}, std::pair{d.config_file, d.config_sha256}}) {
+        const std::string p = (fs::path(dir) / file).string();
+        if (!fs::exists(p)) fail("drafter: ", file, " is missing");
+        if (sha256_file(p) != sha) fail("drafter: ", file, " does not match its SHA-256");
+      }
+      if (fs::file_size(fs::path(dir) / d.weights_file) != d.bytes)
+        fail("drafter: ", d.weights_file, " is not the ", d.bytes, " bytes the manifest says");
+      // It reads the caches of the last transformer stage, so it runs where that stage does.
+      const BundleStage* last = nullptr;
+      for (const BundleStage& s : m.stages)
+        if (s.decl.role == StageRole::TransformerLayers &&
+            (!last || s.decl.layers.end > last->decl.layers.end))
+          last = &s;
+      if (!last) fail("drafter: the bundle has no transformer stage");
+      if (d.placed_with != last->decl.id)
+        fail("drafter stage '", d.id, "' is placed with '", d.placed_with,
+             "', but it reads the KV caches of the last transformer stage '", last->decl.id,
+             "' and must be placed with it");
+      const AssistantDonors donors = assistant_donor_layers(t);
+      if (d.reads_sliding != donors.sliding || d.reads_full != donors.full)
+        fail("drafter: its contract reads the KV of layers ", d.reads_sliding, " (sliding) and ",
+             d.reads_full, " (full); the model's donor layers are ", donors.sliding, " and ",
+             donors.full);
+      for (const int layer : {donors.sliding, donors.full})
+        if (layer >= 0 && (layer < last->decl.layers.begin || layer >= last->decl.layers.end))
+          fail("drafter: layer ", layer, " whose KV it reads is not in stage '", last->decl.id,
+               "'");
+      const auto drafter = open_bundle_drafter(dir, m);
+      return "placed with " + last->decl.id + ", reads the KV of layers " +
+             std::to_string(donors.sliding) + " (sliding) and " + std::to_string(donors.full) +
+             " (full), " + std::to_string(drafter->tensor_keys().size()) + " tensors";
+    });
   run("layer coverage and KV donor placement", [&] {
     std::vector<LayerRange> ranges;
     for (const BundleStage& s : m.stages)

@@ -12,10 +12,12 @@
 #include <cstdint>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
 
+#include "gemma4/assistant_model.h"
 #include "gemma4/config.h"
 #include "io/safetensors.h"
 #include "stage/contract.h"
@@ -41,6 +43,15 @@ struct BundleStage {
   std::vector<std::pair<int, int>> kv_donors;  // (shared layer, donor)
 };
 
+// The MTP drafter as its own stage (export -md): placed with the last transformer stage, whose
+// KV caches it reads (shared/docs/gemma4-mtp.md); its weights file holds the drafter's tensors
+// (matrices in the bundle's format, vectors f32), drafter_config.json its checkpoint config.
+struct BundleDrafter {
+  std::string id, placed_with, config_file, config_sha256, weights_file, sha256;
+  uint64_t bytes = 0;
+  int reads_sliding = -1, reads_full = -1;  // the target layers whose K/V it reads (-1: none)
+};
+
 struct BundleManifest {
   nlohmann::json raw;
   ModelConfig config;
@@ -48,6 +59,7 @@ struct BundleManifest {
   int64_t max_context = 0;
   std::vector<BundleStage> stages;
   std::vector<std::pair<std::string, std::string>> copied_files;  // (name, sha256)
+  std::optional<BundleDrafter> drafter;
 };
 
 bool is_bundle_dir(const std::string& path);
@@ -67,6 +79,8 @@ struct ExportOptions {
   bool force = false;
   // What the manifest names as the source ("source_model"); empty: the checkpoint's path.
   std::string source_description;
+  // A gemma4_assistant (MTP) drafter checkpoint written as the bundle's drafter stage (-md).
+  std::string drafter;
 };
 
 // Streams tensors from the checkpoint into stage files; never holds a whole model in memory.
@@ -90,6 +104,10 @@ struct CheckOptions {
 int check_bundle(const std::string& dir, const CheckOptions& opt, std::ostream& log);
 
 std::string sha256_file(const std::string& path);
+
+// The bundle's drafter stage (null when it has none), checked against the bundle's model.
+std::unique_ptr<AssistantModel> open_bundle_drafter(const std::string& dir,
+                                                    const BundleManifest& m);
 
 // Every stage's weights of a bundle as one tensor source (a key held by two stages, such as the
 // tied embedding, resolves to the first).
