@@ -15,8 +15,11 @@
 #include <atomic>
 #include <cctype>
 #include <chrono>
+#include <condition_variable>
 #include <fstream>
+#include <functional>
 #include <future>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -1262,7 +1265,31 @@ TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
   ServerOptions o = endless_options();
   o.parallel = 2;
   o.ctx = 96;  // the KV budget of both slots together
+  // The big request's ~90 tokens take the tiny model a fraction of a second, so a loaded machine
+  // could let it finish before the small one arrives, which then never queues. The engine waits
+  // before its 41st step (big has text by then, about half its share) until the queue's checks
+  // are done.
+  std::mutex hold_mu;
+  std::condition_variable hold_cv;
+  int steps = 0;
+  bool held = true;
+  o.before_step = [&] {
+    std::unique_lock<std::mutex> lk(hold_mu);
+    if (++steps > 40) hold_cv.wait(lk, [&] { return !held; });
+  };
+  const auto release = [&] {
+    {
+      std::lock_guard<std::mutex> lk(hold_mu);
+      held = false;
+    }
+    hold_cv.notify_all();
+  };
   auto s = start(o);
+  // Destroyed before the server, so a failed assertion never leaves the engine waiting.
+  struct ReleaseAtExit {
+    std::function<void()> release;
+    ~ReleaseAtExit() { release(); }
+  } release_at_exit{release};
   EXPECT_EQ(s->stats().kv_budget, 96);
   RawClient big(s->port());
   // Its prompt plus max_tokens reserve the whole budget.
@@ -1288,6 +1315,7 @@ TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
                          "gemstage_requests_total{outcome=\"refused\"}"),
             1);
   // The big one ends at its share (finish "length"); then the waiting one runs.
+  release();
   ASSERT_TRUE(big.read_until("[DONE]", 30.0 * kSlow)) << big.received.substr(0, 300);
   EXPECT_NE(big.received.find("\"finish_reason\":\"length\""), std::string::npos);
   ASSERT_TRUE(small.read_until("\"usage\"", 10.0 * kSlow)) << small.received;

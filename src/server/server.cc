@@ -499,6 +499,7 @@ void Server::Impl::engine() {
       admit();
       if (busy == 0) continue;
     }
+    if (opt.before_step) opt.before_step();
     try {
       step();
     } catch (const std::exception& e) {

@@ -58,9 +58,9 @@ struct ServerOptions {
   bool think = false;            // render chat prompts with thinking enabled
   RequestLimits limits;
   // Speculative decoding with a gemma4_assistant (MTP) drafter, -md DIR (or a bundle's drafter
-  // stage): every request drafts
-  // unless it sends "speculative.n_max": 0 (or has images / audio or an output constraint, which
-  // decode plainly). draft_max / draft_min: a request's defaults (--draft-max / --draft-min).
+  // stage): every request drafts unless it sends "speculative.n_max": 0 (or has images / audio
+  // or an output constraint, which decode plainly). draft_max / draft_min: a request's defaults
+  // (--draft-max / --draft-min).
   std::string model_draft;
   int draft_max = 4, draft_min = 0;
   // Adapt each request's draft length to its acceptance (runtime/speculative.h DraftControl);
@@ -73,6 +73,9 @@ struct ServerOptions {
   // Run on the loader thread before the model is opened: lets a test hold the server in its
   // "loading" state.
   std::function<void()> before_load;
+  // Run on the engine thread before each batched step: lets a test hold running requests in the
+  // middle of their generation, however fast the model is.
+  std::function<void()> before_step;
 };
 
 class Server {
