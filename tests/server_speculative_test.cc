@@ -8,9 +8,9 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <cctype>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <regex>
 #include <set>
 #include <thread>
 
@@ -63,14 +63,21 @@ const std::string& id_named_model() {
   return dir;
 }
 
-// The ids a reply's text spells (special ids are not in a completion's text).
+// The ids a reply's text spells (special ids are not in a completion's text); the text must
+// be nothing but such names.
 std::vector<int32_t> ids_of(const std::string& text) {
   std::vector<int32_t> out;
-  const std::regex name("<t([0-9]+)>");
-  for (auto it = std::sregex_iterator(text.begin(), text.end(), name); it != std::sregex_iterator();
-       ++it)
-    out.push_back(std::stoi((*it)[1].str()));
-  EXPECT_EQ(std::regex_replace(text, name, ""), "") << "text that is not an id name: " << text;
+  size_t i = 0;
+  while (i < text.size()) {
+    size_t j = i + 2;
+    while (j < text.size() && std::isdigit(static_cast<unsigned char>(text[j]))) ++j;
+    if (text.compare(i, 2, "<t") != 0 || j == i + 2 || j >= text.size() || text[j] != '>') {
+      ADD_FAILURE() << "text that is not an id name at " << i << ": " << text;
+      break;
+    }
+    out.push_back(std::stoi(text.substr(i + 2, j - i - 2)));
+    i = j + 1;
+  }
   return out;
 }
 
