@@ -78,7 +78,7 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
     return std::nullopt;
   }
   const float* raw_logits = logits;
-  logits = without_banned(raw_logits, vocab);
+  logits = without_banned(raw_logits, 1, vocab);
   int32_t id = -1;
   if (!constraint_) {
     id = sampler_.sample(logits, vocab, history_);
@@ -105,12 +105,13 @@ std::optional<int32_t> TokenStream::next(const float* logits, int64_t vocab, boo
   return take(id, raw_logits, vocab, has_room, on_text);
 }
 
-const float* TokenStream::without_banned(const float* raw_logits, int64_t vocab) {
+const float* TokenStream::without_banned(const float* raw_logits, int64_t rows, int64_t vocab) {
   if (opt_.banned_ids.empty()) return raw_logits;
-  masked_.assign(raw_logits, raw_logits + vocab);
-  for (const int32_t b : opt_.banned_ids)
-    if (b >= 0 && b < vocab)
-      masked_[static_cast<size_t>(b)] = -std::numeric_limits<float>::infinity();
+  masked_.assign(raw_logits, raw_logits + rows * vocab);
+  for (int64_t r = 0; r < rows; ++r)
+    for (const int32_t b : opt_.banned_ids)
+      if (b >= 0 && b < vocab)
+        masked_[static_cast<size_t>(r * vocab + b)] = -std::numeric_limits<float>::infinity();
   return masked_.data();
 }
 
@@ -126,16 +127,7 @@ std::optional<int32_t> TokenStream::next_verified(const float* logits, int64_t v
     return std::nullopt;
   }
   const auto rows = static_cast<int64_t>(drafts.size()) + 1;
-  const float* decide = logits;
-  std::vector<float> masked;
-  if (!opt_.banned_ids.empty()) {
-    masked.assign(logits, logits + rows * vocab);
-    for (int64_t r = 0; r < rows; ++r)
-      for (const int32_t b : opt_.banned_ids)
-        if (b >= 0 && b < vocab)
-          masked[static_cast<size_t>(r * vocab + b)] = -std::numeric_limits<float>::infinity();
-    decide = masked.data();
-  }
+  const float* decide = without_banned(logits, rows, vocab);
   const VerifyOutcome v = speculative_verify(decide, vocab, drafts, &sampler_, history_);
   *accepted = v.accepted;
   std::optional<int32_t> fed;

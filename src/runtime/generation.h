@@ -109,8 +109,9 @@ class TokenStream {
   // Takes `id` (drawn from raw_logits, before any mask) as the next generated token.
   std::optional<int32_t> take(int32_t id, const float* raw_logits, int64_t vocab, bool has_room,
                               const TextCallback& on_text);
-  // The logits with the banned ids masked (raw_logits itself when none are banned).
-  const float* without_banned(const float* raw_logits, int64_t vocab);
+  // `rows` rows of logits with the banned ids masked in each (raw_logits itself when none are
+  // banned).
+  const float* without_banned(const float* raw_logits, int64_t rows, int64_t vocab);
   void finish(const std::string& reason, bool flush, const TextCallback& on_text);
 
   const Tokenizer& tok_;

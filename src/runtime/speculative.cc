@@ -161,6 +161,35 @@ VerifyOutcome speculative_verify(const float* logits, int64_t vocab,
   return v;
 }
 
+DraftContext draft_context(const Sequence& target, const AssistantDonors& donors,
+                           int64_t position) {
+  DraftContext ctx;
+  ctx.target_embed = &target.embeddings_model().weights().embed_tokens;
+  if (!ctx.target_embed->valid())
+    fail("speculative decoding: the target's embedding table is not held");
+  for (const int layer : {donors.sliding, donors.full})
+    if (layer >= 0 && !target.layer_cache(layer))
+      fail("speculative decoding: the drafter reads the KV cache of target layer ", layer,
+           ", which runs in another process");
+  ctx.sliding = donors.sliding >= 0 ? target.layer_cache(donors.sliding) : nullptr;
+  ctx.full = donors.full >= 0 ? target.layer_cache(donors.full) : nullptr;
+  ctx.position = position;
+  return ctx;
+}
+
+std::vector<int32_t> draft_round(ThreadPool& pool, const AssistantModel& drafter,
+                                 const DraftContext& ctx, int32_t x, std::vector<float> h,
+                                 int64_t k, const std::function<bool(int32_t)>& stop_before) {
+  std::vector<int32_t> ids{x};
+  int32_t tok = x;
+  for (int64_t i = 0; i < k; ++i) {
+    tok = drafter.step(pool, ctx, tok, h);
+    if (stop_before && stop_before(tok)) break;
+    ids.push_back(tok);
+  }
+  return ids;
+}
+
 std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           const AssistantModel& drafter,
                                           std::span<const int32_t> prompt, int64_t n_new,
@@ -173,17 +202,7 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
   SpeculativeStats local;
   SpeculativeStats& st = stats ? *stats : local;
   const TextConfig& tc = target.config().text;
-  const AssistantDonors donors = assistant_donor_layers(tc);
-  DraftContext ctx;
-  ctx.target_embed = &target.embeddings_model().weights().embed_tokens;
-  ctx.sliding = donors.sliding >= 0 ? target.layer_cache(donors.sliding) : nullptr;
-  ctx.full = donors.full >= 0 ? target.layer_cache(donors.full) : nullptr;
-  if (!ctx.target_embed->valid())
-    fail("speculative decoding: the target's embedding table is not held");
-  for (const int layer : {donors.sliding, donors.full})
-    if (layer >= 0 && !target.layer_cache(layer))
-      fail("speculative decoding: the drafter reads the KV cache of target layer ", layer,
-           ", which runs in another process");
+  DraftContext ctx = draft_context(target, assistant_donor_layers(tc), 0);
 
   std::vector<int32_t> history(target.tokens());
   history.insert(history.end(), prompt.begin(), prompt.end());
@@ -229,13 +248,7 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     round.position = P;
     round.input_token = x;
     ctx.position = P;
-    std::vector<int32_t> ids{x};
-    std::vector<float> dh = h;
-    int32_t tok = x;
-    for (int64_t i = 0; i < k; ++i) {
-      tok = drafter.step(pool, ctx, tok, dh);
-      ids.push_back(tok);
-    }
+    const std::vector<int32_t> ids = draft_round(pool, drafter, ctx, x, h, k);
     round.drafts.assign(ids.begin() + 1, ids.end());
     TargetRows r = run_target(pool, target, ids, true);
     VerifyOutcome v =

@@ -83,6 +83,18 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           std::vector<SpeculativeRound>* rounds = nullptr,
                                           const std::function<bool(int32_t)>& on_token = {});
 
+// The drafter's view of `target` at `position`: the target's embedding table and the donor
+// layers' K/V caches. Fails, naming it, when the embedding table or a donor layer's cache is not
+// held in this process.
+DraftContext draft_context(const Sequence& target, const AssistantDonors& donors, int64_t position);
+
+// One round's verify rows [x, d_1..d_k]: up to k drafts from x and `h`, the target's hidden state
+// of the row before x, without touching the target's caches. Ends before a draft that
+// `stop_before` rejects.
+std::vector<int32_t> draft_round(ThreadPool& pool, const AssistantModel& drafter,
+                                 const DraftContext& ctx, int32_t x, std::vector<float> h,
+                                 int64_t k, const std::function<bool(int32_t)>& stop_before = {});
+
 // One verify call's outcome: the target ran [x_P, d_1..d_k] as k+1 rows (logits [k+1, vocab]).
 struct VerifyOutcome {
   int accepted = 0;                 // n: the leading drafts the target agreed with

@@ -425,14 +425,13 @@ void Server::Impl::open_drafter() {
   const Model& target = assistant->model();
   check_assistant_matches(d->config(), target.config(), drafter_name, opt.model_path);
   draft_donors = assistant_donor_layers(target.config().text);
+  // What each round's draft_context needs: the embedding table and the donor caches here.
   std::string missing;
-  if (!target.embeddings_model().weights().embed_tokens.valid())
-    missing = "the drafter needs the target's embedding table, which " + opt.model_path +
-              " does not hold in this process";
-  for (const int layer : {draft_donors.sliding, draft_donors.full})
-    if (missing.empty() && layer >= 0 && !slots.front()->sequence->layer_cache(layer))
-      missing = "the drafter reads the KV cache of target layer " + std::to_string(layer) +
-                ", which runs in another process";
+  try {
+    (void)draft_context(*slots.front()->sequence, draft_donors, 0);
+  } catch (const Error& e) {
+    missing = e.what();
+  }
   if (!missing.empty()) {
     if (!from_bundle)
       fail("-md ", opt.model_draft, ": ", missing,
@@ -780,21 +779,13 @@ bool Server::Impl::draft(Slot& s) {
                                     s.capacity - P - 1, int64_t{ubatch_rows} - 1}));
   if (k <= 0) return true;
   try {
-    DraftContext ctx;
-    ctx.target_embed = &seq.embeddings_model().weights().embed_tokens;
-    ctx.sliding = draft_donors.sliding >= 0 ? seq.layer_cache(draft_donors.sliding) : nullptr;
-    ctx.full = draft_donors.full >= 0 ? seq.layer_cache(draft_donors.full) : nullptr;
-    ctx.position = P;
-    std::vector<float> h = s.draft_h;
-    int32_t tok = *s.next_id;
-    s.verify_ids.push_back(tok);
-    for (int64_t i = 0; i < k; ++i) {
-      tok = drafter->step(*pool, ctx, tok, h);
-      // A drafted image/audio placeholder would be a row without its soft token, which a call
-      // that also carries another request's image refuses: the round ends before it.
-      if (std::find(placeholders.begin(), placeholders.end(), tok) != placeholders.end()) break;
-      s.verify_ids.push_back(tok);
-    }
+    // A drafted image/audio placeholder would be a row without its soft token, which a call
+    // that also carries another request's image refuses: the round ends before it.
+    s.verify_ids = draft_round(*pool, *drafter, draft_context(seq, draft_donors, P), *s.next_id,
+                               s.draft_h, k, [&](int32_t tok) {
+                                 return std::find(placeholders.begin(), placeholders.end(), tok) !=
+                                        placeholders.end();
+                               });
   } catch (const std::exception& e) {
     s.verify_ids.clear();
     end_job(s, "", ApiError(500, std::string("drafting failed: ") + e.what(), "server_error"));
