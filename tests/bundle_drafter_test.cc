@@ -111,9 +111,20 @@ TEST(BundleDrafter, QuantizedDrafterIsCheckedAndKeepsGreedyOutput) {
     ASSERT_EQ(ids[i], t) << "token " << i;
     l = plain.forward(pool, std::span<const int32_t>(&t, 1), nullptr, false, nullptr);
   }
-  int64_t accepted = 0;
-  for (const auto& r : rounds) accepted += r.accepted;
-  EXPECT_GT(accepted, 0);
+  // Each round accepts exactly its drafts that agree with the target's greedy ids. (Whether any
+  // does depends on the tier's rounding: on this random model the q8_0 target's first step is a
+  // near-tie that AMX's bf16 tiles resolve unlike VNNI's int8 rows, so no count is asserted.)
+  for (size_t r = 0; r < rounds.size(); ++r) {
+    const int64_t next = rounds[r].position + 1 - static_cast<int64_t>(prompt.size());
+    ASSERT_GE(next, 1) << "round " << r;
+    ASSERT_EQ(ids[static_cast<size_t>(next - 1)], rounds[r].input_token) << "round " << r;
+    int agree = 0;
+    while (agree < static_cast<int>(rounds[r].drafts.size()) &&
+           next + agree < static_cast<int64_t>(ids.size()) &&
+           rounds[r].drafts[static_cast<size_t>(agree)] == ids[static_cast<size_t>(next + agree)])
+      ++agree;
+    EXPECT_EQ(rounds[r].accepted, agree) << "round " << r;
+  }
 }
 
 // The manifest's drafter must sit with the last transformer stage and read its donor layers.
