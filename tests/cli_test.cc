@@ -167,6 +167,47 @@ TEST(Cli, BenchDecodesSeveralSequencesTogether) {
   EXPECT_NE(slurp(dir + "/bad").find("--parallel"), std::string::npos) << slurp(dir + "/bad");
 }
 
+// --profile splits each test's timed wall time by kind of work: the kinds a model has are
+// timed, the kinds it lacks stay zero, and together they fit in the test's time.
+TEST(Cli, BenchProfileSplitsTheTimeByKindOfWork) {
+  const std::string dir = temp_dir("cli_bench_profile");
+  const std::string moe = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-moe/model";
+  auto profiles = [&](const std::string& model, const std::string& name) {
+    const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + model +
+                            " -p 16 -n 4 --parallel 1,2 -r 2 --profile --json > " + dir + "/" +
+                            name + ".json 2> " + dir + "/log";
+    EXPECT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
+    return nlohmann::json::parse(std::ifstream(dir + "/" + name + ".json"));
+  };
+  for (const auto& [model, has_ple] : {std::pair{fixture("model"), true}, std::pair{moe, false}}) {
+    const auto j = profiles(model, has_ple ? "e" : "moe");
+    ASSERT_EQ(j.size(), 4u) << model;
+    for (const auto& e : j) {
+      ASSERT_TRUE(e.contains("profile_seconds")) << e;
+      const auto& p = e["profile_seconds"];
+      double sum = 0;
+      for (const char* k : {"embeddings", "attention projections", "attention", "MLP projections",
+                            "experts", "per-layer input", "head"}) {
+        ASSERT_TRUE(p.contains(k)) << k;
+        EXPECT_GE(p[k].get<double>(), 0.0) << k;
+        sum += p[k].get<double>();
+      }
+      for (const char* k :
+           {"embeddings", "attention projections", "attention", "MLP projections", "head"})
+        EXPECT_GT(p[k].get<double>(), 0.0) << model << " " << k << " " << p;
+      EXPECT_EQ(p["experts"].get<double>() > 0, !has_ple) << model << " " << p;
+      EXPECT_EQ(p["per-layer input"].get<double>() > 0, has_ple) << model << " " << p;
+      EXPECT_LE(sum, p["timed_seconds"].get<double>() * 1.0001) << p;
+    }
+  }
+  // Without --profile the timers stay off.
+  const std::string plain = std::string(GEMSTAGE_CLI) + " bench -m " + fixture("model") +
+                            " -p 8 -n 2 -r 1 --json > " + dir + "/plain.json 2> " + dir + "/log";
+  ASSERT_EQ(std::system(plain.c_str()), 0) << slurp(dir + "/log");
+  for (const auto& e : nlohmann::json::parse(std::ifstream(dir + "/plain.json")))
+    EXPECT_FALSE(e.contains("profile_seconds"));
+}
+
 }  // namespace
 
 namespace {

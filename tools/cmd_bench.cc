@@ -20,6 +20,7 @@
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
+#include "trace/op_profile.h"
 
 namespace gemstage::cli {
 
@@ -35,6 +36,7 @@ struct BenchArgs {
   std::string isa;          // empty: GEMSTAGE_ISA or the CPU's best tier
   std::string model_draft;  // a gemma4_assistant drafter: decode with and without it
   int draft_max = 4;
+  bool profile = false;  // each test's wall time by kind of work (trace/op_profile.h)
 };
 
 // Decode speed with and without a speculative drafter, interleaved per repetition so both see
@@ -196,6 +198,19 @@ int run_bench(const BenchArgs& a) {
     std::vector<double> ts;
     int64_t n_seq = 1;  // sequences in one batch: each prefills its prompt / decodes a token a step
     std::vector<RemoteStageStats> hops;  // what each remote stage's calls cost during the row
+    double timed_s = 0;                  // --profile: the timed wall time of all repetitions
+    OpSeconds op_s{};                    // --profile: of which, per kind of work
+  };
+  // --profile: the op timers run only inside the timed part of a repetition.
+  auto timing_starts = [&] {
+    op_profile_enable(a.profile);
+    return now_seconds();
+  };
+  auto timing_ends = [&](Row& r, double t_start) {
+    const double dt = now_seconds() - t_start;
+    op_profile_enable(false);
+    r.timed_s += dt;
+    return dt;
   };
   // Stages on other ranks (mpirun): their call counters, to report each row's hops.
   auto hop_stats = [&] {
@@ -223,6 +238,7 @@ int run_bench(const BenchArgs& a) {
   for (Row& r : rows) {
     p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
     const std::vector<RemoteStageStats> hops_before = hop_stats();
+    op_profile_reset();
     if (a.warmup) {
       // As llama-bench: one untimed pass (the prompt, or one decoded token) so the first
       // repetition does not pay the page faults of the mmapped weights and scratch buffers.
@@ -236,7 +252,8 @@ int run_bench(const BenchArgs& a) {
       p->reset();
       if (r.n_depth > 0 && r.n_seq == 1)
         p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
-      const double ts = now_seconds();
+      // Batched rows set their sequences up first and start their own clocks.
+      const double ts = r.n_seq == 1 ? timing_starts() : 0.0;
       if (r.n_prompt > 0 && r.n_seq == 1) {
         p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
       } else if (r.n_prompt > 0) {
@@ -251,7 +268,7 @@ int run_bench(const BenchArgs& a) {
             seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
           ids.push_back(random_ids(r.n_prompt));
         }
-        const double t_start = now_seconds();
+        const double t_start = timing_starts();
         std::vector<BatchEntry> batch;
         for (int64_t at = 0; at < r.n_prompt; at += 512) {
           batch.clear();
@@ -263,7 +280,7 @@ int run_bench(const BenchArgs& a) {
                              nullptr, false});
           Sequence::forward_batch(pool, batch);
         }
-        r.ts.push_back(static_cast<double>(r.n_prompt * r.n_seq) / (now_seconds() - t_start));
+        r.ts.push_back(static_cast<double>(r.n_prompt * r.n_seq) / timing_ends(r, t_start));
         continue;
       } else if (r.n_seq == 1) {
         for (int64_t i = 0; i < r.n_gen; ++i) {
@@ -297,7 +314,7 @@ int run_bench(const BenchArgs& a) {
           }
           group_of[pipeline.start(batch)] = g;
         };
-        const double t_start = now_seconds();
+        const double t_start = timing_starts();
         for (int64_t g = 0; g < groups; ++g) start_group(g);
         while (pipeline.in_flight() > 0) {
           CallPipeline::Finished f = pipeline.next();
@@ -306,12 +323,13 @@ int run_bench(const BenchArgs& a) {
           group_of.erase(f.call);
           if (++steps[static_cast<size_t>(g)] < r.n_gen) start_group(g);
         }
-        r.ts.push_back(static_cast<double>(r.n_gen * r.n_seq) / (now_seconds() - t_start));
+        r.ts.push_back(static_cast<double>(r.n_gen * r.n_seq) / timing_ends(r, t_start));
         continue;
       }
-      const double dt = now_seconds() - ts;
+      const double dt = timing_ends(r, ts);
       r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
     }
+    r.op_s = op_profile_seconds();
     r.hops = hop_stats();
     for (size_t i = 0; i < r.hops.size(); ++i) {
       RemoteStageStats& h = r.hops[i];
@@ -359,6 +377,12 @@ int run_bench(const BenchArgs& a) {
                      {"final_rss_anon_gb", mem.anon_gb},
                      {"read_bandwidth_gbs", gbs},
                      {"decode_bound_ts", gbs * 1e9 / bpt}});
+      if (a.profile) {
+        nlohmann::json prof = {{"timed_seconds", r.timed_s}};
+        for (size_t k = 0; k < r.op_s.size(); ++k)
+          prof[op_kind_name(static_cast<OpKind>(k))] = r.op_s[k];
+        out.back()["profile_seconds"] = prof;
+      }
     }
     std::cout << out.dump(2) << "\n";
     if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cerr);
@@ -383,6 +407,29 @@ int run_bench(const BenchArgs& a) {
   std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
             << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
+  if (a.profile) {
+    // Shares of each test's timed wall time; "other" is what no op timer covers (norms, RoPE,
+    // activations, residual adds, copies, thread hand-offs).
+    std::cout << "\n| test";
+    for (size_t k = 0; k < static_cast<size_t>(OpKind::kCount); ++k)
+      std::cout << " | " << op_kind_name(static_cast<OpKind>(k));
+    std::cout << " | other |\n| ---";
+    for (size_t k = 0; k <= static_cast<size_t>(OpKind::kCount); ++k) std::cout << " | ---:";
+    std::cout << " |\n" << std::setprecision(1);
+    for (const Row& r : rows) {
+      std::cout << "| "
+                << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen))
+                << (r.n_seq > 1 ? " x" + std::to_string(r.n_seq) : std::string())
+                << (r.n_depth ? " @ d" + std::to_string(r.n_depth) : std::string());
+      double covered = 0;
+      const double total = std::max(r.timed_s, 1e-12);
+      for (double sec : r.op_s) {
+        covered += sec;
+        std::cout << " | " << 100 * sec / total << "%";
+      }
+      std::cout << " | " << 100 * std::max(0.0, total - covered) / total << "% |\n";
+    }
+  }
   // Stages on other ranks (mpirun): what each hop cost per call, row by row (warm-up included).
   // With several calls in flight (x N rows) a call's round trip includes the time it waited
   // behind the others at the far rank, so only one sequence's rows show the cost of the way.
@@ -440,6 +487,9 @@ void add_bench_command(CLI::App& app, Registry& reg) {
       ->capture_default_str()
       ->check(CLI::PositiveNumber);
   sub->add_flag("!--no-warmup", a->warmup, "skip the untimed warm-up pass before each test");
+  sub->add_flag("--profile", a->profile,
+                "also print each test's wall time by kind of work (embeddings, attention "
+                "projections, attention, MLP projections, experts, per-layer input, head, other)");
   sub->add_flag("--json", a->json,
                 "print a JSON array (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, ...)");
   reg.add(sub, [a] { return run_bench(*a); });

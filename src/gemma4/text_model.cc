@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -10,6 +11,7 @@
 #include "kernels/experts.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
+#include "trace/op_profile.h"
 
 namespace gemstage {
 
@@ -80,6 +82,7 @@ TextModel::TextModel(const ModelConfig& config, TextWeights weights)
 EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> input_ids,
                                   const FloatTensor* soft_tokens, const TextRunOptions& opt,
                                   TapRecorder* taps) const {
+  const OpTimer timer(OpKind::Embeddings);
   const int64_t S = static_cast<int64_t>(input_ids.size());
   const int64_t D = cfg_.hidden_size, L = cfg_.num_hidden_layers, P = cfg_.ple_dim();
   const std::vector<int> placeholders = model_cfg_.placeholder_token_ids();
@@ -267,6 +270,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   float* k = nullptr;
   float* v = nullptr;
   if (ls.kv_shared) {
+    const OpTimer timer(OpKind::AttentionProjections);
     matmul(pool, x.data(), S, lw.q_proj, q.data());
   } else {
     auto& kbuf = pass.k[static_cast<size_t>(li)];
@@ -279,6 +283,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
       sized(pass.k16[static_cast<size_t>(li)], S * kvw);
       sized(pass.v16[static_cast<size_t>(li)], S * kvw);
     }
+    const OpTimer timer(OpKind::AttentionProjections);
     if (ls.k_eq_v) {
       // attention_k_eq_v: V is the raw key projection (v_norm below), taken before k_norm/RoPE.
       matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}});
@@ -313,6 +318,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& attn = pass.attn;  // every element is written by attend_layer
   sized(attn, S * H * hd);
   // Each sequence's rows attend to its own cache and its own fresh rows.
+  std::optional<OpTimer> attention_timer(std::in_place, OpKind::Attention);
   for (size_t si = 0; si < pass.segments.size(); ++si) {
     const RowSegment& seg = pass.segments[si];
     // The image block: on sliding layers only; full layers stay plainly causal.
@@ -334,9 +340,13 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
                   fv, attn.data() + seg.row0 * H * hd, last_key},
                  pass.attention);
   }
+  attention_timer.reset();
   auto& branch = pass.branch;
   sized(branch, S * D);
-  matmul(pool, attn.data(), S, lw.o_proj, branch.data());
+  {
+    const OpTimer timer(OpKind::AttentionProjections);
+    matmul(pool, attn.data(), S, lw.o_proj, branch.data());
+  }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     add_normed(h, branch.data(), r0, r1, D, lw.post_attention_layernorm.data(), eps);
   });
@@ -363,17 +373,23 @@ void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPa
   auto& up = pass.up;
   sized(gate, S * I);
   sized(up, S * I);
+  std::optional<OpTimer> timer(std::in_place, OpKind::MlpProjections);
   matmul_many(pool, x.data(), S, {{lw.gate_proj, gate.data()}, {lw.up_proj, up.data()}});
+  timer.reset();
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     gelu_tanh_mul(gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I, gate.data() + r0 * I);
   });
   auto& branch = pass.branch;
   sized(branch, S * D);
+  timer.emplace(OpKind::MlpProjections);
   matmul(pool, gate.data(), S, lw.down_proj, branch.data());
+  timer.reset();
   if (ls.moe) {
     // h1 + h2: the dense MLP after post_feedforward_layernorm_1, plus the experts' branch (both
     // computed from the residual stream before this block adds to it).
+    timer.emplace(OpKind::Experts);
     moe_experts(pool, li, hidden, pass, taps);
+    timer.reset();
     const float* moe = pass.moe_out.data();
     for_rows(pool, S, [&](int64_t r0, int64_t r1) {
       float* b = branch.data() + r0 * D;
@@ -461,6 +477,7 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
 // back, post-normed and added; layer_scalar then scales the whole residual stream.
 void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const PerLayerInputs& pli,
                           LayerPass& pass) const {
+  const OpTimer timer(OpKind::PerLayerInput);
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
@@ -577,6 +594,7 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end,
 
 FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,
                             int64_t n_rows, TapRecorder* taps) const {
+  const OpTimer timer(OpKind::Head);
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
   if (w_.final_norm.empty()) fail("the final norm and LM head are not held by this stage");
   if (first_row < 0 || n_rows < 0 || first_row + n_rows > hidden.dim(0))
