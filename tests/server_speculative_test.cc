@@ -181,6 +181,17 @@ void expect_400(const httplib::Result& r, const std::string& param) {
   EXPECT_NE(e["message"].get<std::string>().find(param), std::string::npos) << r->body;
 }
 
+// A Messages-route refusal: Anthropic's error shape, which names the field in its message.
+void expect_messages_400(const httplib::Result& r, const std::string& param) {
+  ASSERT_TRUE(r);
+  EXPECT_EQ(r->status, 400) << r->body;
+  const json b = json::parse(r->body);
+  EXPECT_EQ(b.value("type", ""), "error") << r->body;
+  const json e = b.value("error", json::object());
+  EXPECT_EQ(e.value("type", ""), "invalid_request_error") << r->body;
+  EXPECT_NE(e.value("message", "").find(param), std::string::npos) << r->body;
+}
+
 TEST(ServerSpeculative, ParsesTheSpeculativeFields) {
   const json base = {{"prompt", "hi"}};
   auto with = [&](const json& extra) {
@@ -370,6 +381,13 @@ TEST(ServerSpeculative, RequestsAndDraftersItCannotServe) {
                      {"speculative.n_max", 2},
                      {"speculative.n_min", 3}}),
                "speculative.n_min");
+    expect_messages_400(post(*plain, "/v1/messages",
+                             {{"max_tokens", 4},
+                              {"messages", {{{"role", "user"}, {"content", "hi"}}}},
+                              {"speculative.n_max", 4}}),
+                        "speculative.n_max");
+    expect_400(post(*plain, "/v1/responses", {{"input", "hi"}, {"speculative.n_max", 4}}),
+               "speculative.n_max");
     EXPECT_EQ(completion(*plain, f, {{"speculative.n_max", 0}})["usage"]["completion_tokens"], 16);
     EXPECT_FALSE(health(*plain).contains("speculative"));
   }
@@ -409,6 +427,61 @@ TEST(ServerSpeculative, RequestsAndDraftersItCannotServe) {
   EXPECT_FALSE(bad.wait_loaded());
   EXPECT_NE(bad.load_error().find("assistant_dense"), std::string::npos) << bad.load_error();
   EXPECT_NE(bad.load_error().find(id_named_model()), std::string::npos) << bad.load_error();
+}
+
+// /v1/messages and /v1/responses take the per-request keys as chat completions does: a drafted
+// reply is the plain one, drafting at most n_max per round; n_max 0 drafts nothing; bad values
+// are refused in the route's error shape, naming the field.
+TEST(ServerSpeculative, MessagesAndResponsesTakeThePerRequestSwitch) {
+  const SpecFixture f = spec_fixture("e_text");
+  auto s = start(spec_options());
+  struct Route {
+    std::string path;
+    json body;
+  };
+  const std::vector<Route> routes = {
+      {"/v1/messages",
+       {{"max_tokens", 16}, {"messages", {{{"role", "user"}, {"content", f.prompt_text()}}}}}},
+      {"/v1/responses", {{"max_output_tokens", 16}, {"input", f.prompt_text()}}}};
+  for (const Route& route : routes) {
+    SCOPED_TRACE(route.path);
+    const bool messages = route.path == "/v1/messages";
+    // The reply's content blocks or output items, without the ids each reply draws afresh.
+    auto reply = [&](const json& extra) {
+      json body = route.body;
+      body.update(extra);
+      const auto r = post(*s, route.path, body);
+      EXPECT_TRUE(r && r->status == 200) << (r ? r->body : "no reply");
+      if (!r || r->status != 200) return json();
+      const json j = json::parse(r->body);
+      EXPECT_EQ(j["usage"]["output_tokens"], 16) << r->body;
+      json out = j[messages ? "content" : "output"];
+      for (json& item : out) item.erase("id");
+      return out;
+    };
+    const json before = health(*s)["speculative"];
+    const json drafted = reply({{"speculative.n_max", 2}, {"speculative.n_min", 1}});
+    const json mid = health(*s)["speculative"];
+    const int64_t rounds = mid["rounds"].get<int64_t>() - before["rounds"].get<int64_t>();
+    EXPECT_GT(rounds, 0) << mid;
+    // --draft-max is 4 and not adapted: two drafts a round at most only if n_max got through.
+    EXPECT_LE(mid["drafted"].get<int64_t>() - before["drafted"].get<int64_t>(), 2 * rounds) << mid;
+    const json plain = reply({{"speculative.n_max", 0}});
+    EXPECT_EQ(health(*s)["speculative"]["rounds"], mid["rounds"]);
+    ASSERT_FALSE(drafted.empty());
+    EXPECT_EQ(drafted, plain);
+    for (const auto& [extra, param] : std::vector<std::pair<json, std::string>>{
+             {{{"speculative.n_max", kMaxDraftsPerRound + 1}}, "speculative.n_max"},
+             {{{"speculative.n_min", -1}}, "speculative.n_min"},
+             {{{"speculative", {{"n_max", 2}}}}, "speculative"}}) {
+      json body = route.body;
+      body.update(extra);
+      if (messages)
+        expect_messages_400(post(*s, route.path, body), param);
+      else
+        expect_400(post(*s, route.path, body), param);
+    }
+  }
 }
 
 // TokenStream::next_verified takes a round's tokens one by one as next() would: a round that

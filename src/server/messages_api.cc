@@ -194,7 +194,10 @@ Request to_chat_body(const json& body) {
   const json& max_tokens = required_member(body, "max_tokens", "max_tokens");
   if (!max_tokens.is_number_integer()) wrong_type("max_tokens", "an integer", max_tokens);
   c["max_tokens"] = max_tokens;
-  for (const char* key : {"temperature", "top_p", "top_k"})
+  // llama.cpp's speculative keys go through as sent: the chat parser checks them, naming the
+  // field (a nested "speculative" object is passed on so that it is refused there too).
+  for (const char* key :
+       {"temperature", "top_p", "top_k", "speculative.n_max", "speculative.n_min", "speculative"})
     if (const json* v = member(body, key)) c[key] = *v;
   if (const json* stop = member(body, "stop_sequences")) {
     if (!stop->is_array()) wrong_type("stop_sequences", "an array of strings", *stop);

@@ -200,7 +200,10 @@ Request to_chat_body(const json& body) {
     c["max_tokens"] = *n;
   }
   echo["max_output_tokens"] = body.value("max_output_tokens", json());
-  for (const char* key : {"temperature", "top_p", "top_k", "seed", "parallel_tool_calls"})
+  // llama.cpp's speculative keys go through as sent: the chat parser checks them, naming the
+  // field (a nested "speculative" object is passed on so that it is refused there too).
+  for (const char* key : {"temperature", "top_p", "top_k", "seed", "parallel_tool_calls",
+                          "speculative.n_max", "speculative.n_min", "speculative"})
     if (const json* v = member(body, key)) c[key] = *v;
   echo["temperature"] = body.value("temperature", json(1.0));
   echo["top_p"] = body.value("top_p", json(1.0));
