@@ -214,6 +214,14 @@ int run_bench(const BenchArgs& a) {
     double timed_s = 0;                  // --profile: the timed wall time of all repetitions
     OpSeconds op_s{};                    // --profile: of which, per kind of work
   };
+  // A row's name in the tables, llama-bench style: pp512, tg32 x4 @ d4096.
+  auto test_name = [](const Row& r) {
+    std::string name =
+        r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen);
+    if (r.n_seq > 1) name += " x" + std::to_string(r.n_seq);
+    if (r.n_depth) name += " @ d" + std::to_string(r.n_depth);
+    return name;
+  };
   // --profile: the op timers run only inside the timed part of a repetition.
   auto timing_starts = [&] {
     op_profile_enable(a.profile);
@@ -404,11 +412,7 @@ int run_bench(const BenchArgs& a) {
   std::cout << "| model | threads | isa | test | t/s |\n| --- | ---: | --- | ---: | ---: |\n";
   for (const Row& r : rows) {
     const auto [m, sd] = stats(r.ts);
-    std::ostringstream test;
-    test << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen));
-    if (r.n_seq > 1) test << " x" << r.n_seq;
-    if (r.n_depth) test << " @ d" << r.n_depth;
-    std::cout << "| " << a.model << " | " << pool.size() << " | " << tier << " | " << test.str()
+    std::cout << "| " << a.model << " | " << pool.size() << " | " << tier << " | " << test_name(r)
               << " | " << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
   }
   std::cout << std::setprecision(3) << "ISA tier " << tier << " (CPU: " << cpu_features_string()
@@ -430,10 +434,7 @@ int run_bench(const BenchArgs& a) {
     for (size_t k = 0; k <= static_cast<size_t>(OpKind::kCount); ++k) std::cout << " | ---:";
     std::cout << " |\n" << std::setprecision(1);
     for (const Row& r : rows) {
-      std::cout << "| "
-                << (r.n_prompt ? "pp" + std::to_string(r.n_prompt) : "tg" + std::to_string(r.n_gen))
-                << (r.n_seq > 1 ? " x" + std::to_string(r.n_seq) : std::string())
-                << (r.n_depth ? " @ d" + std::to_string(r.n_depth) : std::string());
+      std::cout << "| " << test_name(r);
       double covered = 0;
       const double total = std::max(r.timed_s, 1e-12);
       for (double sec : r.op_s) {
