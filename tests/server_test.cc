@@ -1292,8 +1292,11 @@ TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
   } release_at_exit{release};
   EXPECT_EQ(s->stats().kv_budget, 96);
   RawClient big(s->port());
-  // Its prompt plus max_tokens reserve the whole budget.
-  big.post("/v1/completions", {{"prompt", "Go on"}, {"max_tokens", 1000}, {"stream", true}});
+  // Its prompt plus max_tokens reserve the whole budget. Greedy, so the text before the hold is
+  // fixed: sampled at random, the first 40 tokens may all be byte pieces of no complete UTF-8
+  // character, so nothing streams and the engine waits at the hold for ever.
+  big.post("/v1/completions",
+           {{"prompt", "Go on"}, {"max_tokens", 1000}, {"stream", true}, {"temperature", 0}});
   ASSERT_TRUE(big.read_until("\"text\":", 10.0 * kSlow)) << big.received;
   // A slot is free, but the rows are not: the next request waits.
   RawClient small(s->port());
