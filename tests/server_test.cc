@@ -185,7 +185,7 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
   const std::string junk =
       "data:image/png;base64," + encode_base64(reinterpret_cast<const uint8_t*>("junk!"), 5);
   json twenty = json::array();
-  for (int i = 0; i < 17; ++i) twenty.push_back("s" + std::to_string(i));
+  for (int i = 0; i < 17; ++i) twenty.push_back(std::string("s").append(std::to_string(i)));
   const std::vector<BadCase> cases = {
       {{{"model", "m"}}, "messages", "missing_required_parameter", "'messages' is required"},
       {{{"messages", "hi"}}, "messages", "invalid_type", "must be an array, not a string"},
@@ -386,9 +386,7 @@ TEST(ServerApi, RefusesOversizedImages) {
 TEST(ServerApi, RefusesEveryInvalidCompletionBody) {
   const std::vector<BadCase> cases = {
       {{{"model", "m"}}, "prompt", "missing_required_parameter", "'prompt' is required"},
-      {{{"prompt", 5}}, "prompt", "invalid_type", "must be a string"},
-      {{{"prompt", {1, 2}}}, "prompt", "unsupported_value", "token-id arrays"},
-      {{{"prompt", {"a", "b"}}}, "prompt", "unsupported_value", "batches"},
+      {{{"prompt", 5}}, "prompt", "invalid_type", "must be a string or an array of token ids"},
       {{{"prompt", "x"}, {"echo", true}}, "echo", "unsupported_value", "not supported"},
       {{{"prompt", "x"}, {"suffix", "y"}}, "suffix", "unsupported_value", "not supported"},
       {{{"prompt", "x"}, {"best_of", 3}}, "best_of", "unsupported_value", "must be 1"},
@@ -400,7 +398,63 @@ TEST(ServerApi, RefusesEveryInvalidCompletionBody) {
   const CompletionRequest r =
       parse_completion_request({{"prompt", {"once"}}, {"stream", true}, {"echo", false}});
   EXPECT_EQ(r.prompt, "once");
+  EXPECT_FALSE(r.prompt_ids);
   EXPECT_TRUE(r.stream);
+  EXPECT_FALSE(r.sampling.ignore_eos);
+}
+
+TEST(ServerApi, CompletionPromptsAsTokenIds) {
+  const PromptIdLimits limits{2048, 64};
+  auto parse = [&](const json& prompt) {
+    return parse_completion_request({{"prompt", prompt}}, limits);
+  };
+  // Token ids, alone or as OpenAI's batch form with one element, are taken as they are.
+  const std::vector<int32_t> ids = {2, 0, 7, 2047};
+  for (const json& p : {json(ids), json::array({ids})}) {
+    SCOPED_TRACE(p.dump());
+    const CompletionRequest r = parse(p);
+    ASSERT_TRUE(r.prompt_ids);
+    EXPECT_EQ(*r.prompt_ids, ids);
+    EXPECT_EQ(r.prompt, "");
+  }
+  EXPECT_EQ(parse(json::array({"once"})).prompt, "once");
+  EXPECT_FALSE(parse(json::array({"once"})).prompt_ids);
+  // The context holds 64 rows, one of them for the first generated token.
+  EXPECT_EQ(parse(std::vector<int32_t>(63, 5)).prompt_ids->size(), 63u);
+
+  const std::vector<std::pair<json, BadCase>> cases = {
+      {json::array({"a", "b"}), {{}, "prompt", "unsupported_value", "one prompt per request"}},
+      {json::array({json::array({1}), json::array({2})}),
+       {{}, "prompt", "unsupported_value", "holds 2 prompts"}},
+      {json::array({1, "a"}), {{}, "prompt[1]", "invalid_value", "mixes token ids"}},
+      {json::array({"a", 1}), {{}, "prompt[1]", "invalid_value", "mixes token ids"}},
+      {json::array({1, 2.5}), {{}, "prompt[1]", "invalid_type", "must be an integer token id"}},
+      {json::array({3, -1}), {{}, "prompt[1]", "invalid_value", "'prompt[1]' is -1"}},
+      {json::array({2048}), {{}, "prompt[0]", "invalid_value", "is 2048, not a token id"}},
+      {json::parse("[18446744073709551615]"),
+       {{}, "prompt[0]", "invalid_value", "is 18446744073709551615"}},
+      {json::array(), {{}, "prompt", "empty_array", "empty array"}},
+      {json::array({json::array()}), {{}, "prompt[0]", "empty_array", "empty array"}},
+      {json::array({json::array({1, "x"})}),
+       {{}, "prompt[0][1]", "invalid_type", "must be an integer token id"}},
+      {json::array({true}), {{}, "prompt[0]", "invalid_type", "a string or an array of token ids"}},
+      {std::vector<int32_t>(64, 5), {{}, "prompt", "context_length_exceeded", "context holds 64"}},
+      {json::array({json::array({1, 2}), "a"}),
+       {{}, "prompt", "unsupported_value", "holds 2 prompts"}},
+  };
+  for (const auto& [prompt, c] : cases) {
+    BadCase bc = c;
+    bc.body = {{"prompt", prompt}};
+    expect_refused([&](const json& b) { parse_completion_request(b, limits); }, bc);
+  }
+
+  // llama.cpp's ignore_eos: a boolean, unset unless sent.
+  EXPECT_EQ(parse_completion_request({{"prompt", "x"}, {"ignore_eos", true}}).sampling.ignore_eos,
+            true);
+  EXPECT_EQ(parse_completion_request({{"prompt", "x"}, {"ignore_eos", false}}).sampling.ignore_eos,
+            false);
+  expect_refused([](const json& b) { parse_completion_request(b); },
+                 {{{"prompt", "x"}, {"ignore_eos", 1}}, "ignore_eos", "invalid_type", "a boolean"});
 }
 
 TEST(ServerApi, MalformedJsonIsA400) {
@@ -1324,6 +1378,140 @@ TEST(ServerBatching, BudgetQueuesWhatDoesNotFitNowAndRefusesWhatNeverFits) {
   ASSERT_TRUE(small.read_until("\"usage\"", 10.0 * kSlow)) << small.received;
   EXPECT_NE(small.received.find("HTTP/1.1 200"), std::string::npos);
   EXPECT_EQ(s->stats().completed, 2);
+}
+
+// The ids a text prompt tokenizes to, sent as the prompt, are that prompt: same reply, same usage,
+// and the prefix the text left in the slot's caches is reused.
+TEST(ServerHttp, TokenIdPromptEqualsItsText) {
+  ServerOptions o = tiny_options();
+  o.parallel = 1;  // both requests on one slot, for the prefix reuse
+  auto s = start(o);
+  const std::string text = "Once upon a time";
+  const Tokenizer tok = Tokenizer::from_model_dir(fixture("model"));
+  ASSERT_TRUE(tok.bos_id());
+  std::vector<int32_t> ids = {*tok.bos_id()};  // a text prompt is <bos> + the text
+  for (int32_t id : tok.encode(text)) ids.push_back(id);
+
+  const json req = {{"prompt", text}, {"temperature", 0}, {"max_tokens", 10}};
+  const auto r = post(*s, "/v1/completions", req);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "");
+  const json want = json::parse(r->body);
+  EXPECT_EQ(want["usage"]["prompt_tokens"], ids.size());
+
+  const std::string before = client(*s).Get("/metrics")->body;
+  json ireq = req;
+  ireq["prompt"] = ids;
+  const auto ir = post(*s, "/v1/completions", ireq);
+  ASSERT_TRUE(ir && ir->status == 200) << (ir ? ir->body : "");
+  const json got = json::parse(ir->body);
+  EXPECT_EQ(got["choices"][0]["text"], want["choices"][0]["text"]);
+  EXPECT_EQ(got["choices"][0]["finish_reason"], want["choices"][0]["finish_reason"]);
+  EXPECT_EQ(got["usage"], want["usage"]);
+  // Every prompt row the text left in the caches but the last, which runs again for its logits.
+  const std::string after = client(*s).Get("/metrics")->body;
+  EXPECT_EQ(metric_value(after, "gemstage_prompt_tokens_reused_total") -
+                metric_value(before, "gemstage_prompt_tokens_reused_total"),
+            static_cast<double>(ids.size() - 1));
+
+  // Streamed, and in the one-element batch form.
+  ireq["prompt"] = json::array({ids});
+  ireq["stream"] = true;
+  ireq["stream_options"] = {{"include_usage", true}};
+  const auto sr = post(*s, "/v1/completions", ireq);
+  ASSERT_TRUE(sr && sr->status == 200) << (sr ? sr->body : "");
+  EXPECT_EQ(streamed_text(sr->body), want["choices"][0]["text"]);
+  const auto data = sse_data(sr->body);
+  ASSERT_GE(data.size(), 2u);
+  EXPECT_EQ(json::parse(data[data.size() - 2])["usage"], want["usage"]);
+}
+
+TEST(ServerHttp, TokenIdPromptRefusals) {
+  ServerOptions o = tiny_options();
+  o.ctx = 64;
+  auto s = start(o);
+  const json placeholder = json::array({2, 5, 2040});  // the fixture's image_token_id
+  struct Case {
+    json prompt;
+    std::string param, code, message_part;
+  };
+  const std::vector<Case> cases = {
+      // The fixture's vocab_size is 2048.
+      {json::array({5, 2048}), "prompt[1]", "invalid_value", "is 2048, not a token id"},
+      {json::array({-1}), "prompt[0]", "invalid_value", "is -1"},
+      {json::array({1, "a"}), "prompt[1]", "invalid_value", "mixes token ids"},
+      {json::array({1.0}), "prompt[0]", "invalid_type", "an integer token id"},
+      {json::array(), "prompt", "empty_array", "empty array"},
+      {json::array({"a", "b"}), "prompt", "unsupported_value", "one prompt per request"},
+      {std::vector<int32_t>(64, 5), "prompt", "context_length_exceeded", "context holds 64"},
+      // A placeholder row (2040 is the fixture's image_token_id) has no image to fill it,
+      // whether sent as its id or written as text.
+      {json::array({2, 5, 2040}), "prompt", "invalid_value", "token 2 is 2040"},
+      {"<|image|>", "prompt", "invalid_value", "is 2040, an image / audio placeholder"},
+  };
+  for (bool stream : {false, true})
+    for (const Case& c : cases) {
+      SCOPED_TRACE(c.prompt.dump().substr(0, 60));
+      const auto r = post(*s, "/v1/completions", {{"prompt", c.prompt}, {"stream", stream}});
+      expect_error_reply(r, 400, c.code, c.param);
+      if (r) {
+        EXPECT_NE(r->body.find(c.message_part), std::string::npos) << r->body;
+      }
+    }
+  // The server still serves after all of them.
+  const auto ok = post(*s, "/v1/completions", {{"prompt", json::array({2, 5})}, {"max_tokens", 2}});
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(ok->status, 200) << ok->body;
+}
+
+// ignore_eos (llama.cpp's field) generates max_tokens even where the model would have stopped.
+TEST(ServerHttp, IgnoreEosRunsToMaxTokens) {
+  auto s = start(tiny_options());
+  constexpr int kMax = 64;
+  json req = {{"prompt", "Hi"}, {"temperature", 1}, {"max_tokens", kMax}};
+  // A seed whose reply stops on a stop id before max_tokens (random weights: some do).
+  std::optional<json> stopped;
+  for (int seed = 1; seed <= 200 && !stopped; ++seed) {
+    req["seed"] = seed;
+    const auto r = post(*s, "/v1/completions", req);
+    ASSERT_TRUE(r && r->status == 200);
+    const json j = json::parse(r->body);
+    if (j["choices"][0]["finish_reason"] == "stop") stopped = j;
+  }
+  ASSERT_TRUE(stopped) << "no seed stopped early";
+  ASSERT_LT((*stopped)["usage"]["completion_tokens"].get<int>(), kMax);
+  const std::string stopped_text = (*stopped)["choices"][0]["text"];
+
+  req["ignore_eos"] = true;
+  const auto r = post(*s, "/v1/completions", req);
+  ASSERT_TRUE(r && r->status == 200) << (r ? r->body : "");
+  const json j = json::parse(r->body);
+  EXPECT_EQ(j["usage"]["completion_tokens"], kMax);
+  EXPECT_EQ(j["choices"][0]["finish_reason"], "length");
+  // The same sampler draws up to where the reply stopped.
+  EXPECT_EQ(j["choices"][0]["text"].get<std::string>().rfind(stopped_text, 0), 0u) << j.dump();
+
+  json sreq = req;
+  sreq["stream"] = true;
+  sreq["stream_options"] = {{"include_usage", true}};
+  const auto sr = post(*s, "/v1/completions", sreq);
+  ASSERT_TRUE(sr && sr->status == 200);
+  const auto data = sse_data(sr->body);
+  ASSERT_GE(data.size(), 2u);
+  EXPECT_EQ(json::parse(data[data.size() - 2])["usage"]["completion_tokens"], kMax);
+  EXPECT_EQ(streamed_text(sr->body), j["choices"][0]["text"]);
+
+  // On a server started with --ignore-eos, "ignore_eos": false stops on the stop ids again.
+  ServerOptions o = tiny_options();
+  o.ignore_eos = true;
+  auto endless = start(o);
+  req.erase("ignore_eos");
+  const auto e = post(*endless, "/v1/completions", req);
+  ASSERT_TRUE(e && e->status == 200);
+  EXPECT_EQ(json::parse(e->body)["usage"]["completion_tokens"], kMax);
+  req["ignore_eos"] = false;
+  const auto f = post(*endless, "/v1/completions", req);
+  ASSERT_TRUE(f && f->status == 200);
+  EXPECT_EQ(json::parse(f->body)["choices"][0], (*stopped)["choices"][0]);
 }
 
 TEST(ServerBatching, PrefixReuseAndMetrics) {

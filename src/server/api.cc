@@ -238,6 +238,7 @@ void parse_common(const json& body, GenerationRequest& r) {
     bad_request("speculative.n_min", "invalid_value",
                 detail::concat("'speculative.n_min' (", *s.draft_min,
                                ") must not exceed 'speculative.n_max' (", *s.draft_max, ")"));
+  s.ignore_eos = get_bool(body, "ignore_eos", "ignore_eos");
   if (const json* spec = member(body, "speculative"); spec && spec->is_object())
     bad_request("speculative", "invalid_type",
                 "send the speculative fields as llama.cpp does, as top-level keys "
@@ -436,21 +437,72 @@ ChatRequest parse_chat_request(const json& body, const RequestLimits& limits) {
   return r;
 }
 
-CompletionRequest parse_completion_request(const json& body) {
+namespace {
+
+// A prompt given as token ids (`param` names the array): each an integer in [0, vocab_size).
+std::vector<int32_t> parse_prompt_ids(const json& a, const std::string& param,
+                                      const PromptIdLimits& limits) {
+  if (a.empty())
+    bad_request(param, "empty_array",
+                "'" + param + "' is an empty array; send a string or at least one token id");
+  // Checked before the ids are copied; the same limit a text prompt meets once tokenized.
+  if (static_cast<int64_t>(a.size()) >= limits.max_context)
+    bad_request(param, "context_length_exceeded",
+                detail::concat("the prompt is ", a.size(), " tokens but the context holds ",
+                               limits.max_context,
+                               " (including room for at least one generated token); shorten "
+                               "the prompt or start the server with a larger -c / --ctx-size"));
+  std::vector<int32_t> ids;
+  ids.reserve(a.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    const json& v = a[i];
+    const std::string p = detail::concat(param, "[", i, "]");
+    if (!v.is_number_integer()) wrong_type(p, "an integer token id", v);
+    const bool negative = !v.is_number_unsigned() && v.get<int64_t>() < 0;
+    if (negative || v.get<uint64_t>() >= static_cast<uint64_t>(limits.vocab_size))
+      bad_request(p, "invalid_value",
+                  detail::concat("'", p, "' is ", v.dump(), ", not a token id of this model (0 to ",
+                                 limits.vocab_size - 1, ")"));
+    ids.push_back(static_cast<int32_t>(v.get<int64_t>()));
+  }
+  return ids;
+}
+
+}  // namespace
+
+CompletionRequest parse_completion_request(const json& body, const PromptIdLimits& id_limits) {
   CompletionRequest r;
   parse_common(body, r);
   const json* prompt = member(body, "prompt");
   if (!prompt) bad_request("prompt", "missing_required_parameter", "'prompt' is required");
-  // OpenAI also takes a batch of prompts or token arrays; one text prompt per request here.
-  if (prompt->is_array() && prompt->size() == 1 && (*prompt)[0].is_string())
-    r.prompt = (*prompt)[0].get<std::string>();
-  else if (prompt->is_string())
-    r.prompt = prompt->get<std::string>();
-  else if (prompt->is_array())
-    bad_request("prompt", "unsupported_value",
-                "'prompt' must be one string (batches and token-id arrays are not supported)");
+  // A string, an array of token ids, or OpenAI's batch form (an array of those) with one element.
+  const json* one = prompt;
+  std::string param = "prompt";
+  if (prompt->is_array() && !prompt->empty()) {
+    const bool ids = (*prompt)[0].is_number();
+    for (size_t i = 1; i < prompt->size(); ++i)
+      if ((*prompt)[i].is_number() != ids)
+        bad_request(
+            detail::concat("prompt[", i, "]"), "invalid_value",
+            detail::concat("'prompt' mixes token ids and other values: prompt[0] is ",
+                           type_name((*prompt)[0]), " but prompt[", i, "] is ",
+                           type_name((*prompt)[i]), "; send one string or one array of token ids"));
+    if (!ids) {
+      if (prompt->size() > 1)
+        bad_request("prompt", "unsupported_value",
+                    detail::concat("'prompt' holds ", prompt->size(),
+                                   " prompts, but this server serves one prompt per request; "
+                                   "send each prompt as its own request"));
+      one = &(*prompt)[0];
+      param = "prompt[0]";
+    }
+  }
+  if (one->is_string())
+    r.prompt = one->get<std::string>();
+  else if (one->is_array())
+    r.prompt_ids = parse_prompt_ids(*one, param, id_limits);
   else
-    wrong_type("prompt", "a string", *prompt);
+    wrong_type(param, "a string or an array of token ids", *one);
   if (const json* lp = member(body, "logprobs"); lp && !(lp->is_boolean() && !lp->get<bool>()))
     bad_request("logprobs", "unsupported_value",
                 "'logprobs' is not supported on /v1/completions; use /v1/chat/completions");

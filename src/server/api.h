@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <span>
@@ -85,6 +86,9 @@ struct SamplingOverrides {
   // no drafting for this request) and "speculative.n_min" (rounds that would draft fewer run a
   // plain step), 0-kMaxDraftsPerRound; unset: the server's --draft-max / --draft-min.
   std::optional<int> draft_max, draft_min;
+  // llama.cpp's "ignore_eos": true generates max_tokens even past the model's stop ids, false
+  // stops on them; unset: the server's --ignore-eos.
+  std::optional<bool> ignore_eos;
 };
 
 // The most drafts one round may verify (the target's sliding rings keep room for this many rows
@@ -104,6 +108,16 @@ struct ChatRequest : GenerationRequest {
 
 struct CompletionRequest : GenerationRequest {
   std::string prompt;
+  // A prompt sent as token ids: used as given (no <bos>, no tokenization); `prompt` is then empty.
+  std::optional<std::vector<int32_t>> prompt_ids;
+};
+
+// What a token-id prompt is checked against, from the loaded model: every id in
+// [0, vocab_size), and fewer ids than max_context (room for one generated token, as for a text
+// prompt), checked before the ids are copied.
+struct PromptIdLimits {
+  int64_t vocab_size = std::numeric_limits<int32_t>::max();
+  int64_t max_context = std::numeric_limits<int64_t>::max();
 };
 
 // The body as JSON; a 400 (code "invalid_json") when it does not parse or is not an object.
@@ -112,7 +126,8 @@ nlohmann::json parse_json_body(std::string_view body);
 // POST /v1/chat/completions and POST /v1/completions. Images in data URLs are decoded here, so a
 // bad image is refused before the request waits for a slot. Throws ApiError.
 ChatRequest parse_chat_request(const nlohmann::json& body, const RequestLimits& limits = {});
-CompletionRequest parse_completion_request(const nlohmann::json& body);
+CompletionRequest parse_completion_request(const nlohmann::json& body,
+                                           const PromptIdLimits& id_limits = {});
 
 // Strict RFC 4648 base64 (standard alphabet; padding optional, whitespace not allowed).
 // nullopt on any other character or an impossible length.

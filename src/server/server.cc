@@ -128,6 +128,7 @@ struct Job {
   std::string generation_prefix;            // tool path: what the prompt's model turn began with
   nlohmann::json response_echo;             // /v1/responses: request fields the reply repeats
   std::string prompt_text;                  // completion
+  std::optional<std::vector<int32_t>> prompt_ids;  // completion sent as token ids
   SamplingOverrides sampling;
 
   std::atomic<bool> cancel{false};
@@ -535,6 +536,8 @@ void Server::Impl::prepare(Job& job) {
     // One conversation at a time on the preparation pool (a pool runs one job at a time).
     std::lock_guard<std::mutex> lk(prepare_mu);
     job.prompt = assistant->prepare_chat(*prepare_pool, job.messages, {true, opt.think});
+  } else if (job.prompt_ids) {
+    job.prompt.ids = std::move(*job.prompt_ids);  // as sent: no <bos>, no tokenization
   } else {
     job.prompt = assistant->prepare_raw(job.prompt_text);
   }
@@ -547,8 +550,29 @@ void Server::Impl::prepare(Job& job) {
                        "conversation or start the server with a larger -c / --ctx-size",
                    "invalid_request_error", job.chat ? "messages" : "prompt",
                    "context_length_exceeded");
+  // Each placeholder row takes an image's or clip's soft token. One the prompt brings by itself
+  // (the text "<|image|>", or its id in a token-id prompt) has none to take: the engine step that
+  // reached it would fail and end every running request.
+  const int64_t soft_rows = job.prompt.soft_tokens.numel() > 0 ? job.prompt.soft_tokens.dim(0) : 0;
+  const ModelConfig& config = assistant->model().config();
+  if (count_placeholders(config, job.prompt.ids) != soft_rows) {
+    const std::vector<int> ph = config.placeholder_token_ids();
+    const auto it =
+        std::find_first_of(job.prompt.ids.begin(), job.prompt.ids.end(), ph.begin(), ph.end());
+    const auto at = it - job.prompt.ids.begin();
+    throw ApiError(400,
+                   job.chat
+                       ? "the conversation holds an image / audio placeholder token in its "
+                         "text, with no image or audio to fill it"
+                       : "the prompt's token " + std::to_string(at) + " is " + std::to_string(*it) +
+                             ", an image / audio placeholder, with no image or audio to "
+                             "fill it; send images and audio to /v1/chat/completions",
+                   "invalid_request_error", job.chat ? "messages" : "prompt", "invalid_value");
+  }
   job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
   job.gen.cancel = &job.cancel;
+  if (job.sampling.ignore_eos)
+    job.gen.stop_ids = *job.sampling.ignore_eos ? std::vector<int32_t>{} : assistant->stop_ids();
   job.gen.keep_special_text = job.tool_request.has_value();
   if (job.tool_request) {
     // tool_choice is enforced while sampling: required / a named function force a well-formed
@@ -1394,8 +1418,10 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
   const bool dialect = m || rs;
   const json& chat_body = m ? m->chat_body : rs ? rs->chat_body : body;
   if (route == Route::kCompletion) {
-    CompletionRequest r = parse_completion_request(body);
+    CompletionRequest r =
+        parse_completion_request(body, {assistant->model().config().text.vocab_size, max_context});
     job->prompt_text = std::move(r.prompt);
+    job->prompt_ids = std::move(r.prompt_ids);
     common = std::move(r);
   } else if (dialect || wants_tool_path(body)) {
     job->tool_request = parse_tool_request(chat_body, opt.limits);

@@ -178,6 +178,8 @@ await step("text completions (plain and streamed) equal gemstage generate --raw"
   }
   eq(text, wantRaw.text, "streamed text");
   eq(finish, wantRaw.finish_reason, "finish_reason");
+  const ids = await client.completions.create({ model: "model", prompt: [2, 5, 9], max_tokens: 2 });
+  eq(ids.usage.prompt_tokens, 3, "a token-id prompt's prompt_tokens");
 });
 
 await step("request errors are APIErrors with status, code and param", async () => {
@@ -199,8 +201,11 @@ await step("request errors are APIErrors with status, code and param", async () 
                        "invalid_image", "messages[0].content[0].image_url.url");
   await expectApiError(chat({ messages: [user("x")], stream: true, temperature: 5 }), 400,
                        "invalid_value", "temperature");
-  await expectApiError(client.completions.create({ model: "model", prompt: [1, 2, 3] }), 400,
+  await expectApiError(client.completions.create({ model: "model", prompt: ["a", "b"] }), 400,
                        "unsupported_value", "prompt");
+  // Token ids are a prompt too, each below the fixture's vocabulary size of 2048.
+  await expectApiError(client.completions.create({ model: "model", prompt: [2, 2048] }), 400,
+                       "invalid_value", "prompt[1]");
   // What the client cannot send malformed, fetch can.
   const raw = await fetch(`${server.url}/v1/chat/completions`, {
     method: "POST", headers: { "Content-Type": "application/json" }, body: "{\"messages\": [",
