@@ -147,6 +147,15 @@ void gemm_args(benchmark::internal::Benchmark* b) {
   b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 
+// Batched decode: one row per sequence, 1 to 16 sequences, on the LM head (226 MB in Q4_0, far
+// past the caches, so the weights stream from DRAM as in a real decode step) and the MLP shapes.
+void batched_decode_args(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"out", "in", "S", "threads"});
+  for (auto [o, i] : {std::pair<int64_t, int64_t>{262144, 1536}, {6144, 1536}, {1536, 6144}})
+    for (int64_t S : {1, 2, 4, 8, 16}) b->Args({o, i, S, 2});
+  b->UseRealTime()->Unit(benchmark::kMicrosecond);
+}
+
 struct Fmt {
   const char* name;
   DType t;
@@ -280,6 +289,12 @@ const bool registered = [] {
                     (std::string("GemvLmHead/") + f.name + "/" + cpu_tier_name(t)).c_str(),
                     BM_Matmul, f.t, std::optional<CpuTier>(t)),
                 true);
+  for (const Fmt& f : kFormats)
+    if (dtype_is_quantized(f.t))
+      for (CpuTier t : simd)
+        batched_decode_args(benchmark::RegisterBenchmark(
+            (std::string("BatchedDecode/") + f.name + "/" + cpu_tier_name(t)).c_str(), BM_Matmul,
+            f.t, std::optional<CpuTier>(t)));
   return true;
 }();
 

@@ -343,6 +343,36 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
   }
 }
 
+// A batched decode step multiplies one row per sequence at once; each sequence must get exactly
+// what it gets decoding alone (greedy ids do not depend on who else is in the batch). Every tier,
+// both formats, S on both sides of the streamed decode-sized path (kernels/quant_kernels.cc,
+// kStreamMaxRows = 8), an odd row count split over two threads, a width with a short last chunk.
+TEST(QuantMatmulShapes, BatchedRowsEqualEachRowAlone) {
+  ThreadPool pool(2);
+  for (DType t : {DType::Q8_0, DType::Q4_0}) {
+    const int64_t K = 1056, N = 301;
+    const auto wf = randn(static_cast<size_t>(N * K), 81, 0.02f);
+    const auto q = quantize_matrix(t, wf.data(), N, K);
+    const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+    for (CpuTier tier : cpu_supported_tiers()) {
+      ScopedCpuTier use(tier);
+      for (int64_t S : {2, 3, 4, 5, 7, 8, 9, 16}) {
+        const auto x = randn(static_cast<size_t>(S * K), 82 + static_cast<uint32_t>(S));
+        std::vector<float> batched(static_cast<size_t>(S * N));
+        quant_matmul(pool, x.data(), S, w, batched.data());
+        std::vector<float> alone(static_cast<size_t>(N));
+        for (int64_t s = 0; s < S; ++s) {
+          quant_matmul(pool, x.data() + s * K, 1, w, alone.data());
+          for (int64_t r = 0; r < N; ++r)
+            ASSERT_EQ(batched[static_cast<size_t>(s * N + r)], alone[static_cast<size_t>(r)])
+                << fmt(t) << " tier " << cpu_tier_name(tier) << " S=" << S << " row " << s
+                << " out " << r;
+        }
+      }
+    }
+  }
+}
+
 // Matrices sharing an input (Q/K/V, gate/up) run as one job and give exactly what each gives on
 // its own: the row ranges of the stacked job fall across matrix boundaries at odd places.
 TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {

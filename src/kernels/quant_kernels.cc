@@ -8,8 +8,9 @@
 // 8 VPDPBUSD per 16 blocks per (weight row, activation row) (Q4_0: after 4 loads and 12
 // AND/shift unpack ops per weight row, shared by the activation rows), then one convert, one
 // scale product and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register
-// blocking: decode (S = 1) walks the weight rows one at a time in address order, prefetching
-// ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
+// blocking: decode (S = 1, and on VNNI up to kStreamMaxRows rows of a batched decode step) walks
+// the weight rows one at a time in address order, prefetching ahead (see kDecodePrefetch);
+// prefill keeps a 4 x 4 tile (each unpacked weight vector is used by 4
 // activation rows, each activation vector by 4 weight rows). The AVX2 tier (VPMADDUBSW, 8
 // lanes = half a chunk) keeps a 4 x 2 tile for prefill (tile_avx2); its decode GEMV (gemv_avx2)
 // walks the rows one at a time with the same prefetch as the VNNI one. The 1 x 4 tile it
@@ -250,6 +251,12 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
 // rate. Measured on the Zen 4 VM (bench/RESULTS.md): VNNI pp512 +15-20%.
 constexpr int64_t kActBlockBytes = int64_t{256} << 10;
 
+// On the VNNI kernels, calls of at most this many activation rows (a batched decode step) stream
+// the weights as decode does (see stream_rows_vnni) and are scheduled like it. The AVX2 kernels
+// keep their prefill tiles: streamed 1 x NX tiles measured no faster there (they are bound by the
+// maddubs arithmetic, 55-85 GFLOP/s on 2 Xeon cores, at every S from 1 to 16).
+constexpr int64_t kStreamMaxRows = 8;
+
 // Whole 4-row tiles per block, at least one.
 inline int64_t activation_block_rows(int64_t K) {
   return std::max<int64_t>(4, kActBlockBytes / K / 4 * 4);
@@ -303,13 +310,13 @@ void prefill_tiles(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_by
 // A 1 x 1 tile (the decode GEMV) splits its accumulator into 4 chains, summed at the end: with one,
 // its 8 VPDPBUSD per chunk wait on each other (about 5 cycles apiece on Zen 4) and the GEMV read
 // ~33 GB/s where the AVX2 one reads the bandwidth (46-50 GB/s, LM-head shape, 2 threads). Integer
-// sums are exact in any order, so the output is bit-identical. Larger tiles have a chain per
-// (row, row) pair already.
+// sums are exact in any order, so the output is bit-identical. Tiles of 2 to 4 (row, row) pairs
+// (the batched decode's 2-4 x 1) split theirs in two; larger tiles have enough chains already.
 template <DType T, int NX, int NW, bool kTail>
 GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* const* xq, int64_t m,
                                      __mmask16 mk, __m512i (&D)[NX][NW]) {
   const int64_t gs = kTail ? 4 * m : 64;  // group stride in bytes
-  constexpr int kChains = NX * NW == 1 ? 4 : 1;
+  constexpr int kChains = NX * NW == 1 ? 4 : NX * NW <= 4 ? 2 : 1;
   __m512i P[kChains][NX][NW];
   for (int k = 0; k < kChains; ++k)
     for (int a = 0; a < NX; ++a)
@@ -372,6 +379,9 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
   constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
   const int64_t n_chunks = (nb + kCB - 1) / kCB;
   const size_t span = NW * row_bytes;
+  // The span is prefetched in equal 64-byte-aligned steps, one per chunk (one division per call:
+  // two per chunk cost about as much as the chunk's 8 VPDPBUSD of a cache-resident GEMV).
+  const size_t pf_step = kPrefetch ? (span / static_cast<size_t>(n_chunks) + 63) & ~size_t{63} : 0;
   __m512 facc[NX][NW];
   for (int a = 0; a < NX; ++a)
     for (int w = 0; w < NW; ++w) facc[a][w] = _mm512_setzero_ps();
@@ -380,9 +390,8 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
     if constexpr (kPrefetch) {
       // Prefetches never fault, so running past the end of the mapping is harmless.
       const char* ahead = reinterpret_cast<const char*>(wrow[0]) + kDecodePrefetch;
-      const size_t lo =
-          (span * static_cast<size_t>(c) / static_cast<size_t>(n_chunks)) & ~size_t{63};
-      const size_t hi = span * static_cast<size_t>(c + 1) / static_cast<size_t>(n_chunks);
+      const size_t lo = pf_step * static_cast<size_t>(c);
+      const size_t hi = std::min(span, lo + pf_step);
       for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
     }
     const __mmask16 mk = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
@@ -423,18 +432,52 @@ struct VnniTiles {
   }
 };
 
+// Decode-sized calls (S <= kStreamMaxRows: one row per sequence of a batched decode step) walk
+// the weight rows one at a time in address order with the decode prefetch, each against all S
+// activation rows, as the S = 1 GEMV does. The 4 x 4 prefill tiles read four rows at once with
+// no prefetch and halved the bandwidth: on the 2-core Xeon the Q4_0 LM head (226 MB) took 1.9x,
+// 2.2x and 3.6x the one-row time for 2, 4 and 8 rows (bench "BatchedDecode").
+template <DType T, int NX>
+GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t row_bytes,
+                                    int64_t N, float* y, int64_t r0, int64_t r1) {
+  static constexpr int64_t kRows[kStreamMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
+  float out[NX];
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+    tile_vnni<T, NX, 1, true>(A, kRows, &wrow, out, row_bytes);
+    for (int a = 0; a < NX; ++a) y[a * N + r] = out[a];
+  }
+}
+
 template <DType T>
 GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
                              int64_t N, float* y, int64_t r0, int64_t r1) {
-  if (S == 1) {  // decode GEMV: one row at a time, in address order
-    const int64_t s0 = 0;
-    for (int64_t r = r0; r < r1; ++r) {
-      const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
-      tile_vnni<T, 1, 1, true>(A, &s0, &wrow, y + r, row_bytes);
+  switch (S) {
+    case 1: {  // decode GEMV: one row at a time, in address order
+      const int64_t s0 = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+        tile_vnni<T, 1, 1, true>(A, &s0, &wrow, y + r, row_bytes);
+      }
+      return;
     }
-    return;
+    case 2:
+      return stream_rows_vnni<T, 2>(A, wdata, row_bytes, N, y, r0, r1);
+    case 3:
+      return stream_rows_vnni<T, 3>(A, wdata, row_bytes, N, y, r0, r1);
+    case 4:
+      return stream_rows_vnni<T, 4>(A, wdata, row_bytes, N, y, r0, r1);
+    case 5:
+      return stream_rows_vnni<T, 5>(A, wdata, row_bytes, N, y, r0, r1);
+    case 6:
+      return stream_rows_vnni<T, 6>(A, wdata, row_bytes, N, y, r0, r1);
+    case 7:
+      return stream_rows_vnni<T, 7>(A, wdata, row_bytes, N, y, r0, r1);
+    case 8:
+      return stream_rows_vnni<T, 8>(A, wdata, row_bytes, N, y, r0, r1);
+    default:
+      prefill_tiles<VnniTiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
   }
-  prefill_tiles<VnniTiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
 }
 
 // ---- AVX2 (maddubs): 8 lanes = half a chunk; Q8_0 uses the sign trick (|q|, sign(x, q)) ------
@@ -918,7 +961,7 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     }
   };
   const size_t n = static_cast<size_t>(total_rows);
-  if (S == 1 && fn) {
+  if (S <= kStreamMaxRows && fn && (S == 1 || kernel == Kernel::Vnni)) {
     // Decode: about 4 chunks per thread (whole 16-row groups), taken as threads come free. An
     // even static split left one thread waiting at the end of most matrices: tg32 15.0-15.2 ->
     // 15.4-15.5 t/s measured on the E2B-shape Q4_0 bundle, run for run interleaved.
