@@ -441,8 +441,23 @@ template <DType T, int NX>
 GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t row_bytes,
                                     int64_t N, float* y, int64_t r0, int64_t r1) {
   static constexpr int64_t kRows[kStreamMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
-  float out[NX];
-  for (int64_t r = r0; r < r1; ++r) {
+  float out[NX * 2];
+  int64_t r = r0;
+  if constexpr (NX > 4) {
+    // Two weight rows at a time against rows 0-3 (streamed, prefetching both), then against the
+    // rest from L1: an 8 x 1 tile loads each activation vector for one VPDPBUSD, 4 x 2 for two.
+    for (; r + 1 < r1; r += 2) {
+      const uint8_t* wrow[2] = {wdata + static_cast<size_t>(r) * row_bytes,
+                                wdata + static_cast<size_t>(r + 1) * row_bytes};
+      tile_vnni<T, 4, 2, true>(A, kRows, wrow, out, row_bytes);
+      for (int a = 0; a < 4; ++a)
+        for (int w = 0; w < 2; ++w) y[a * N + r + w] = out[a * 2 + w];
+      tile_vnni<T, NX - 4, 2>(A, kRows + 4, wrow, out);
+      for (int a = 0; a < NX - 4; ++a)
+        for (int w = 0; w < 2; ++w) y[(4 + a) * N + r + w] = out[a * 2 + w];
+    }
+  }
+  for (; r < r1; ++r) {
     const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
     tile_vnni<T, NX, 1, true>(A, kRows, &wrow, out, row_bytes);
     for (int a = 0; a < NX; ++a) y[a * N + r] = out[a];
