@@ -28,8 +28,10 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -464,35 +466,21 @@ GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t 
   }
 }
 
+// stream_rows_vnni<T, 1> ... <T, kStreamMaxRows>, indexed by S - 1.
+template <DType T, size_t... I>
+constexpr auto stream_rows_table(std::index_sequence<I...>) {
+  return std::array{&stream_rows_vnni<T, static_cast<int>(I) + 1>...};
+}
+
 template <DType T>
 GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
                              int64_t N, float* y, int64_t r0, int64_t r1) {
-  switch (S) {
-    case 1: {  // decode GEMV: one row at a time, in address order
-      const int64_t s0 = 0;
-      for (int64_t r = r0; r < r1; ++r) {
-        const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
-        tile_vnni<T, 1, 1, true>(A, &s0, &wrow, y + r, row_bytes);
-      }
-      return;
-    }
-    case 2:
-      return stream_rows_vnni<T, 2>(A, wdata, row_bytes, N, y, r0, r1);
-    case 3:
-      return stream_rows_vnni<T, 3>(A, wdata, row_bytes, N, y, r0, r1);
-    case 4:
-      return stream_rows_vnni<T, 4>(A, wdata, row_bytes, N, y, r0, r1);
-    case 5:
-      return stream_rows_vnni<T, 5>(A, wdata, row_bytes, N, y, r0, r1);
-    case 6:
-      return stream_rows_vnni<T, 6>(A, wdata, row_bytes, N, y, r0, r1);
-    case 7:
-      return stream_rows_vnni<T, 7>(A, wdata, row_bytes, N, y, r0, r1);
-    case 8:
-      return stream_rows_vnni<T, 8>(A, wdata, row_bytes, N, y, r0, r1);
-    default:
-      prefill_tiles<VnniTiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
+  if (S <= kStreamMaxRows) {  // decode (S = 1) and batched decode steps
+    static constexpr auto kStream =
+        stream_rows_table<T>(std::make_index_sequence<kStreamMaxRows>());
+    return kStream[static_cast<size_t>(S - 1)](A, wdata, row_bytes, N, y, r0, r1);
   }
+  prefill_tiles<VnniTiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
 }
 
 // ---- AVX2 (maddubs): 8 lanes = half a chunk; Q8_0 uses the sign trick (|q|, sign(x, q)) ------
