@@ -631,11 +631,9 @@ void Server::Impl::prepare(Job& job) {
                        std::to_string(job.draft_max) + ")",
                    "invalid_request_error", "speculative.n_min", "invalid_value");
   // Decoded plainly: prompts with images or audio (the drafter runs text prompts only, as
-  // `generate -md` does) and constrained output (drafts are not constrained).
-  if (job.prompt.soft_tokens.numel() > 0 ||
-      count_placeholders(assistant->model().config(), job.prompt.ids) > 0 || job.gen.json_grammar ||
-      job.gen.tool_call_grammar)
-    job.draft_max = 0;
+  // `generate -md` does; soft_rows is also the placeholder count, checked above) and constrained
+  // output (drafts are not constrained).
+  if (soft_rows > 0 || job.gen.json_grammar || job.gen.tool_call_grammar) job.draft_max = 0;
 }
 
 // Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
