@@ -405,6 +405,45 @@ TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
           ASSERT_EQ(many[i][j], one[i][j])
               << fmt(t) << " S=" << S << " matrix " << i << " at " << j;
     }
+  // Matrices that each read their own input (a decode step's experts' down projections) in one
+  // job, beside ones that read the shared input: each equals its own matmul, on every tier.
+  for (CpuTier tier : cpu_supported_tiers()) {
+    ScopedCpuTier use(tier);
+    for (DType t : {DType::Q8_0, DType::Q4_0})
+      for (int64_t S : {int64_t{1}, int64_t{2}, kAmxMinRows + 1}) {
+        const int64_t K = 544;  // 17 blocks: a whole chunk and a one-block tail
+        std::vector<std::vector<uint8_t>> q;
+        std::vector<WeightView> w;
+        std::vector<std::vector<float>> xs;
+        for (int64_t N : {19, 3, 45}) {
+          const auto wf = randn(static_cast<size_t>(N * K), 80 + static_cast<uint32_t>(N), 0.1f);
+          q.push_back(quantize_matrix(t, wf.data(), N, K));
+          xs.push_back(randn(static_cast<size_t>(S * K), 90 + static_cast<uint32_t>(N)));
+        }
+        for (size_t i = 0; i < q.size(); ++i)
+          w.push_back(WeightView{std::string(1, static_cast<char>('a' + i)),
+                                 t,
+                                 {static_cast<int64_t>(q[i].size() / quant_row_bytes(t, K)), K},
+                                 q[i].data(),
+                                 q[i].size()});
+        const auto shared = randn(static_cast<size_t>(S * K), 99);
+        std::vector<std::vector<float>> one(3), many(3);
+        for (size_t i = 0; i < 3; ++i) {
+          one[i].resize(static_cast<size_t>(S * w[i].rows()));
+          many[i].assign(one[i].size(), NAN);
+          // Matrix 1 reads the shared input, 0 and 2 their own.
+          matmul(pool, i == 1 ? shared.data() : xs[i].data(), S, w[i], one[i].data());
+        }
+        const QuantTarget targets[] = {{&w[0], many[0].data(), xs[0].data()},
+                                       {&w[1], many[1].data()},
+                                       {&w[2], many[2].data(), xs[2].data()}};
+        quant_matmul_many(pool, shared.data(), S, targets);
+        for (size_t i = 0; i < 3; ++i)
+          for (size_t j = 0; j < one[i].size(); ++j)
+            ASSERT_EQ(many[i][j], one[i][j]) << fmt(t) << " tier " << cpu_tier_name(tier)
+                                             << " S=" << S << " matrix " << i << " at " << j;
+      }
+  }
   // Different formats or widths cannot share one job: they run one by one, or fail by name.
   const auto wf = randn(64 * 7, 70, 0.1f);
   const auto q8 = quantize_matrix(DType::Q8_0, wf.data(), 7, 64);

@@ -58,39 +58,58 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
     for (int64_t i = 0; i < S * top_k; ++i)
       ws.assignments[static_cast<size_t>(next[static_cast<size_t>(ids[i])]++)] = i;
   }
-  // A decode step (one row): its top-k experts' gate/up matrices all read the same input, so
-  // quantized ones run as one job (one activation quantization, one pool hand-off).
-  const bool one_job = S == 1 && dtype_is_quantized(gate_up.dtype) && cpu_tier() != CpuTier::Scalar;
+  // A decode step (one row) of quantized experts runs as two jobs for the pool, not 2 top_k:
+  // the chosen experts' gate/up matrices (which read the same input, quantized once), then their
+  // down projections (each reading its own activation). Every matrix here is small (1-2 MB at
+  // 26B-A4B's shapes), so per-call hand-offs and the idle tail of each call were a visible share
+  // of the step.
+  const bool one_job = S == 1 && dtype_is_quantized(gate_up.dtype) &&
+                       dtype_is_quantized(down.dtype) && cpu_tier() != CpuTier::Scalar;
   if (one_job) {
-    ws.gate_up.resize(static_cast<size_t>(top_k * 2 * I));
-    std::vector<WeightView> slices;
-    slices.reserve(static_cast<size_t>(top_k));
-    std::vector<QuantTarget> targets;
+    std::vector<int64_t> chosen;
     for (int64_t e = 0; e < E; ++e)
-      if (ws.count[static_cast<size_t>(e + 1)] > ws.count[static_cast<size_t>(e)]) {
-        slices.push_back(expert_slice(gate_up, e));
-        targets.push_back(
-            {&slices.back(), ws.gate_up.data() + static_cast<int64_t>(targets.size()) * 2 * I});
-      }
+      if (ws.count[static_cast<size_t>(e + 1)] > ws.count[static_cast<size_t>(e)])
+        chosen.push_back(e);
+    const auto n_chosen = static_cast<int64_t>(chosen.size());
+    ws.gate_up.resize(static_cast<size_t>(n_chosen * 2 * I));
+    ws.act.resize(static_cast<size_t>(n_chosen * I));
+    ws.y.resize(static_cast<size_t>(n_chosen * D));
+    std::vector<WeightView> slices;
+    slices.reserve(chosen.size());
+    std::vector<QuantTarget> targets;
+    for (int64_t j = 0; j < n_chosen; ++j) {
+      slices.push_back(expert_slice(gate_up, chosen[static_cast<size_t>(j)]));
+      targets.push_back({&slices.back(), ws.gate_up.data() + j * 2 * I});
+    }
     quant_matmul_many(pool, x, 1, targets);
+    for (int64_t j = 0; j < n_chosen; ++j) {
+      const float* g = ws.gate_up.data() + j * 2 * I;
+      gelu_tanh_mul(g, g + I, I, ws.act.data() + j * I);
+    }
+    slices.clear();
+    targets.clear();
+    for (int64_t j = 0; j < n_chosen; ++j) {
+      slices.push_back(expert_slice(down, chosen[static_cast<size_t>(j)]));
+      targets.push_back({&slices.back(), ws.y.data() + j * D, ws.act.data() + j * I});
+    }
+    quant_matmul_many(pool, nullptr, 1, targets);
+    // Summed in ascending expert id, as the loop below (and transformers) does.
+    for (int64_t j = 0; j < n_chosen; ++j) {
+      const int64_t e = chosen[static_cast<size_t>(j)];
+      const int64_t a0 = ws.count[static_cast<size_t>(e)],
+                    n = ws.count[static_cast<size_t>(e + 1)] - a0;
+      const float* y = ws.y.data() + j * D;
+      for (int64_t k = 0; k < n; ++k) {  // n > 1 only if the row named this expert twice
+        const float w = weights[ws.assignments[static_cast<size_t>(a0 + k)]];
+        for (int64_t d = 0; d < D; ++d) out[d] += y[d] * w;
+      }
+    }
+    return;
   }
-  for (int64_t e = 0, used = 0; e < E; ++e) {
+  for (int64_t e = 0; e < E; ++e) {
     const int64_t a0 = ws.count[static_cast<size_t>(e)],
                   n = ws.count[static_cast<size_t>(e + 1)] - a0;
     if (n == 0) continue;  // no row chose it: its weights are not read
-    if (one_job) {
-      // This expert's gate/up rows were computed above, in ascending expert order.
-      const float* g = ws.gate_up.data() + used++ * 2 * I;
-      ws.act.resize(static_cast<size_t>(I));
-      gelu_tanh_mul(g, g + I, I, ws.act.data());
-      ws.y.resize(static_cast<size_t>(D));
-      matmul(pool, ws.act.data(), 1, expert_slice(down, e), ws.y.data());
-      for (int64_t j = 0; j < n; ++j) {  // n > 1 only if the row named this expert twice
-        const float w = weights[ws.assignments[static_cast<size_t>(a0 + j)]];
-        for (int64_t d = 0; d < D; ++d) out[d] += ws.y[static_cast<size_t>(d)] * w;
-      }
-      continue;
-    }
     ws.x.resize(static_cast<size_t>(n * D));
     for (int64_t j = 0; j < n; ++j)
       std::memcpy(ws.x.data() + j * D, x + ws.assignments[static_cast<size_t>(a0 + j)] / top_k * D,

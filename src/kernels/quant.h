@@ -96,14 +96,16 @@ const char* quant_isa(int64_t S);
 // this checks in % 32 and nbytes).
 void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y);
 
-// One matrix of a quant_matmul_many call and where its outputs go.
+// One matrix of a quant_matmul_many call, where its outputs go, and optionally its own input.
 struct QuantTarget {
   const WeightView* w;
   float* y;
+  const float* x = nullptr;  // S rows of this matrix's own input; null: the call's shared x
 };
-// y_i = x * W_i^T for matrices of one dtype and input width that read the same input (Q, K and V;
-// gate and up): the activations are quantized once, and below the AMX threshold all rows of all
-// the matrices are one job for the pool instead of one job each.
+// y_i = x_i * W_i^T for matrices of one dtype and input width: x_i is the call's shared x (Q, K
+// and V; gate and up read the same input, which is quantized once) or the target's own input (a
+// decode step's chosen experts' down projections). Below the AMX threshold all rows of all the
+// matrices are one job for the pool instead of one job each.
 void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
                        std::span<const QuantTarget> targets);
 

@@ -921,17 +921,33 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   const Kernel kernel = kernel_for(S);
   if (kernel == Kernel::Amx) {
     for (const QuantTarget& tg : targets)
-      amx_quant_matmul(pool, x, S, t, static_cast<const uint8_t*>(tg.w->data), rb, K, tg.w->rows(),
-                       tg.y);
+      amx_quant_matmul(pool, tg.x ? tg.x : x, S, t, static_cast<const uint8_t*>(tg.w->data), rb, K,
+                       tg.w->rows(), tg.y);
     return;
   }
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
   // The NEON kernels make the weights signed in registers: no z term either.
   const bool neon = kernel == Kernel::Neon || kernel == Kernel::NeonDot;
   const int z = (kernel == Kernel::Avx2 && t == DType::Q8_0) || neon ? 0 : zero_point(t);
-  ActQ A;
-  quantize_acts(pool, x, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
-                kernel == Kernel::Vnni, &A);
+  // acts[0]: the shared input (when some target reads it); then one per target with its own.
+  std::vector<ActQ> acts(1);
+  std::vector<const ActQ*> act_of(targets.size());
+  const auto quantize = [&](const float* in, ActQ* a) {
+    quantize_acts(pool, in, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
+                  kernel == Kernel::Vnni, a);
+  };
+  for (size_t i = 0; i < targets.size(); ++i)
+    if (targets[i].x) acts.emplace_back();
+  for (size_t i = 0, own = 1; i < targets.size(); ++i) {
+    if (targets[i].x) {
+      quantize(targets[i].x, &acts[own]);
+      act_of[i] = &acts[own++];
+    } else {
+      if (!x) fail("matmul: weight ", targets[i].w->name, " has no input (internal error)");
+      if (acts[0].q.empty()) quantize(x, &acts[0]);
+      act_of[i] = &acts[0];
+    }
+  }
   using Fn =
       void (*)(const ActQ&, int64_t, const uint8_t*, size_t, int64_t, float*, int64_t, int64_t);
   Fn fn = nullptr;
@@ -950,7 +966,9 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {
     int64_t first = 0;
-    for (const QuantTarget& tg : targets) {
+    for (size_t i = 0; i < targets.size(); ++i) {
+      const QuantTarget& tg = targets[i];
+      const ActQ& A = *act_of[i];
       const int64_t N = tg.w->rows();
       const int64_t r0 = std::max<int64_t>(static_cast<int64_t>(b), first) - first;
       const int64_t r1 = std::min<int64_t>(static_cast<int64_t>(e), first + N) - first;
