@@ -151,7 +151,12 @@ void gemm_args(benchmark::internal::Benchmark* b) {
 // past the caches, so the weights stream from DRAM as in a real decode step) and the MLP shapes.
 void batched_decode_args(benchmark::internal::Benchmark* b) {
   b->ArgNames({"out", "in", "S", "threads"});
-  for (auto [o, i] : {std::pair<int64_t, int64_t>{262144, 1536}, {6144, 1536}, {1536, 6144}})
+  // The E2B LM head and MLP, then the 31B MLP (the verify rows of a speculative round).
+  for (auto [o, i] : {std::pair<int64_t, int64_t>{262144, 1536},
+                      {6144, 1536},
+                      {1536, 6144},
+                      {21504, 5376},
+                      {5376, 21504}})
     for (int64_t S : {1, 2, 4, 8, 16}) b->Args({o, i, S, 2});
   b->UseRealTime()->Unit(benchmark::kMicrosecond);
 }

@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
 
 #include "io/npy.h"
 #include "test_util.h"
@@ -135,6 +137,36 @@ TEST(Cli, BenchJsonHasLlamaBenchFields) {
   }
   EXPECT_EQ(j[3]["n_depth"], 16);
   EXPECT_EQ(j[3]["n_gen"], 4);
+}
+
+// bench -md: the drafter row, and --draft-agree rows whose drafts are replaced by the target's
+// own greedy tokens with a given probability. Agreeing always must accept every draft (which
+// only holds if each replacement lands on the output token it proposes); never, none. bench
+// itself fails if a speculative decode's output differs from the plain one.
+TEST(Cli, BenchDrafterSpeedCurveAgainstAcceptance) {
+  const std::string dir = temp_dir("cli_bench_draft");
+  const std::string fx = std::string(GEMSTAGE_FIXTURES);
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + fx +
+                          "/gemma4-tiny-dense/model -md " + fx +
+                          "/gemma4-tiny-assistant/assistant_dense -p 0 -n 12 -r 2 --draft-max 3 "
+                          "--draft-agree 0,1 > " +
+                          dir + "/out 2> " + dir + "/log";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
+  const std::string out = slurp(dir + "/out");
+  EXPECT_NE(out.find("| tg12 | 3 | drafter |"), std::string::npos) << out;
+  EXPECT_NE(out.find("| tg12 | 3 | 1.00 |"), std::string::npos) << out;
+  EXPECT_NE(out.find("| tg12 | 3 | 0.00 |"), std::string::npos) << out;
+  std::stringstream lines(out);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("| 1.00 |") != std::string::npos) {
+      const size_t at = line.rfind("| ");
+      EXPECT_EQ(line.substr(at, 7), "| 1.000") << line;  // every draft accepted
+    }
+    if (line.find("| 0.00 |") != std::string::npos) {
+      const size_t at = line.rfind("| ");
+      EXPECT_EQ(line.substr(at, 7), "| 0.000") << line;
+    }
+  }
 }
 
 TEST(Cli, BenchDecodesSeveralSequencesTogether) {

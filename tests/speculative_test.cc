@@ -13,6 +13,8 @@
 #include <nlohmann/json.hpp>
 
 #include "gemma4/assistant_model.h"
+#include "gemma4/config.h"
+#include "gemma4/presets.h"
 #include "stage/sequence.h"
 #include "test_util.h"
 #include "trace/taps.h"
@@ -309,6 +311,25 @@ TEST(Speculative, DrafterReadsBf16Caches) {
     }
     EXPECT_GE(same, 10) << s.name << ": drafts equal to the f32 reference, of 12";
   }
+}
+
+// make-random's drafter presets parse as gemma4_assistant configs and fit their targets' real
+// shapes (head dims, KV heads, window, vocabulary, backbone width); the other target does not.
+TEST(Speculative, AssistantPresetsFitTheirTargets) {
+  for (const char* target : {"26b-a4b", "31b"}) {
+    const std::string name = std::string(target) + "-assistant";
+    ASSERT_TRUE(is_assistant_preset(name));
+    const AssistantConfig a =
+        parse_assistant_config(assistant_preset_config(name).dump(), name + " preset");
+    EXPECT_EQ(a.text.layers.size(), 4u) << name;
+    const ModelConfig t = parse_model_config(preset_config(target).dump(), target);
+    EXPECT_NO_THROW(check_assistant_matches(a, t, name, target)) << name;
+    const char* other = std::string(target) == "31b" ? "26b-a4b" : "31b";
+    const ModelConfig o = parse_model_config(preset_config(other).dump(), other);
+    EXPECT_ANY_THROW(check_assistant_matches(a, o, name, other)) << name << " on " << other;
+  }
+  EXPECT_FALSE(is_assistant_preset("e2b"));
+  EXPECT_ANY_THROW(assistant_preset_config("e2b-assistant"));
 }
 
 TEST(Speculative, MismatchedPairRefusedNamingBothAndTheField) {

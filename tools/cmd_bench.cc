@@ -37,50 +37,85 @@ struct BenchArgs {
   std::string isa;          // empty: GEMSTAGE_ISA or the CPU's best tier
   std::string model_draft;  // a gemma4_assistant drafter: decode with and without it
   int draft_max = 4;
-  bool profile = false;  // each test's wall time by kind of work (trace/op_profile.h)
+  std::vector<double> draft_agree;  // with model_draft: drafts replaced to agree this often
+  bool profile = false;             // each test's wall time by kind of work (trace/op_profile.h)
 };
 
 // Decode speed with and without a speculative drafter, interleaved per repetition so both see
 // the same machine load: plain greedy steps against speculative_generate (adaptive) from the
-// same prompt, with the drafter's acceptance.
+// same prompt, with the drafter's acceptance. Each --draft-agree fraction P adds a row where the
+// drafter still runs (its cost is paid) but each draft is then replaced by the target's own next
+// greedy token with probability P, else by another token: the speed curve against acceptance
+// that a real drafter on real text lands somewhere on. Either way the speculative output must
+// equal the plain greedy output, which is checked.
 void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
                    const std::vector<int32_t>& prompt, const std::vector<int64_t>& gens,
                    std::ostream& out) {
   const auto drafter = AssistantModel::open(a.model_draft);
   check_assistant_matches(drafter->config(), p.config(), a.model_draft, a.model);
-  out << "| drafter | test | plain t/s | drafter t/s | ratio | acceptance |\n"
-         "| --- | ---: | ---: | ---: | ---: | ---: |\n";
+  std::vector<double> agree = {-1};  // the drafter's own drafts first
+  agree.insert(agree.end(), a.draft_agree.begin(), a.draft_agree.end());
+  out << "| drafter | test | k max | drafts agree | plain t/s | drafter t/s | ratio | acceptance "
+         "|\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+  const auto argmax = [](const FloatTensor& l) {
+    const float* row = l.row(0);
+    return static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row);
+  };
   for (int64_t ng : gens) {
     if (ng <= 1) continue;
-    double plain_s = 0, spec_s = 0;
-    SpeculativeStats st;
-    for (int rep = 0; rep < a.reps; ++rep) {
-      const int64_t ctx = static_cast<int64_t>(prompt.size()) + ng + a.draft_max + 2;
-      Sequence plain(p.shared_model(), ctx, p.kv_type());
-      FloatTensor l = plain.forward(pool, prompt, nullptr, false, nullptr);
-      double t0 = now_seconds();
-      for (int64_t i = 1; i < ng; ++i) {
-        const float* row = l.row(0);
-        const int32_t next = static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row);
-        l = plain.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
+    for (double P : agree) {
+      double plain_s = 0, spec_s = 0;
+      SpeculativeStats st;
+      for (int rep = 0; rep < a.reps; ++rep) {
+        const int64_t ctx = static_cast<int64_t>(prompt.size()) + ng + a.draft_max + 2;
+        Sequence plain(p.shared_model(), ctx, p.kv_type());
+        FloatTensor l = plain.forward(pool, prompt, nullptr, false, nullptr);
+        const int64_t vocab = l.dim(1);
+        std::vector<int32_t> plain_ids;
+        double t0 = now_seconds();
+        for (int64_t i = 1; i < ng; ++i) {
+          const int32_t next = argmax(l);
+          plain_ids.push_back(next);
+          l = plain.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
+        }
+        plain_s += now_seconds() - t0;
+        plain_ids.push_back(argmax(l));
+        Sequence spec(p.shared_model(), ctx, p.kv_type());
+        SpeculativeOptions opt;
+        opt.draft_max = a.draft_max;
+        std::mt19937_64 rng(static_cast<uint64_t>(rep) * 1000003u +
+                            static_cast<uint64_t>(std::max(0.0, P) * 1e6));
+        if (P >= 0)
+          opt.replace_drafts = [&](int64_t emitted, std::span<int32_t> drafts) {
+            std::uniform_real_distribution<double> u(0.0, 1.0);
+            for (size_t i = 0; i < drafts.size(); ++i) {
+              const int32_t right = plain_ids[static_cast<size_t>(emitted) + i];
+              drafts[i] = u(rng) < P ? right : static_cast<int32_t>((right + 1) % vocab);
+            }
+          };
+        bool first = true;
+        const std::vector<int32_t> ids = speculative_generate(
+            pool, spec, *drafter, prompt, ng, nullptr, opt, &st, nullptr, [&](int32_t) {
+              if (first) t0 = now_seconds();  // after the prefill, as above
+              first = false;
+              return true;
+            });
+        spec_s += now_seconds() - t0;
+        if (ids != plain_ids)
+          fail("bench: the speculative decode's output differs from plain greedy decoding (",
+               ids.size(), " against ", plain_ids.size(),
+               " tokens); this is a bug, please report it");
       }
-      plain_s += now_seconds() - t0;
-      Sequence spec(p.shared_model(), ctx, p.kv_type());
-      SpeculativeOptions opt;
-      opt.draft_max = a.draft_max;
-      bool first = true;
-      speculative_generate(pool, spec, *drafter, prompt, ng, nullptr, opt, &st, nullptr,
-                           [&](int32_t) {
-                             if (first) t0 = now_seconds();  // after the prefill, as above
-                             first = false;
-                             return true;
-                           });
-      spec_s += now_seconds() - t0;
+      const double n = static_cast<double>((ng - 1) * a.reps);
+      out << "| " << a.model_draft << " | tg" << ng << " | " << a.draft_max << " | ";
+      if (P >= 0)
+        out << std::fixed << std::setprecision(2) << P;
+      else
+        out << "drafter";
+      out << " | " << std::fixed << std::setprecision(2) << n / plain_s << " | " << n / spec_s
+          << " | " << std::setprecision(3) << plain_s / spec_s << " | " << st.acceptance() << " ("
+          << st.accepted << "/" << st.drafted << ") |\n";
     }
-    const double n = static_cast<double>((ng - 1) * a.reps);
-    out << "| " << a.model_draft << " | tg" << ng << " | " << std::fixed << std::setprecision(2)
-        << n / plain_s << " | " << n / spec_s << " | " << std::setprecision(3) << plain_s / spec_s
-        << " | " << st.acceptance() << " (" << st.accepted << "/" << st.drafted << ") |\n";
   }
 }
 
@@ -494,6 +529,12 @@ void add_bench_command(CLI::App& app, Registry& reg) {
                   "it and its acceptance, from a random 32-token prompt");
   sub->add_option("--draft-max", a->draft_max, "drafts per round at most (default 4)")
       ->check(CLI::Range(1, 64));
+  sub->add_option("--draft-agree", a->draft_agree,
+                  "with -md: also measure with each draft replaced by the target's own greedy "
+                  "token with these probabilities (comma-separated, 0-1; the drafter still runs), "
+                  "for the speed curve against acceptance")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 1.0));
   sub->add_option("--isa", a->isa,
                   "kernel tier: scalar, avx2, avx512, amx or neon (default: GEMSTAGE_ISA, else the "
                   "best this CPU supports; one the CPU lacks is an error)");

@@ -180,28 +180,76 @@ void write_config_files(const std::string& dir, const nlohmann::json& cfg_json,
   std::ofstream(fs::path(dir) / "preprocessor_config.json") << pre.dump(2);
 }
 
+// The tensors of a gemma4_assistant checkpoint (shared/docs/gemma4-mtp.md): the drafter's Q-only
+// layers (no k/v projections: it reads the target's caches), the projections to and from the
+// target's width, the tied head.
+std::vector<TensorSpec> assistant_tensor_specs(const nlohmann::json& cfg) {
+  const nlohmann::json& t = cfg["text_config"];
+  const int64_t Ha = t["hidden_size"], Ht = cfg["backbone_hidden_size"], V = t["vocab_size"],
+                I = t["intermediate_size"], H = t["num_attention_heads"];
+  std::vector<TensorSpec> specs;
+  const auto add = [&](std::string key, Shape shape) {
+    TensorSpec s;
+    s.key = std::move(key);
+    s.shape = std::move(shape);
+    specs.push_back(std::move(s));
+  };
+  add("model.embed_tokens.weight", {V, Ha});
+  add("model.norm.weight", {Ha});
+  add("pre_projection.weight", {Ha, 2 * Ht});
+  add("post_projection.weight", {Ht, Ha});
+  const auto& types = t["layer_types"];
+  for (size_t i = 0; i < types.size(); ++i) {
+    const bool full = types[i] == "full_attention";
+    const int64_t hd = full ? t["global_head_dim"].get<int64_t>() : t["head_dim"].get<int64_t>();
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    add(l + "self_attn.q_proj.weight", {H * hd, Ha});
+    add(l + "self_attn.q_norm.weight", {hd});
+    add(l + "self_attn.o_proj.weight", {Ha, H * hd});
+    add(l + "mlp.gate_proj.weight", {I, Ha});
+    add(l + "mlp.up_proj.weight", {I, Ha});
+    add(l + "mlp.down_proj.weight", {Ha, I});
+    for (const char* n : {"input_layernorm", "post_attention_layernorm",
+                          "pre_feedforward_layernorm", "post_feedforward_layernorm"})
+      add(l + n + ".weight", {Ha});
+    add(l + "layer_scalar", {1});
+  }
+  return specs;
+}
+
 int run_make_random(const MakeRandomArgs& a) {
   namespace fs = std::filesystem;
   const DType dt = a.dtype == "f32" ? DType::F32 : a.dtype == "f16" ? DType::F16 : DType::BF16;
   const std::string st_dtype(dtype_name(dt));
-  const nlohmann::json cfg_json = preset_config(a.preset, a.layers,
-                                                dt == DType::F32   ? "float32"
-                                                : dt == DType::F16 ? "float16"
-                                                                   : "bfloat16");
+  const std::string cfg_dtype = dt == DType::F32   ? "float32"
+                                : dt == DType::F16 ? "float16"
+                                                   : "bfloat16";
+  const bool assistant = is_assistant_preset(a.preset);
+  if (assistant && (!a.bundle_weights.empty() || a.layers > 0 || a.audio))
+    fail("make-random: --preset ", a.preset,
+         " writes a drafter checkpoint only (no --bundle, --layers or --audio); put it in a "
+         "bundle with export --model-draft, or pass it to bench / serve with -md");
+  const nlohmann::json cfg_json = assistant ? assistant_preset_config(a.preset, cfg_dtype)
+                                            : preset_config(a.preset, a.layers, cfg_dtype);
   nlohmann::json cfg_out = cfg_json;
   if (a.audio && cfg_out.value("model_type", "") == "gemma4_unified")
     fail(
         "make-random: --audio adds the E-series audio tower; the 12b preset has its audio "
         "embedder already");
   if (a.audio) cfg_out["audio_config"] = {{"model_type", "gemma4_audio"}};
-  const ModelConfig cfg = parse_model_config(cfg_out.dump(), a.preset + " preset");
-  std::vector<TensorSpec> specs = text_tensor_specs(cfg);
-  const auto vision = vision_tensor_specs(cfg);
-  specs.insert(specs.end(), vision.begin(), vision.end());
-  const auto audio = audio_tensor_specs(cfg);
-  specs.insert(specs.end(), audio.begin(), audio.end());
-  const auto unified = unified_tensor_specs(cfg);
-  specs.insert(specs.end(), unified.begin(), unified.end());
+  std::vector<TensorSpec> specs;
+  if (assistant) {
+    specs = assistant_tensor_specs(cfg_out);
+  } else {
+    const ModelConfig cfg = parse_model_config(cfg_out.dump(), a.preset + " preset");
+    specs = text_tensor_specs(cfg);
+    const auto vision = vision_tensor_specs(cfg);
+    specs.insert(specs.end(), vision.begin(), vision.end());
+    const auto audio = audio_tensor_specs(cfg);
+    specs.insert(specs.end(), audio.begin(), audio.end());
+    const auto unified = unified_tensor_specs(cfg);
+    specs.insert(specs.end(), unified.begin(), unified.end());
+  }
   // The hub checkpoint does not store the tied lm_head; it does store KV-shared layers' k/v.
   std::erase_if(specs, [](const TensorSpec& s) { return s.key == "lm_head.weight"; });
   std::sort(specs.begin(), specs.end(), [](const auto& x, const auto& y) { return x.key < y.key; });
@@ -305,7 +353,10 @@ int run_make_random(const MakeRandomArgs& a) {
   progress.finish();
   if (shards.size() > 1)
     std::ofstream(fs::path(a.out) / "model.safetensors.index.json") << index.dump(2);
-  write_config_files(a.out, cfg_out, a.preset);
+  if (assistant)  // a drafter has no generation or processor settings of its own
+    std::ofstream(fs::path(a.out) / "config.json") << cfg_out.dump(2);
+  else
+    write_config_files(a.out, cfg_out, a.preset);
   std::cerr << "wrote " << specs.size() << " tensors (" << static_cast<double>(total) / 1e9
             << " GB, " << shards.size() << " file" << (shards.size() > 1 ? "s" : "") << ") to "
             << a.out << "; no tokenizer is written (random weights; use --ids with dump/bench)\n";
@@ -318,8 +369,11 @@ void add_make_random_command(CLI::App& app, Registry& reg) {
   auto a = std::make_shared<MakeRandomArgs>();
   auto* sub = app.add_subcommand("make-random",
                                  "Write a random-weight Gemma 4 checkpoint in the hub layout");
-  sub->add_option("--preset", a->preset, "tiny | e2b | e4b | 26b-a4b | 31b | 12b")
-      ->check(CLI::IsMember({"tiny", "e2b", "e4b", "26b-a4b", "31b", "12b"}))
+  sub->add_option("--preset", a->preset,
+                  "tiny | e2b | e4b | 26b-a4b | 31b | 12b, or a drafter for a large target: "
+                  "26b-a4b-assistant | 31b-assistant")
+      ->check(CLI::IsMember(
+          {"tiny", "e2b", "e4b", "26b-a4b", "31b", "12b", "26b-a4b-assistant", "31b-assistant"}))
       ->capture_default_str();
   sub->add_option("--seed", a->seed, "random seed")->capture_default_str();
   sub->add_option("--dtype", a->dtype, "f32 | bf16 | f16")

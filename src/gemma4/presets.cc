@@ -181,4 +181,40 @@ json preset_config(const std::string& preset, int num_layers, const std::string&
   return c;
 }
 
+bool is_assistant_preset(const std::string& preset) {
+  return preset == "26b-a4b-assistant" || preset == "31b-assistant";
+}
+
+json assistant_preset_config(const std::string& preset, const std::string& dtype) {
+  if (!is_assistant_preset(preset))
+    fail("unknown assistant preset '", preset, "' (use 26b-a4b-assistant or 31b-assistant)");
+  const json target =
+      preset_config(preset.substr(0, preset.size() - std::string("-assistant").size()), 0, dtype);
+  const json& tt = target["text_config"];
+  json t = tt;
+  t["hidden_size"] = 1024;
+  t["intermediate_size"] = 4096;
+  t["num_hidden_layers"] = 4;
+  t["layer_types"] = {"sliding_attention", "sliding_attention", "sliding_attention",
+                      "full_attention"};
+  t["num_kv_shared_layers"] = 4;
+  t["vocab_size_per_layer_input"] = 0;
+  t["hidden_size_per_layer_input"] = 0;
+  t["enable_moe_block"] = false;
+  t["use_double_wide_mlp"] = false;
+  t["num_experts"] = nullptr;
+  t["top_k_experts"] = nullptr;
+  t["moe_intermediate_size"] = nullptr;
+  t["use_bidirectional_attention"] = nullptr;
+  return {{"architectures", {"Gemma4AssistantForCausalLM"}},
+          {"model_type", "gemma4_assistant"},
+          {"backbone_hidden_size", tt["hidden_size"]},
+          {"use_ordered_embeddings", false},
+          {"num_centroids", 2048},
+          {"centroid_intermediate_top_k", 32},
+          {"tie_word_embeddings", true},
+          {"text_config", t},
+          {"dtype", dtype}};
+}
+
 }  // namespace gemstage

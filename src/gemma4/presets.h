@@ -14,4 +14,14 @@ namespace gemstage {
 nlohmann::json preset_config(const std::string& preset, int num_layers = 0,
                              const std::string& dtype = "bfloat16");
 
+// A gemma4_assistant (MTP drafter) config.json for a large target preset ("26b-a4b-assistant",
+// "31b-assistant"): 4 layers [S, S, S, F] of width 1024 and MLP 4096, the target's attention
+// heads, KV heads, head dims, sliding window and vocabulary (what the drafter must share with it),
+// a tied head. The real drafters' widths are not published in the repository's docs; these are
+// for speed measurements (bench -md) at the targets' real attention and vocabulary shapes.
+nlohmann::json assistant_preset_config(const std::string& preset,
+                                       const std::string& dtype = "bfloat16");
+// True for the presets assistant_preset_config takes.
+bool is_assistant_preset(const std::string& preset);
+
 }  // namespace gemstage

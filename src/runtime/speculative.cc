@@ -248,7 +248,9 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     round.position = P;
     round.input_token = x;
     ctx.position = P;
-    const std::vector<int32_t> ids = draft_round(pool, drafter, ctx, x, h, k);
+    std::vector<int32_t> ids = draft_round(pool, drafter, ctx, x, h, k);
+    if (opt.replace_drafts)
+      opt.replace_drafts(static_cast<int64_t>(out.size()), std::span<int32_t>(ids).subspan(1));
     round.drafts.assign(ids.begin() + 1, ids.end());
     TargetRows r = run_target(pool, target, ids, true);
     VerifyOutcome v =

@@ -29,6 +29,10 @@ struct SpeculativeOptions {
   // Adapt k to the measured acceptance and switch drafting off while rounds produce tokens more
   // slowly than plain steps (probing again after a growing pause).
   bool adaptive = true;
+  // Measurement hook (`bench --draft-agree`): called with each round's drafts after the drafter
+  // made them (its cost paid) and before the target verifies them; may overwrite them. `emitted`
+  // is how many tokens the decode has produced, so drafts[i] proposes output token emitted + i.
+  std::function<void(int64_t emitted, std::span<int32_t> drafts)> replace_drafts;
 };
 
 // How many drafts each round makes. Adaptive: k follows acceptance (+1 after a fully accepted
