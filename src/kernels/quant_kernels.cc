@@ -434,29 +434,37 @@ struct VnniTiles {
   }
 };
 
-// Decode-sized calls (S <= kStreamMaxRows: one row per sequence of a batched decode step) walk
-// the weight rows one at a time in address order with the decode prefetch, each against all S
-// activation rows, as the S = 1 GEMV does. The 4 x 4 prefill tiles read four rows at once with
-// no prefetch and halved the bandwidth: on the 2-core Xeon the Q4_0 LM head (226 MB) took 1.9x,
+// Decode-sized calls (S <= kStreamMaxRows: one row per sequence of a batched decode step, or a
+// speculative round's verify rows) stream the weights in address order with the decode
+// prefetch, as the S = 1 GEMV does. The 4 x 4 prefill tiles read four rows at once with no
+// prefetch and halved the bandwidth: on the 2-core Xeon the Q4_0 LM head (226 MB) took 1.9x,
 // 2.2x and 3.6x the one-row time for 2, 4 and 8 rows (bench "BatchedDecode").
+// For S >= 2 four consecutive weight rows (one prefetched span) meet the activation rows at
+// once, so each activation vector serves four weight rows. One weight row at a time re-read the
+// whole quantized activation block per row: at 31B's down projection (input 21504) four rows'
+// codes are 86 KB, past L1, and the call took 3.2x the one-row time; with four weight rows at a
+// time 1.9x. E2B's gate projection at S = 4: 414-519 -> 293 us (bench/RESULTS.md, tenth
+// session). Outputs are unchanged: each (row, weight row) pair sums exactly as before.
 template <DType T, int NX>
 GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t row_bytes,
                                     int64_t N, float* y, int64_t r0, int64_t r1) {
   static constexpr int64_t kRows[kStreamMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
-  float out[NX * 2];
+  constexpr int NW = NX == 1 ? 1 : 4;  // weight rows per tile
+  constexpr int NA = NX > 4 ? 4 : NX;  // activation rows of the streamed tile; the rest from L1
+  float out[4 * 4];
   int64_t r = r0;
-  if constexpr (NX > 4) {
-    // Two weight rows at a time against rows 0-3 (streamed, prefetching both), then against the
-    // rest from L1: an 8 x 1 tile loads each activation vector for one VPDPBUSD, 4 x 2 for two.
-    for (; r + 1 < r1; r += 2) {
-      const uint8_t* wrow[2] = {wdata + static_cast<size_t>(r) * row_bytes,
-                                wdata + static_cast<size_t>(r + 1) * row_bytes};
-      tile_vnni<T, 4, 2, true>(A, kRows, wrow, out, row_bytes);
-      for (int a = 0; a < 4; ++a)
-        for (int w = 0; w < 2; ++w) y[a * N + r + w] = out[a * 2 + w];
-      tile_vnni<T, NX - 4, 2>(A, kRows + 4, wrow, out);
-      for (int a = 0; a < NX - 4; ++a)
-        for (int w = 0; w < 2; ++w) y[(4 + a) * N + r + w] = out[a * 2 + w];
+  if constexpr (NW > 1) {
+    for (; r + NW <= r1; r += NW) {
+      const uint8_t* wrow[NW];
+      for (int w = 0; w < NW; ++w) wrow[w] = wdata + static_cast<size_t>(r + w) * row_bytes;
+      tile_vnni<T, NA, NW, true>(A, kRows, wrow, out, row_bytes);
+      for (int a = 0; a < NA; ++a)
+        for (int w = 0; w < NW; ++w) y[a * N + r + w] = out[a * NW + w];
+      if constexpr (NX > 4) {
+        tile_vnni<T, NX - 4, NW>(A, kRows + 4, wrow, out);
+        for (int a = 0; a < NX - 4; ++a)
+          for (int w = 0; w < NW; ++w) y[(4 + a) * N + r + w] = out[a * NW + w];
+      }
     }
   }
   for (; r < r1; ++r) {
