@@ -313,6 +313,76 @@ TEST(Speculative, DrafterReadsBf16Caches) {
   }
 }
 
+// The adaptive draft length, as the server drives it (untimed: only acceptance decides) and as
+// speculative_generate does (each round's seconds per token against plain steps').
+TEST(Speculative, DraftControlAdaptsAndPausesADrafterThatDoesNotPay) {
+  SpeculativeOptions opt;
+  opt.draft_max = 4;
+  {  // Untimed, never accepted: k steps down, three empty rounds pause for 16, then 32 steps.
+    DraftControl c(opt);
+    EXPECT_EQ(c.next_draft(100), 4);
+    EXPECT_EQ(c.next_draft(2), 2);  // never past what max_tokens and the context leave
+    c.round(4, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 3);
+    c.round(3, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 2);
+    c.round(2, 0, -1);
+    for (int i = 0; i < 16; ++i) {
+      EXPECT_EQ(c.next_draft(100), 0) << "paused step " << i;
+      EXPECT_EQ(c.paused_beyond_next(), i < 15) << i;
+      c.plain_step(-1);
+    }
+    EXPECT_EQ(c.next_draft(100), 1);  // a cheap probe
+    c.round(1, 0, -1);
+    for (int i = 0; i < 32; ++i) {
+      ASSERT_EQ(c.next_draft(100), 0) << "second pause, step " << i;
+      c.plain_step(-1);
+    }
+    c.round(1, 1, -1);  // the probe's draft accepted: k grows again, no pause
+    EXPECT_EQ(c.next_draft(100), 2);
+    c.round(2, 2, -1);
+    c.round(3, 3, -1);
+    c.round(4, 4, -1);
+    EXPECT_EQ(c.next_draft(100), 4);  // at --draft-max
+    c.round(4, 1, -1);
+    EXPECT_EQ(c.next_draft(100), 3);
+  }
+  {  // --draft-min: a round that would draft fewer is a plain step.
+    SpeculativeOptions o = opt;
+    o.draft_min = 3;
+    DraftControl c(o);
+    c.round(4, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 3);
+    EXPECT_EQ(c.next_draft(2), 0);
+  }
+  {  // Timed: an empty first round asks for a plain step to compare with; a round slower per token
+     // than plain steps then pauses at once.
+    DraftControl c(opt);
+    c.round(4, 0, 0.5);
+    EXPECT_EQ(c.next_draft(100), 0);
+    c.plain_step(0.1);
+    EXPECT_EQ(c.next_draft(100), 3);
+    c.round(3, 0, 0.4);
+    EXPECT_EQ(c.next_draft(100), 0);
+    EXPECT_TRUE(c.paused_beyond_next());
+  }
+  {  // Timed, a drafter that pays: k stays at the maximum and drafting never pauses.
+    DraftControl c(opt);
+    c.plain_step(0.1);
+    for (int i = 0; i < 20; ++i) {
+      ASSERT_EQ(c.next_draft(100), 4) << i;
+      c.round(4, 4, 0.03);
+    }
+  }
+  {  // Not adaptive: always --draft-max, whatever the rounds do.
+    SpeculativeOptions o = opt;
+    o.adaptive = false;
+    DraftControl c(o);
+    for (int i = 0; i < 5; ++i) c.round(4, 0, 1.0);
+    EXPECT_EQ(c.next_draft(100), 4);
+  }
+}
+
 // make-random's drafter presets parse as gemma4_assistant configs and fit their targets' real
 // shapes (head dims, KV heads, window, vocabulary, backbone width); the other target does not.
 TEST(Speculative, AssistantPresetsFitTheirTargets) {
