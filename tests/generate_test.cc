@@ -116,6 +116,21 @@ TEST(Generate, BundleAndImagePrompts) {
             56);  // the fixture image yields 56 soft tokens at the tiny model's budget
 }
 
+// A drafter on a prompt with an image: the prompt is prefilled with its soft tokens in chunks
+// that keep the image whole, decoding drafts as usual, and the greedy ids are plain decoding's.
+TEST(Generate, DrafterOnAnImagePromptKeepsTheGreedyOutput) {
+  const std::string dir = temp_dir("gen_draft_image");
+  const std::string args = "-p \"What is this?\" --image " + fixture("multimodal/image.png") +
+                           " --temp 0 -n 24 --chunk 16";
+  const auto plain = generate_json(dir, args);
+  const auto spec = generate_json(dir, args + " -md " + std::string(GEMSTAGE_FIXTURES) +
+                                           "/gemma4-tiny-assistant/assistant_e --draft-max 3");
+  EXPECT_EQ(spec["prompt_ids"], plain["prompt_ids"]);
+  EXPECT_EQ(spec["tokens"], plain["tokens"]);
+  ASSERT_TRUE(spec.contains("draft_rounds")) << spec;
+  EXPECT_GT(spec["draft_rounds"].get<int64_t>(), 0) << spec;
+}
+
 TEST(Chat, MultiTurnReusesTheCache) {
   const std::string dir = temp_dir("chat");
   {

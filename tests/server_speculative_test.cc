@@ -368,8 +368,8 @@ TEST(ServerSpeculative, LogprobsAndSampling) {
 }
 
 // What the drafter cannot serve: a server without one refuses a request that asks for drafts;
-// images and constrained output decode plainly; a drafter that does not fit the target is refused
-// at load, naming both.
+// constrained output decodes plainly, images draft; a drafter that does not fit the target is
+// refused at load, naming both.
 TEST(ServerSpeculative, RequestsAndDraftersItCannotServe) {
   const SpecFixture f = spec_fixture("e_text");
   {
@@ -401,24 +401,29 @@ TEST(ServerSpeculative, RequestsAndDraftersItCannotServe) {
   const std::string url =
       "data:image/png;base64," +
       encode_base64(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());
-  const auto image = post(*s, "/v1/chat/completions",
-                          {{"messages",
-                            {{{"role", "user"},
-                              {"content",
-                               {{{"type", "image_url"}, {"image_url", {{"url", url}}}},
-                                {{"type", "text"}, {"text", "What is this?"}}}}}}},
-                           {"max_tokens", 6}});
-  ASSERT_TRUE(image && image->status == 200) << (image ? image->body : "");
   const auto constrained = post(*s, "/v1/chat/completions",
                                 {{"messages", {{{"role", "user"}, {"content", f.prompt_text()}}}},
                                  {"response_format", {{"type", "json_object"}}},
                                  {"max_tokens", 8}});
   ASSERT_TRUE(constrained && constrained->status == 200) << (constrained ? constrained->body : "");
   EXPECT_EQ(health(*s)["speculative"]["rounds"], 0);
-  // A text request on the same server does draft.
-  const auto text = post(*s, "/v1/completions", {{"prompt", "Once upon a time"}});
-  ASSERT_TRUE(text && text->status == 200);
+  // A prompt with an image drafts (its rows prefilled as usual, read by the drafter through the
+  // target's caches), and its greedy reply is the one plain decoding gives.
+  const json image_body = {{"messages",
+                            {{{"role", "user"},
+                              {"content",
+                               {{{"type", "image_url"}, {"image_url", {{"url", url}}}},
+                                {{"type", "text"}, {"text", "What is this?"}}}}}}},
+                           {"max_tokens", 12}};
+  const auto image = post(*s, "/v1/chat/completions", image_body);
+  ASSERT_TRUE(image && image->status == 200) << (image ? image->body : "");
   EXPECT_GT(health(*s)["speculative"]["rounds"], 0);
+  json plain_body = image_body;
+  plain_body["speculative.n_max"] = 0;
+  const auto image_plain = post(*s, "/v1/chat/completions", plain_body);
+  ASSERT_TRUE(image_plain && image_plain->status == 200);
+  EXPECT_EQ(json::parse(image->body)["choices"][0]["message"],
+            json::parse(image_plain->body)["choices"][0]["message"]);
 
   ServerOptions mismatched = spec_options();
   mismatched.model_draft = assistant_fixture("assistant_dense");

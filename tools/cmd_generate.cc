@@ -91,8 +91,6 @@ std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
 // plain decoding gives (greedy) or are distributed as its samples are (sampling).
 int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& pool,
                              const PreparedPrompt& p, const AssistantModel* drafter) {
-  if (!a.images.empty() || !a.audios.empty())
-    fail("--model-draft runs text prompts only (no --image / --audio)");
   if (output_grammar(a))
     fail("--model-draft cannot be combined with --json-schema yet (drafts are not constrained)");
   check_assistant_matches(drafter->config(), as.model().config(), drafter->path(), a.model);
@@ -116,8 +114,8 @@ int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& p
   double t_first = 0;
   SpeculativeStats stats;
   speculative_generate(
-      pool, *sequence, *drafter, p.ids, n_new, sampler ? &*sampler : nullptr, so, &stats, nullptr,
-      [&](int32_t id) {
+      pool, *sequence, *drafter, p.ids, p.soft(), opt.chunk, n_new, sampler ? &*sampler : nullptr,
+      so, &stats, nullptr, [&](int32_t id) {
         if (r.tokens.empty()) t_first = now_seconds();
         if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) {
           r.finish_reason = "stop";
@@ -180,10 +178,8 @@ int run_generate(const GenerateArgs& a) {
     const auto drafter = AssistantModel::open(a.model_draft);
     return run_generate_speculative(a, *as, pool, p, drafter.get());
   }
-  // A bundle's drafter stage drafts text prompts unless --no-bundle-drafter; images, audio and
-  // --json-schema decode plainly.
-  if (!a.no_bundle_drafter && is_bundle_dir(a.model) && a.images.empty() && a.audios.empty() &&
-      !output_grammar(a)) {
+  // A bundle's drafter stage drafts unless --no-bundle-drafter; --json-schema decodes plainly.
+  if (!a.no_bundle_drafter && is_bundle_dir(a.model) && !output_grammar(a)) {
     const BundleManifest m = read_bundle_manifest(a.model);
     if (const auto drafter = open_bundle_drafter(a.model, m)) {
       // It reads the caches of the stage it is placed with, which must run in this process.

@@ -197,6 +197,15 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           SpeculativeStats* stats,
                                           std::vector<SpeculativeRound>* rounds,
                                           const std::function<bool(int32_t)>& on_token) {
+  return speculative_generate(pool, target, drafter, prompt, nullptr, 0, n_new, sampler, opt, stats,
+                              rounds, on_token);
+}
+
+std::vector<int32_t> speculative_generate(
+    ThreadPool& pool, Sequence& target, const AssistantModel& drafter,
+    std::span<const int32_t> prompt, const FloatTensor* soft_tokens, int64_t chunk, int64_t n_new,
+    Sampler* sampler, const SpeculativeOptions& opt, SpeculativeStats* stats,
+    std::vector<SpeculativeRound>* rounds, const std::function<bool(int32_t)>& on_token) {
   if (prompt.empty()) fail("speculative decoding needs a prompt of at least one token");
   if (opt.draft_max < 0 || opt.draft_min < 0) fail("--draft-max and --draft-min must be >= 0");
   SpeculativeStats local;
@@ -217,9 +226,15 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
     return on_token ? on_token(t) : true;
   };
 
-  TargetRows pre = run_target(pool, target, prompt, false);
-  std::vector<float> h(pre.hidden.row(0), pre.hidden.row(0) + pre.hidden.dim(1));
-  int32_t x = choose(pre.logits, 0);
+  // The prompt as plain decoding runs it (its images / audio in their placeholder rows, chunks
+  // that keep an image whole); final_hidden gets the last row of each chunk, so the prompt's
+  // last row is the tap's last.
+  TapRecorder pre_taps({"final_hidden"});
+  const FloatTensor pre_logits = target.prefill(pool, prompt, soft_tokens, chunk, false, &pre_taps);
+  const FloatTensor pre_hidden = pre_taps.get("final_hidden");
+  const float* last = pre_hidden.row(pre_hidden.dim(0) - 1);
+  std::vector<float> h(last, last + pre_hidden.dim(1));
+  int32_t x = choose(pre_logits, pre_logits.dim(0) - 1);
   if (n_new <= 0) return out;
   if (!emit(x)) return out;
 

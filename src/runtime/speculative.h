@@ -86,6 +86,16 @@ std::vector<int32_t> speculative_generate(ThreadPool& pool, Sequence& target,
                                           SpeculativeStats* stats = nullptr,
                                           std::vector<SpeculativeRound>* rounds = nullptr,
                                           const std::function<bool(int32_t)>& on_token = {});
+// The same for a prompt with images or audio: soft_tokens [N, D] fill its placeholder rows in
+// order (as Sequence::prefill takes them), and the prompt runs in chunks of `chunk` rows (<= 0:
+// one pass) that never split an image. Decoding after the prompt is text, so the drafter needs
+// nothing else: it reads the image rows through the target's caches.
+std::vector<int32_t> speculative_generate(
+    ThreadPool& pool, Sequence& target, const AssistantModel& drafter,
+    std::span<const int32_t> prompt, const FloatTensor* soft_tokens, int64_t chunk, int64_t n_new,
+    Sampler* sampler, const SpeculativeOptions& opt, SpeculativeStats* stats = nullptr,
+    std::vector<SpeculativeRound>* rounds = nullptr,
+    const std::function<bool(int32_t)>& on_token = {});
 
 // The drafter's view of `target` at `position`: the target's embedding table and the donor
 // layers' K/V caches. Fails, naming it, when the embedding table or a donor layer's cache is not

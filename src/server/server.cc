@@ -630,10 +630,10 @@ void Server::Impl::prepare(Job& job) {
                        ") must not exceed the drafts per round at most (" +
                        std::to_string(job.draft_max) + ")",
                    "invalid_request_error", "speculative.n_min", "invalid_value");
-  // Decoded plainly: prompts with images or audio (the drafter runs text prompts only, as
-  // `generate -md` does; soft_rows is also the placeholder count, checked above) and constrained
-  // output (drafts are not constrained).
-  if (soft_rows > 0 || job.gen.json_grammar || job.gen.tool_call_grammar) job.draft_max = 0;
+  // Constrained output decodes plainly (drafts are not constrained). Prompts with images or
+  // audio draft like text ones: the prompt's rows are prefilled as usual, and the drafter reads
+  // them through the target's caches.
+  if (job.gen.json_grammar || job.gen.tool_call_grammar) job.draft_max = 0;
 }
 
 // Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
