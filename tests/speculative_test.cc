@@ -593,5 +593,32 @@ TEST(Speculative, DumpWritesSpecRoundTaps) {
   }
 }
 
+// dump --model-draft after a prompt with an image: the drafted greedy ids are plain decoding's
+// (the fixture's decode_ids), with the prompt prefilled in chunks across the image.
+TEST(Speculative, DumpDraftsAfterAnImagePrompt) {
+  const std::string dir = testing::temp_dir("spec_dump_image");
+  const std::string mm = fx("gemma4-tiny/multimodal/");
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " dump -m " + fx("gemma4-tiny/model") +
+                          " --ids " + mm + "input_ids.npy --pixel-values " + mm +
+                          "pixel_values.npy --image-position-ids " + mm +
+                          "image_position_ids.npy --decode 12 --chunk 16 -t 2 -md " +
+                          fx("gemma4-tiny-assistant/assistant_e") +
+                          " --taps decode_ids,spec_new_ids,spec_round_num_drafts --out " + dir +
+                          "/o > " + dir + "/log 2>&1 < /dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << [&] {
+    std::ifstream in(dir + "/log");
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  }();
+  const std::vector<int64_t> spec = load_npy(dir + "/o/spec_new_ids.npy").to_i64();
+  const std::vector<int64_t> plain = load_npy(dir + "/o/decode_ids.npy").to_i64();
+  const std::vector<int64_t> want = load_npy(mm + "decode_ids.npy").to_i64();
+  ASSERT_EQ(spec.size(), 12u);
+  EXPECT_EQ(spec, plain);
+  for (size_t i = 0; i < spec.size() && i < want.size(); ++i) EXPECT_EQ(spec[i], want[i]) << i;
+  int64_t drafted = 0;
+  for (int64_t n : load_npy(dir + "/o/spec_round_num_drafts.npy").to_i64()) drafted += n;
+  EXPECT_GT(drafted, 0);
+}
+
 }  // namespace
 }  // namespace gemstage

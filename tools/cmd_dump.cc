@@ -41,7 +41,8 @@ struct DumpArgs {
 // The spec_* taps of shared/docs/gemma4-mtp.md: a greedy speculative decode of n_new tokens with
 // a constant draft length, on a fresh sequence of the same model; rows padded with -1.
 void record_speculative(const DumpArgs& a, ThreadPool& pool, const Sequence& model,
-                        std::span<const int32_t> ids, int n_new, TapRecorder& taps) {
+                        std::span<const int32_t> ids, const FloatTensor* soft, int64_t chunk,
+                        int n_new, TapRecorder& taps) {
   const auto drafter = AssistantModel::open(a.model_draft);
   check_assistant_matches(drafter->config(), model.config(), a.model_draft, a.model);
   Sequence seq(model.shared_model(),
@@ -52,8 +53,8 @@ void record_speculative(const DumpArgs& a, ThreadPool& pool, const Sequence& mod
   opt.draft_max = a.draft_max;
   opt.adaptive = false;
   std::vector<SpeculativeRound> rounds;
-  const auto out =
-      speculative_generate(pool, seq, *drafter, ids, n_new, nullptr, opt, nullptr, &rounds);
+  const auto out = speculative_generate(pool, seq, *drafter, ids, soft, chunk, n_new, nullptr, opt,
+                                        nullptr, &rounds);
   std::vector<int64_t> pos, in, nd, acc, drafts, tids;
   const size_t K = static_cast<size_t>(a.draft_max);
   for (const SpeculativeRound& r : rounds) {
@@ -289,8 +290,7 @@ int run_dump(const DumpArgs& a) {
     seq.insert(seq.end(), decode_ids.begin(), decode_ids.end());
     taps.append_ids("sequence_ids", seq);
     if (!a.model_draft.empty()) {
-      if (n_soft) fail("--model-draft runs text prompts only (no images or audio)");
-      record_speculative(a, pool, *model, ids, a.decode, taps);
+      record_speculative(a, pool, *model, ids, n_soft ? &soft : nullptr, chunk, a.decode, taps);
     }
   }
   if (!a.model_draft.empty() && a.decode <= 0) fail("--model-draft needs --decode N");
