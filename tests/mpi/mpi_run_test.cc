@@ -303,7 +303,8 @@ class ServeJob {
 // process gives.
 TEST_F(MpiRun, ConcurrentRequestsPipelinedOverRanksGetTheOneProcessReplies) {
   const std::string serve = kCli + " serve -m " + bundle() + " --port 0 -t 1 -np 4";
-  ServeJob one(serve, dir() + "/serve_one.log");
+  // exec: without it the job's pid is the shell's, and SIGTERM at the end left serve running.
+  ServeJob one("exec " + serve, dir() + "/serve_one.log");
   ServeJob three("exec mpirun --oversubscribe -np 3 " + serve, dir() + "/serve_three.log");
   ASSERT_TRUE(one.wait_up()) << one.log();
   ASSERT_TRUE(three.wait_up()) << three.log();
