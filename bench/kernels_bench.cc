@@ -144,6 +144,10 @@ void gemm_args(benchmark::internal::Benchmark* b) {
   for (auto [o, i] : {std::pair<int64_t, int64_t>{6144, 1536}, {1536, 6144}, {1536, 12288}})
     for (int64_t S : {128, 512})
       for (int th : {1, 2}) b->Args({o, i, S, th});
+  // The 12B's MLP (3840 -> 15360 -> 3840: 3840 = 7.5 chunks, so every row ends in a short
+  // chunk) at a 64-row prompt, past the caches.
+  for (auto [o, i] : {std::pair<int64_t, int64_t>{15360, 3840}, {3840, 15360}})
+    b->Args({o, i, 64, 2});
   b->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

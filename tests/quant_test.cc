@@ -315,7 +315,7 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
 INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
                                             ::testing::Values(1, 3, 5, 17, 40),
-                                            ::testing::Values(32, 96, 160, 512, 1056),
+                                            ::testing::Values(32, 96, 160, 256, 512, 992, 1056),
                                             ::testing::Values(1, 7, 13, 37)));
 // The AMX path's blocking (kernels/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
 // rows x 2080 columns are three passes (the last a single tile pair, mostly padding) of two K

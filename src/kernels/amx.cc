@@ -56,38 +56,6 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-// f32 -> bf16, round to nearest even (NaN stays NaN).
-uint16_t bf16_rne(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
-
-// Q8-order position p of a chunk of m blocks (relative to its first column) holds column
-// 32i + 4j + t for p = j*4m + 4i + t.
-// A short last chunk (m < 16 blocks): its groups of 4m positions do not fall on whole 64-byte
-// vectors, so it is dequantized position by position (scales converted once per block).
-void dequantize_short_chunk(DType t, const uint8_t* row, int64_t nb, int64_t c, int64_t m,
-                            uint16_t* chunk_out, size_t stride) {
-  float d[kCB];
-  for (int64_t i = 0; i < m; ++i) d[i] = quant_block_scale(t, row, nb * kQuantBlock, c * kCB + i);
-  const uint8_t* qs = row + 2 * nb + c * (t == DType::Q8_0 ? 512 : 256);
-  for (int64_t p = 0; p < 32 * m; ++p) {
-    const int64_t j = p / (4 * m), r = p % (4 * m);
-    int code;
-    if (t == DType::Q8_0) {
-      code = qs[p] - 128;
-    } else {
-      const uint8_t byte = qs[(j / 2) * 4 * m + r];
-      code = (j % 2 ? byte >> 4 : byte & 0x0f) - 8;
-    }
-    chunk_out[static_cast<size_t>(p / kStep) * stride + static_cast<size_t>(p % kStep)] =
-        bf16_rne(static_cast<float>(code) * d[r / 4]);
-  }
-}
-
 GEMSTAGE_AMX inline __m512i as_si512(__m512bh v) {
   __m512i r;
   std::memcpy(&r, &v, sizeof r);
@@ -112,6 +80,67 @@ GEMSTAGE_AMX inline void emit_group(uint16_t* chunk_out, size_t stride, const __
                       as_si512(_mm512_cvtne2ps_pbh(f3, f2)));
 }
 
+// A short last chunk (m < 16 blocks). Q8-order position p (relative to the chunk's first
+// column) holds column 32i + 4j + t for p = j*4m + 4i + t, so its groups of 4m codes do not fall
+// on whole 64-byte vectors. The codes are first laid out in position order as signed bytes
+// (Q4_0: the low then the high nibbles of each of its four 4m-byte groups), then widened 16 at a
+// time, lane l of the run at p0 scaled by block ((p0 + l) mod 4m) / 4. Same values as the full
+// chunks' path: code * d rounded to bf16 (a scalar loop here was half of a 12B prefill, whose
+// 3840-wide matrices end in an 8-block chunk).
+// v mod n per lane, for lanes in [0, 16 + n) (a few subtractions: n >= 4).
+GEMSTAGE_AMX inline __m512i mod_below(__m512i v, __m512i n) {
+  for (__mmask16 k; (k = _mm512_cmpge_epi32_mask(v, n)) != 0;)
+    v = _mm512_mask_sub_epi32(v, k, v, n);
+  return v;
+}
+
+template <DType T>
+GEMSTAGE_AMX void dequantize_short_chunk(const uint8_t* row, int64_t nb, int64_t c, int64_t m,
+                                         uint16_t* chunk_out, size_t stride) {
+  const int group = static_cast<int>(4 * m);  // codes per group, 4..60
+  const __mmask64 in_group = (__mmask64{1} << group) - 1;
+  alignas(64) int8_t codes[32 * kCB];
+  if constexpr (T == DType::Q8_0) {
+    const uint8_t* qs = row + 2 * nb + c * 512;
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int j = 0; j < 8; ++j)
+      _mm512_mask_storeu_epi8(
+          codes + j * group, in_group,
+          _mm512_xor_si512(_mm512_maskz_loadu_epi8(in_group, qs + j * group), bias));
+  } else {
+    const uint8_t* qs = row + 2 * nb + c * 256;
+    const __m512i lo4 = _mm512_set1_epi8(0x0f), eight = _mm512_set1_epi8(8);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i pv = _mm512_maskz_loadu_epi8(in_group, qs + g * group);
+      _mm512_mask_storeu_epi8(codes + 2 * g * group, in_group,
+                              _mm512_sub_epi8(_mm512_and_si512(pv, lo4), eight));
+      _mm512_mask_storeu_epi8(
+          codes + (2 * g + 1) * group, in_group,
+          _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(pv, 4), lo4), eight));
+    }
+  }
+  // Only the chunk's m scales are read (a full 32-byte load could pass the end of a short row).
+  const __m512 dv = _mm512_cvtph_ps(
+      _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << m) - 1), row + 2 * c * kCB));
+  const __m512i group_v = _mm512_set1_epi32(group);
+  // pos: (p0 + l) mod 4m for the run at p0.
+  __m512i pos = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  pos = mod_below(pos, group_v);
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  for (int64_t step = 0; step < m; ++step) {
+    __m512 half[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512 d = _mm512_permutexvar_ps(_mm512_srli_epi32(pos, 2), dv);
+      const __m128i c16 =
+          _mm_load_si128(reinterpret_cast<const __m128i*>(codes + step * kStep + 16 * h));
+      half[h] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c16)), d);
+      pos = mod_below(_mm512_add_epi32(pos, sixteen), group_v);
+    }
+    _mm512_storeu_si512(chunk_out + static_cast<size_t>(step) * stride,
+                        as_si512(_mm512_cvtne2ps_pbh(half[1], half[0])));
+  }
+}
+
 // Chunks [c0, c1) of one weight row (nb blocks) -> their steps of 32 bf16 (scale folded in),
 // step s of chunk c0 at out + s * stride.
 template <DType T>
@@ -121,7 +150,7 @@ GEMSTAGE_AMX void dequantize_row_bf16(const uint8_t* row, int64_t nb, int64_t c0
     const int64_t m = std::min(kCB, nb - c * kCB);
     uint16_t* chunk_out = out + static_cast<size_t>((c - c0) * kCB) * stride;  // 16 steps a chunk
     if (m < kCB) {
-      dequantize_short_chunk(T, row, nb, c, m, chunk_out, stride);
+      dequantize_short_chunk<T>(row, nb, c, m, chunk_out, stride);
       continue;
     }
     // Lane l of quarter q of a group is block 4q + l/4: spread the 16 block scales to match.

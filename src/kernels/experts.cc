@@ -74,25 +74,25 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
     ws.gate_up.resize(static_cast<size_t>(n_chosen * 2 * I));
     ws.act.resize(static_cast<size_t>(n_chosen * I));
     ws.y.resize(static_cast<size_t>(n_chosen * D));
-    std::vector<WeightView> slices;
-    slices.reserve(chosen.size());
-    std::vector<QuantTarget> targets;
-    for (int64_t j = 0; j < n_chosen; ++j) {
-      slices.push_back(expert_slice(gate_up, chosen[static_cast<size_t>(j)]));
-      targets.push_back({&slices.back(), ws.gate_up.data() + j * 2 * I});
-    }
-    quant_matmul_many(pool, x, 1, targets);
+    // One pool job over the chosen experts' slices of matrix m: output j at y + j * out_w; input
+    // the shared x, or (own_x set) row j of own_x, in_w wide.
+    std::vector<WeightView> slices(chosen.size());
+    std::vector<QuantTarget> targets(chosen.size());
+    const auto run_chosen = [&](const WeightView& m, const float* shared_x, float* y, int64_t out_w,
+                                const float* own_x, int64_t in_w) {
+      for (size_t j = 0; j < chosen.size(); ++j) {
+        const auto jj = static_cast<int64_t>(j);
+        slices[j] = expert_slice(m, chosen[j]);
+        targets[j] = {&slices[j], y + jj * out_w, own_x ? own_x + jj * in_w : nullptr};
+      }
+      quant_matmul_many(pool, shared_x, 1, targets);
+    };
+    run_chosen(gate_up, x, ws.gate_up.data(), 2 * I, nullptr, 0);
     for (int64_t j = 0; j < n_chosen; ++j) {
       const float* g = ws.gate_up.data() + j * 2 * I;
       gelu_tanh_mul(g, g + I, I, ws.act.data() + j * I);
     }
-    slices.clear();
-    targets.clear();
-    for (int64_t j = 0; j < n_chosen; ++j) {
-      slices.push_back(expert_slice(down, chosen[static_cast<size_t>(j)]));
-      targets.push_back({&slices.back(), ws.y.data() + j * D, ws.act.data() + j * I});
-    }
-    quant_matmul_many(pool, nullptr, 1, targets);
+    run_chosen(down, nullptr, ws.y.data(), D, ws.act.data(), I);
     // Summed in ascending expert id, as the loop below (and transformers) does.
     for (int64_t j = 0; j < n_chosen; ++j) {
       const int64_t e = chosen[static_cast<size_t>(j)];

@@ -923,6 +923,7 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
       fail("matmul: weight ", w.name, " ", dtype_name(t), " ", shape_str(w.shape), " holds ",
            w.nbytes, " bytes; the format needs ", rb * static_cast<size_t>(N), " (", N, " rows of ",
            rb, ")");
+    if (!tg.x && !x) fail("matmul: weight ", w.name, " has no input (internal error)");
     total_rows += N;
   }
   if (S <= 0 || total_rows == 0) return;
@@ -937,24 +938,22 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   // The NEON kernels make the weights signed in registers: no z term either.
   const bool neon = kernel == Kernel::Neon || kernel == Kernel::NeonDot;
   const int z = (kernel == Kernel::Avx2 && t == DType::Q8_0) || neon ? 0 : zero_point(t);
-  // acts[0]: the shared input (when some target reads it); then one per target with its own.
-  std::vector<ActQ> acts(1);
+  // The shared input is quantized once, on first use; a target with its own input gets its own.
+  std::vector<ActQ> acts;
+  acts.reserve(targets.size());  // act_of points into acts: no reallocation
   std::vector<const ActQ*> act_of(targets.size());
-  const auto quantize = [&](const float* in, ActQ* a) {
+  const ActQ* shared = nullptr;
+  const auto quantize = [&](const float* in) {
+    ActQ* a = &acts.emplace_back();
     quantize_acts(pool, in, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
                   kernel == Kernel::Vnni, a);
+    return a;
   };
-  for (size_t i = 0; i < targets.size(); ++i)
-    if (targets[i].x) acts.emplace_back();
-  for (size_t i = 0, own = 1; i < targets.size(); ++i) {
-    if (targets[i].x) {
-      quantize(targets[i].x, &acts[own]);
-      act_of[i] = &acts[own++];
-    } else {
-      if (!x) fail("matmul: weight ", targets[i].w->name, " has no input (internal error)");
-      if (acts[0].q.empty()) quantize(x, &acts[0]);
-      act_of[i] = &acts[0];
-    }
+  for (size_t i = 0; i < targets.size(); ++i) {
+    if (targets[i].x)
+      act_of[i] = quantize(targets[i].x);
+    else
+      act_of[i] = shared ? shared : (shared = quantize(x));
   }
   using Fn =
       void (*)(const ActQ&, int64_t, const uint8_t*, size_t, int64_t, float*, int64_t, int64_t);
