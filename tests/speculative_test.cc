@@ -318,15 +318,16 @@ TEST(Speculative, DrafterReadsBf16Caches) {
 TEST(Speculative, DraftControlAdaptsAndPausesADrafterThatDoesNotPay) {
   SpeculativeOptions opt;
   opt.draft_max = 4;
-  {  // Untimed, never accepted: k steps down, three empty rounds pause for 16, then 32 steps.
+  {  // Untimed, never accepted: the first rounds draft 2, k steps down, three empty rounds pause
+     // for 16, then 32 steps.
     DraftControl c(opt);
-    EXPECT_EQ(c.next_draft(100), 4);
-    EXPECT_EQ(c.next_draft(2), 2);  // never past what max_tokens and the context leave
-    c.round(4, 0, -1);
-    EXPECT_EQ(c.next_draft(100), 3);
-    c.round(3, 0, -1);
     EXPECT_EQ(c.next_draft(100), 2);
+    EXPECT_EQ(c.next_draft(1), 1);  // never past what max_tokens and the context leave
     c.round(2, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 1);
+    c.round(1, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 1);
+    c.round(1, 0, -1);
     for (int i = 0; i < 16; ++i) {
       EXPECT_EQ(c.next_draft(100), 0) << "paused step " << i;
       EXPECT_EQ(c.paused_beyond_next(), i < 15) << i;
@@ -347,31 +348,34 @@ TEST(Speculative, DraftControlAdaptsAndPausesADrafterThatDoesNotPay) {
     c.round(4, 1, -1);
     EXPECT_EQ(c.next_draft(100), 3);
   }
-  {  // --draft-min: a round that would draft fewer is a plain step.
+  {  // --draft-min: the first round drafts that many; a round that would draft fewer is a plain
+     // step.
     SpeculativeOptions o = opt;
     o.draft_min = 3;
     DraftControl c(o);
-    c.round(4, 0, -1);
+    EXPECT_EQ(c.next_draft(100), 3);
+    c.round(3, 0, -1);
     EXPECT_EQ(c.next_draft(100), 3);
     EXPECT_EQ(c.next_draft(2), 0);
   }
-  {  // Timed: an empty first round asks for a plain step to compare with; a round slower per token
-     // than plain steps then pauses at once.
-    DraftControl c(opt);
-    c.round(4, 0, 0.5);
+  {  // Timed: the first step is plain, to compare the first round with; a round slower per token
+     // than plain steps pauses at once.
+    DraftControl c(opt, /*timed=*/true);
     EXPECT_EQ(c.next_draft(100), 0);
+    EXPECT_FALSE(c.paused_beyond_next());  // the drafter needs that step's hidden state
     c.plain_step(0.1);
-    EXPECT_EQ(c.next_draft(100), 3);
-    c.round(3, 0, 0.4);
+    EXPECT_EQ(c.next_draft(100), 2);
+    c.round(2, 0, 0.4);
     EXPECT_EQ(c.next_draft(100), 0);
     EXPECT_TRUE(c.paused_beyond_next());
   }
-  {  // Timed, a drafter that pays: k stays at the maximum and drafting never pauses.
-    DraftControl c(opt);
+  {  // Timed, a drafter that pays: k climbs to the maximum and drafting never pauses.
+    DraftControl c(opt, /*timed=*/true);
     c.plain_step(0.1);
     for (int i = 0; i < 20; ++i) {
-      ASSERT_EQ(c.next_draft(100), 4) << i;
-      c.round(4, 4, 0.03);
+      const int64_t k = c.next_draft(100);
+      ASSERT_EQ(k, std::min(2 + i, 4)) << i;
+      c.round(k, k, 0.03);
     }
   }
   {  // Not adaptive: always --draft-max, whatever the rounds do.

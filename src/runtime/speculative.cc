@@ -69,9 +69,14 @@ int32_t speculative_accept_or_resample(std::span<const int32_t> ids, std::span<c
   return last;
 }
 
-DraftControl::DraftControl(const SpeculativeOptions& opt)
-    : opt_(opt), k_cur_(std::max(opt.draft_max, 0)) {
+DraftControl::DraftControl(const SpeculativeOptions& opt, bool timed)
+    : opt_(opt), k_cur_(std::max(std::min(opt.draft_max, 2), opt.draft_min)) {
   if (opt.draft_max < 0 || opt.draft_min < 0) fail("--draft-max and --draft-min must be >= 0");
+  // The first rounds draft 2 (k grows by one per fully accepted round), so a drafter that never
+  // agrees costs little before it is paused; a timed caller's first step is plain, so the first
+  // round has a plain step to be compared with and such a drafter is paused after one round, not
+  // two. Measured on 26B-A4B with a never-agreeing drafter (bench/RESULTS.md, eleventh session).
+  if (opt_.adaptive && timed) pause_ = 1;
 }
 
 int64_t DraftControl::next_draft(int64_t limit) const {
@@ -238,7 +243,7 @@ std::vector<int32_t> speculative_generate(
   if (n_new <= 0) return out;
   if (!emit(x)) return out;
 
-  DraftControl control(opt);
+  DraftControl control(opt, /*timed=*/true);
   while (static_cast<int64_t>(out.size()) < n_new) {
     const int64_t P = target.n_past();
     const int64_t remaining = n_new - static_cast<int64_t>(out.size());

@@ -35,15 +35,16 @@ struct SpeculativeOptions {
   std::function<void(int64_t emitted, std::span<int32_t> drafts)> replace_drafts;
 };
 
-// How many drafts each round makes. Adaptive: k follows acceptance (+1 after a fully accepted
-// round, -1 otherwise), and drafting switches off while rounds yield tokens more slowly than
-// plain steps (when timed) or three rounds in a row accept nothing, probed again after a pause
-// that doubles (16 ... 512 tokens) each time it does not pay. A caller that cannot time its
-// rounds alone (a server step runs many sequences) passes negative seconds: then only acceptance
-// decides.
+// How many drafts each round makes. Adaptive: the first round drafts 2 (or --draft-min; a timed
+// caller's first step is plain, to time it), k follows acceptance (+1 after a fully accepted
+// round, -1 otherwise, up to --draft-max), and drafting switches off while rounds yield tokens
+// more slowly than plain steps (when timed) or three rounds in a row accept nothing, probed again
+// after a pause that doubles (16 ... 512 tokens) each time it does not pay. A caller that cannot
+// time its rounds alone (a server step runs many sequences) passes negative seconds: then only
+// acceptance decides.
 class DraftControl {
  public:
-  explicit DraftControl(const SpeculativeOptions& opt);
+  explicit DraftControl(const SpeculativeOptions& opt, bool timed = false);
   // Drafts for the next round, at most `limit` (what max_tokens and the context leave); 0: the
   // next step is a plain one.
   int64_t next_draft(int64_t limit) const;
