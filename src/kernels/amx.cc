@@ -80,13 +80,6 @@ GEMSTAGE_AMX inline void emit_group(uint16_t* chunk_out, size_t stride, const __
                       as_si512(_mm512_cvtne2ps_pbh(f3, f2)));
 }
 
-// A short last chunk (m < 16 blocks). Q8-order position p (relative to the chunk's first
-// column) holds column 32i + 4j + t for p = j*4m + 4i + t, so its groups of 4m codes do not fall
-// on whole 64-byte vectors. The codes are first laid out in position order as signed bytes
-// (Q4_0: the low then the high nibbles of each of its four 4m-byte groups), then widened 16 at a
-// time, lane l of the run at p0 scaled by block ((p0 + l) mod 4m) / 4. Same values as the full
-// chunks' path: code * d rounded to bf16 (a scalar loop here was half of a 12B prefill, whose
-// 3840-wide matrices end in an 8-block chunk).
 // v mod n per lane, for lanes in [0, 16 + n) (a few subtractions: n >= 4).
 GEMSTAGE_AMX inline __m512i mod_below(__m512i v, __m512i n) {
   for (__mmask16 k; (k = _mm512_cmpge_epi32_mask(v, n)) != 0;)
@@ -94,6 +87,13 @@ GEMSTAGE_AMX inline __m512i mod_below(__m512i v, __m512i n) {
   return v;
 }
 
+// A short last chunk (m < 16 blocks). Q8-order position p (relative to the chunk's first
+// column) holds column 32i + 4j + t for p = j*4m + 4i + t, so its groups of 4m codes do not fall
+// on whole 64-byte vectors. The codes are first laid out in position order as signed bytes
+// (Q4_0: the low then the high nibbles of each of its four 4m-byte groups), then widened 16 at a
+// time, lane l of the run at p0 scaled by block ((p0 + l) mod 4m) / 4. Same values as the full
+// chunks' path: code * d rounded to bf16 (a scalar loop here was half of a 12B prefill, whose
+// 3840-wide matrices end in an 8-block chunk).
 template <DType T>
 GEMSTAGE_AMX void dequantize_short_chunk(const uint8_t* row, int64_t nb, int64_t c, int64_t m,
                                          uint16_t* chunk_out, size_t stride) {

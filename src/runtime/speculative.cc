@@ -110,8 +110,6 @@ void DraftControl::round(int64_t k, int64_t n, double seconds_per_token) {
     // Only a round that accepted drafts and beat plain steps restores short pauses: a round
     // without accepted drafts can only look cheaper through timing noise.
     pause_len_ = 16;
-  } else if (plain_s_ == 0 && n == 0 && seconds_per_token >= 0) {
-    pause_ = 1;  // measure a plain step to compare against
   }
 }
 
