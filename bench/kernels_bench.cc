@@ -21,7 +21,7 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
-#include "kernels/amx.h"
+#include "kernels/quant.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"

@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "kernels/amx.h"
+#include "kernels/quant.h"
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
@@ -260,7 +260,7 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
   std::vector<float> wd(static_cast<size_t>(N * K));
   for (int64_t r = 0; r < N; ++r) weight_row_to_f32(w, r, wd.data() + r * K);
 
-  // The AMX path rounds both operands to bf16 instead (kernels/amx.h):
+  // The AMX path rounds both operands to bf16 instead (kernels/x86/amx.h):
   //     |y - y_ref| <= (2^-8 + 2^-17) * sum |x| |w^|  (+ the same f32 allowance).
   std::vector<double> bound(static_cast<size_t>(S * N)), mag(bound.size()),
       bf16_bound(bound.size());
@@ -317,10 +317,10 @@ INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
                                             ::testing::Values(1, 3, 5, 17, 40),
                                             ::testing::Values(32, 96, 160, 256, 512, 992, 1056),
                                             ::testing::Values(1, 7, 13, 37)));
-// The AMX path's blocking (kernels/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
+// The AMX path's blocking (kernels/x86/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
 // rows x 2080 columns are three passes (the last a single tile pair, mostly padding) of two K
 // blocks, the second a one-block short chunk, so accumulators are parked and reloaded. On the
-// other tiers the same shape walks the activation rows in blocks of 124 (kernels/quant_kernels.cc,
+// other tiers the same shape walks the activation rows in blocks of 124 (kernels/quant_kernels.h,
 // prefill_tiles): four whole blocks and a last one of 34 rows that ends in a 2-row tile.
 INSTANTIATE_TEST_SUITE_P(AmxBlocking, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
@@ -345,7 +345,7 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
 
 // A batched decode step multiplies one row per sequence at once; each sequence must get exactly
 // what it gets decoding alone (greedy ids do not depend on who else is in the batch). Every tier,
-// both formats, S on both sides of the streamed decode-sized path (kernels/quant_kernels.cc,
+// both formats, S on both sides of the streamed decode-sized path (kernels/quant_kernels.h,
 // kStreamMaxRows = 8), an odd row count split over two threads, a width with a short last chunk.
 TEST(QuantMatmulShapes, BatchedRowsEqualEachRowAlone) {
   ThreadPool pool(2);

@@ -1,5 +1,5 @@
 // Q8_0 / Q4_0 row formats: quantize, dequantize, element access. Layouts are documented in
-// quant.h; the matmul kernels are in quant_kernels.cc.
+// quant.h; the matmul kernels are in quant_kernels.cc and the architecture folders.
 #include "kernels/quant.h"
 
 #include <algorithm>

@@ -19,19 +19,17 @@
 // GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include "kernels/amx.h"
+#include "kernels/x86/amx.h"
 
-#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <vector>
 
-#include "kernels/cpu_features.h"
 #include "kernels/quant.h"
 
-namespace gemstage {
+namespace gemstage::amx {
 
 namespace {
 
@@ -408,37 +406,12 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
 
 }  // namespace
 
-bool amx_bf16_available() {
-  return cpu_features().amx_bf16;
-}
-
-void amx_quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, const uint8_t* w,
-                      size_t row_bytes, int64_t K, int64_t N, float* y) {
+void quant_matmul(ThreadPool& pool, const float* x, int64_t S, DType t, const uint8_t* w,
+                  size_t row_bytes, int64_t K, int64_t N, float* y) {
   if (t == DType::Q8_0)
     amx_matmul_t<DType::Q8_0>(pool, x, S, w, row_bytes, K, N, y);
   else
     amx_matmul_t<DType::Q4_0>(pool, x, S, w, row_bytes, K, N, y);
 }
 
-}  // namespace gemstage
-
-#else  // not x86: no AMX; cpu_features().amx_bf16 is false, so the amx tier is never chosen
-
-#include "core/error.h"
-
-namespace gemstage {
-
-bool amx_bf16_available() {
-  return false;
-}
-
-void amx_quant_matmul(ThreadPool&, const float*, int64_t, DType, const uint8_t*, size_t, int64_t,
-                      int64_t, float*) {
-  fail(
-      "amx_quant_matmul: this build is not for x86, which AMX tiles need (use another "
-      "GEMSTAGE_ISA tier)");
-}
-
-}  // namespace gemstage
-
-#endif  // x86
+}  // namespace gemstage::amx

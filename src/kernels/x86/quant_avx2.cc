@@ -1,0 +1,312 @@
+// y = x * W^T on AVX2 (VPMADDUBSW, 8 lanes = half a chunk) for Q8_0 / Q4_0 weights in their
+// stored, chunk-interleaved form (kernels/quant.h). Q8_0 uses the sign trick (|q|, sign(x, q)), so
+// its activations carry no zero-point term. Prefill keeps a 4 x 2 tile (tile_avx2); the decode
+// GEMV (gemv_avx2) walks the rows one at a time with the same prefetch as the VNNI one. The 1 x 4
+// tile it replaced read four row streams without prefetch and reached ~45% of the VNNI GEMV's
+// GB/s on the Zen 4 VM; gemv_avx2 measured at or above the VNNI GEMV there (bench/RESULTS.md).
+#include "kernels/x86/quant_avx2.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kernels/quant.h"
+
+namespace gemstage::avx2 {
+
+namespace {
+
+constexpr int64_t kQB = kQuantBlock;
+constexpr int64_t kCB = kQuantChunkBlocks;
+
+#define GEMSTAGE_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// The same codes as quantize_act_row, 8 lanes at a time (VCVTPS2DQ rounds like nearbyint).
+GEMSTAGE_AVX2 void quantize_act_row_impl(const float* x, int64_t K, int z, uint8_t* q, float* d,
+                                         int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+  // packs interleaves the four 8-lane vectors by 128-bit lane; this puts the codes back in order.
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + b * kQB + 8 * i);
+    __m256 m =
+        _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                      _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 un = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(v[0], v[0], _CMP_UNORD_Q),
+                                                _mm256_cmp_ps(v[1], v[1], _CMP_UNORD_Q)),
+                                   _mm256_or_ps(_mm256_cmp_ps(v[2], v[2], _CMP_UNORD_Q),
+                                                _mm256_cmp_ps(v[3], v[3], _CMP_UNORD_Q)));
+    const bool nan = _mm256_movemask_ps(un) != 0;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    const __m256 idv = _mm256_set1_ps(id);
+    __m256i c[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m256 p = _mm256_mul_ps(v[i], idv);
+      // A NaN product (a NaN or infinite input) is code 0, as in the scalar twin.
+      const __m256i ci = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(p), lo), hi);
+      c[i] = _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(p, p, _CMP_UNORD_Q)), ci);
+    }
+    __m256i sum = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    nzx[b] = -z * _mm_cvtsi128_si32(s4);
+    const __m256i codes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+    alignas(32) uint8_t bytes[kQB];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(bytes), codes);
+    const int64_t ch = b / kCB, i = b % kCB, mb = std::min(kCB, nb - ch * kCB);
+    uint8_t* base = q + ch * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * mb, bytes + 4 * j, 4);
+  }
+}
+
+// `bytes` (<= 32) bytes from p, zero-filled: full loads for whole halves, a copy for tails.
+GEMSTAGE_AVX2 inline __m256i load_part(const void* p, int bytes) {
+  if (bytes == 32) return _mm256_loadu_si256(static_cast<const __m256i*>(p));
+  alignas(32) uint8_t buf[32] = {};
+  std::memcpy(buf, p, static_cast<size_t>(bytes));
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
+}
+
+GEMSTAGE_AVX2 inline float hsum8(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_hadd_ps(lo, lo);
+  lo = _mm_hadd_ps(lo, lo);
+  return _mm_cvtss_f32(lo);
+}
+
+// One (NX activation rows x NW weight rows) tile over the whole input width. Per half chunk
+// (8 blocks, one int32 lane each) the NX * NW int32 accumulators stay in registers while every
+// unpacked weight vector is used by NX activation rows and every activation vector by NW weight
+// rows; then one convert, one scale product and one FMA per (row, weight row) fold the half into
+// f32 accumulators. The 4 x 2 prefill tile keeps 8 accumulators, 4 unpacked weight vectors and
+// the activation pair in the 16 ymm registers (4 x 4 spilled and measured slower).
+template <DType T, int NX, int NW>
+GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                             float* out) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t K = A.K, nb = A.nb;
+  const __m256i ones16 = _mm256_set1_epi16(1), lo4 = _mm256_set1_epi8(0x0f);
+  const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256 facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = _mm256_setzero_ps();
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t m = std::min(kCB, nb - c * kCB), gs = 4 * m;
+    for (int64_t h = 0; h < 2; ++h) {
+      const int64_t L = std::min<int64_t>(8, m - 8 * h);
+      if (L <= 0) break;
+      const int lb = static_cast<int>(4 * L);
+      const int64_t b0 = c * kCB + 8 * h;
+      const uint8_t* xq[NX];
+      const uint8_t* wq[NW];
+      __m256i D[NX][NW];
+      for (int a = 0; a < NX; ++a) {
+        xq[a] = A.q.data() + srow[a] * K + c * 512 + 32 * h;
+        const __m256i init = load_part(A.nzx.data() + srow[a] * nb + b0, lb);
+        for (int w = 0; w < NW; ++w) D[a][w] = init;
+      }
+      for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes + 32 * h;
+      if constexpr (T == DType::Q8_0) {
+        for (int j = 0; j < 8; ++j) {
+          __m256i qa[NW], qs[NW];  // |q| and q's sign pattern
+          for (int w = 0; w < NW; ++w) {
+            qs[w] = _mm256_xor_si256(load_part(wq[w] + j * gs, lb), bias);
+            qa[w] = _mm256_sign_epi8(qs[w], qs[w]);
+          }
+          for (int a = 0; a < NX; ++a) {
+            const __m256i xv = load_part(xq[a] + j * gs, lb);
+            for (int w = 0; w < NW; ++w) {
+              const __m256i p = _mm256_maddubs_epi16(qa[w], _mm256_sign_epi8(xv, qs[w]));
+              D[a][w] = _mm256_add_epi32(D[a][w], _mm256_madd_epi16(p, ones16));
+            }
+          }
+        }
+      } else {
+        for (int g = 0; g < 4; ++g) {
+          __m256i wl[NW], wh[NW];
+          for (int w = 0; w < NW; ++w) {
+            const __m256i pv = load_part(wq[w] + g * gs, lb);
+            wl[w] = _mm256_and_si256(pv, lo4);
+            wh[w] = _mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4);
+          }
+          for (int a = 0; a < NX; ++a) {
+            const __m256i xl = load_part(xq[a] + 2 * g * gs, lb),
+                          xh = load_part(xq[a] + (2 * g + 1) * gs, lb);
+            for (int w = 0; w < NW; ++w) {
+              // u <= 15 and |xq| <= 127: the two int16 pair sums stay below 2^15.
+              const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(wl[w], xl),
+                                                 _mm256_maddubs_epi16(wh[w], xh));
+              D[a][w] = _mm256_add_epi32(D[a][w], _mm256_madd_epi16(p, ones16));
+            }
+          }
+        }
+      }
+      __m256 dw[NW];
+      for (int w = 0; w < NW; ++w) {
+        if (L == 8) {
+          dw[w] =
+              _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow[w] + 2 * b0)));
+        } else {
+          alignas(16) uint16_t hs[8] = {};
+          std::memcpy(hs, wrow[w] + 2 * b0, static_cast<size_t>(2 * L));
+          dw[w] = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        }
+      }
+      for (int a = 0; a < NX; ++a) {
+        const __m256 dx = _mm256_castsi256_ps(load_part(A.d.data() + srow[a] * nb + b0, lb));
+        for (int w = 0; w < NW; ++w)
+          facc[a][w] =
+              _mm256_fmadd_ps(_mm256_cvtepi32_ps(D[a][w]), _mm256_mul_ps(dw[w], dx), facc[a][w]);
+      }
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = hsum8(facc[a][w]);
+}
+
+template <bool kFull>
+GEMSTAGE_AVX2 inline __m256i load_half(const uint8_t* p, int lb) {
+  return kFull ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)) : load_part(p, lb);
+}
+
+// Integer dots of half a chunk of one weight row with one activation row: int32 lane i is block
+// i of the half (lanes past the half's L blocks are 0 when kFull is false). gs is the chunk's
+// group stride (4 m bytes), lb = 4 L the bytes of the half in each group.
+template <DType T, bool kFull>
+GEMSTAGE_AVX2 inline __m256i half_dot_avx2(const uint8_t* wq, const uint8_t* xq, int64_t gs,
+                                           int lb) {
+  const __m256i ones16 = _mm256_set1_epi16(1);
+  if constexpr (T == DType::Q4_0) {
+    // A 16-bit lane of VPMADDUBSW holds u0 x0 + u1 x1 with u <= 15, |x| <= 127 (<= 3810), so
+    // the eight products of the block's 32 weights per lane pair sum to <= 30480 < 2^15: the
+    // whole half accumulates in int16 and widens once.
+    const __m256i lo4 = _mm256_set1_epi8(0x0f);
+    __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      const __m256i pv = load_half<kFull>(wq + g * gs, lb);
+      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(pv, lo4),
+                                                       load_half<kFull>(xq + 2 * g * gs, lb)));
+      s16 = _mm256_add_epi16(s16,
+                             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4),
+                                                  load_half<kFull>(xq + (2 * g + 1) * gs, lb)));
+    }
+    return _mm256_madd_epi16(s16, ones16);
+  } else {
+    // Signed q = u - 128 by the sign trick: |q| as the unsigned operand, x carrying q's sign. A
+    // pair sum reaches 2 * 127 * 127, so each group widens to int32 on its own.
+    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
+    __m256i s32 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const __m256i qs = _mm256_xor_si256(load_half<kFull>(wq + j * gs, lb), bias);
+      const __m256i p = _mm256_maddubs_epi16(
+          _mm256_sign_epi8(qs, qs), _mm256_sign_epi8(load_half<kFull>(xq + j * gs, lb), qs));
+      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones16));
+    }
+    return s32;
+  }
+}
+
+// Decode GEMV: weight rows [r0, r1) against activation row 0, one row at a time in address
+// order, whole chunks per step, prefetching kDecodePrefetch ahead like the VNNI decode tile.
+template <DType T>
+GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_bytes, float* y,
+                             int64_t r0, int64_t r1) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t nb = A.nb, n_chunks = (nb + kCB - 1) / kCB;
+  const uint8_t* xq = A.q.data();
+  const float* dx = A.d.data();
+  const int32_t* nzx = A.nzx.data();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+    const uint8_t* wq = wrow + 2 * nb;
+    const char* ahead = reinterpret_cast<const char*>(wrow) + kDecodePrefetch;
+    // One accumulator, the halves in order: the prefill tile's summation order, so a decoded
+    // token's outputs are bit-identical to the same row recomputed in a prefill.
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < n_chunks; ++c) {
+      // Prefetches never fault, so running past the end of the mapping is harmless.
+      const size_t lo =
+          (row_bytes * static_cast<size_t>(c) / static_cast<size_t>(n_chunks)) & ~size_t{63};
+      const size_t hi = row_bytes * static_cast<size_t>(c + 1) / static_cast<size_t>(n_chunks);
+      for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+      const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+      const uint8_t* wc = wq + c * chunk_bytes;
+      const uint8_t* xc = xq + c * 512;
+      if (m == kCB) {
+        const __m256i d0 =
+            _mm256_add_epi32(half_dot_avx2<T, true>(wc, xc, 64, 32),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0)));
+        const __m256i d1 =
+            _mm256_add_epi32(half_dot_avx2<T, true>(wc + 32, xc + 32, 64, 32),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0 + 8)));
+        const __m256 s0 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0)));
+        const __m256 s1 =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0 + 16)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_mul_ps(s0, _mm256_loadu_ps(dx + b0)),
+                              acc);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1),
+                              _mm256_mul_ps(s1, _mm256_loadu_ps(dx + b0 + 8)), acc);
+        continue;
+      }
+      for (int64_t h = 0; h < 2; ++h) {  // the row's short last chunk, half by half
+        const int64_t L = std::min<int64_t>(8, m - 8 * h);
+        if (L <= 0) break;
+        const int lb = static_cast<int>(4 * L);
+        const int64_t bh = b0 + 8 * h;
+        const __m256i dh = _mm256_add_epi32(
+            half_dot_avx2<T, false>(wc + 32 * h, xc + 32 * h, 4 * m, lb), load_part(nzx + bh, lb));
+        alignas(16) uint16_t hs[8] = {};
+        std::memcpy(hs, wrow + 2 * bh, static_cast<size_t>(2 * L));
+        const __m256 sh = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
+        const __m256 xs = _mm256_castsi256_ps(load_part(dx + bh, lb));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, xs), acc);
+      }
+    }
+    y[r] = hsum8(acc);
+  }
+}
+
+template <DType T>
+struct Avx2Tiles {
+  static constexpr int NW = 2;
+  template <int NX>
+  GEMSTAGE_AVX2 static void run(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                                float* out) {
+    tile_avx2<T, NX, NW>(A, srow, wrow, out);
+  }
+};
+
+template <DType T>
+GEMSTAGE_AVX2 void rows_avx2(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                             int64_t N, float* y, int64_t r0, int64_t r1) {
+  if (S == 1) return gemv_avx2<T>(A, wdata, row_bytes, y, r0, r1);
+  prefill_tiles<Avx2Tiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
+}
+
+}  // namespace
+
+void quantize_act_row(const float* x, int64_t K, int z, uint8_t* q, float* d, int32_t* nzx) {
+  quantize_act_row_impl(x, K, z, q, d, nzx);
+}
+
+QuantRowsFn quant_rows(DType t) {
+  return t == DType::Q8_0 ? rows_avx2<DType::Q8_0> : rows_avx2<DType::Q4_0>;
+}
+
+}  // namespace gemstage::avx2

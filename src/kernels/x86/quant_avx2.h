@@ -1,0 +1,18 @@
+// AVX2 twins of the integer matmul (kernels/quant_kernels.h), for the avx2 tier (and the avx512
+// tier on CPUs without VNNI). Compiled only for x86; tests/quant_test.cc runs them against the
+// scalar kernels on odd sizes.
+#pragma once
+
+#include <cstdint>
+
+#include "core/dtype.h"
+#include "kernels/quant_kernels.h"
+
+namespace gemstage::avx2 {
+
+// One row of activations, quantized as the scalar quantizer does, into Q8 order.
+void quantize_act_row(const float* x, int64_t K, int z, uint8_t* q, float* d, int32_t* nzx);
+// The row kernel for Q8_0 / Q4_0 weights (Q8_0 wants activations quantized with z = 0).
+QuantRowsFn quant_rows(DType t);
+
+}  // namespace gemstage::avx2

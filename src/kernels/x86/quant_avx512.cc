@@ -1,0 +1,250 @@
+// y = x * W^T on AVX-512 VNNI for Q8_0 / Q4_0 weights in their stored, chunk-interleaved form
+// (kernels/quant.h), from activations quantized with the zero-point term (kernels/quant_kernels.h).
+//
+// With the interleaving, int32 lane i of a VPDPBUSD accumulator is block i of the chunk: 8
+// VPDPBUSD per 16 blocks per (weight row, activation row) (Q4_0: after 4 loads and 12 AND/shift
+// unpack ops per weight row, shared by the activation rows), then one convert, one scale product
+// and one FMA per chunk; the -z*sum(xq) term seeds the int32 accumulator. Register blocking:
+// decode (S = 1, and up to kStreamMaxRows rows of a batched decode step) walks the weight rows in
+// address order, prefetching ahead (see kDecodePrefetch); prefill keeps a 4 x 4 tile (each
+// unpacked weight vector is used by 4 activation rows, each activation vector by 4 weight rows).
+//
+// GCC 12 reports false "uninitialized" warnings inside its own AVX-512 intrinsic headers.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include "kernels/x86/quant_avx512.h"
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "kernels/quant.h"
+
+namespace gemstage::avx512 {
+
+namespace {
+
+constexpr int64_t kQB = kQuantBlock;
+constexpr int64_t kCB = kQuantChunkBlocks;
+
+#define GEMSTAGE_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+
+// The same codes as quantize_act_row (VCVTPS2DQ rounds to nearest even, like nearbyint).
+GEMSTAGE_VNNI void quantize_act_row_impl(const float* x, int64_t K, int z, uint8_t* q, float* d,
+                                         int32_t* nzx) {
+  const int64_t nb = K / kQB;
+  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * kQB), v1 = _mm512_loadu_ps(x + b * kQB + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+    const bool nan =
+        (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) != 0;
+    const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+    d[b] = nan ? NAN : amax / 127.0f;
+    const __m512 idv = _mm512_set1_ps(id);
+    __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)),
+            i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
+    i0 = _mm512_min_epi32(_mm512_max_epi32(i0, lo), hi);
+    i1 = _mm512_min_epi32(_mm512_max_epi32(i1, lo), hi);
+    nzx[b] = -z * _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+    alignas(32) uint8_t codes[kQB];
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes), _mm512_cvtepi32_epi8(i0));
+    _mm_store_si128(reinterpret_cast<__m128i*>(codes + 16), _mm512_cvtepi32_epi8(i1));
+    const int64_t c = b / kCB, i = b % kCB, m = std::min(kCB, nb - c * kCB);
+    uint8_t* base = q + c * 512 + 4 * i;
+    for (int j = 0; j < 8; ++j) std::memcpy(base + j * 4 * m, codes + 4 * j, 4);
+  }
+}
+
+// One chunk (m blocks) of NX activation rows x NW weight rows into int32 accumulators.
+//
+// A 1 x 1 tile (the decode GEMV) splits its accumulator into 4 chains, summed at the end: with one,
+// its 8 VPDPBUSD per chunk wait on each other (about 5 cycles apiece on Zen 4) and the GEMV read
+// ~33 GB/s where the AVX2 one reads the bandwidth (46-50 GB/s, LM-head shape, 2 threads). Integer
+// sums are exact in any order, so the output is bit-identical. Tiles of 2 to 4 (row, row) pairs
+// (the batched decode's 2-4 x 1) split theirs in two; larger tiles have enough chains already.
+template <DType T, int NX, int NW, bool kTail>
+GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* const* xq, int64_t m,
+                                     __mmask16 mk, __m512i (&D)[NX][NW]) {
+  const int64_t gs = kTail ? 4 * m : 64;  // group stride in bytes
+  constexpr int kChains = NX * NW == 1 ? 4 : NX * NW <= 4 ? 2 : 1;
+  __m512i P[kChains][NX][NW];
+  for (int k = 0; k < kChains; ++k)
+    for (int a = 0; a < NX; ++a)
+      for (int w = 0; w < NW; ++w) P[k][a][w] = k == 0 ? D[a][w] : _mm512_setzero_si512();
+#define ld(p) (kTail ? _mm512_maskz_loadu_epi32(mk, (p)) : _mm512_loadu_si512((p)))
+  if constexpr (T == DType::Q8_0) {
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      __m512i wv[NW];
+      for (int w = 0; w < NW; ++w) wv[w] = ld(wq[w] + j * gs);
+      for (int a = 0; a < NX; ++a) {
+        const __m512i xv = ld(xq[a] + j * gs);
+        for (int w = 0; w < NW; ++w)
+          P[j % kChains][a][w] = _mm512_dpbusd_epi32(P[j % kChains][a][w], wv[w], xv);
+      }
+    }
+  } else {
+    const __m512i lo4 = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; ++g) {
+      __m512i wl[NW], wh[NW];
+      for (int w = 0; w < NW; ++w) {
+        const __m512i pv = ld(wq[w] + g * gs);
+        wl[w] = _mm512_and_si512(pv, lo4);
+        wh[w] = _mm512_and_si512(_mm512_srli_epi16(pv, 4), lo4);
+      }
+      const int kl = (2 * g) % kChains, kh = (2 * g + 1) % kChains;
+      for (int a = 0; a < NX; ++a) {
+        const __m512i xl = ld(xq[a] + (2 * g) * gs), xh = ld(xq[a] + (2 * g + 1) * gs);
+        for (int w = 0; w < NW; ++w) {
+          P[kl][a][w] = _mm512_dpbusd_epi32(P[kl][a][w], wl[w], xl);
+          P[kh][a][w] = _mm512_dpbusd_epi32(P[kh][a][w], wh[w], xh);
+        }
+      }
+    }
+  }
+#undef ld
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) {
+      __m512i sum = P[0][a][w];
+      for (int k = 1; k < kChains; ++k) sum = _mm512_add_epi32(sum, P[k][a][w]);
+      D[a][w] = sum;
+    }
+}
+
+// out[a*NW + w] = dot(activation row srow[a], weight row wrow[w]). With kPrefetch the NW rows
+// must be consecutive (one span of NW * row_bytes) and the span kDecodePrefetch ahead is
+// prefetched as the chunks advance.
+template <DType T, int NX, int NW, bool kPrefetch = false>
+GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                             float* out, size_t row_bytes = 0) {
+  const int64_t K = A.K, nb = A.nb;
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t n_chunks = (nb + kCB - 1) / kCB;
+  const size_t span = NW * row_bytes;
+  // The span is prefetched in equal 64-byte-aligned steps, one per chunk (one division per call:
+  // two per chunk cost about as much as the chunk's 8 VPDPBUSD of a cache-resident GEMV).
+  const size_t pf_step = kPrefetch ? (span / static_cast<size_t>(n_chunks) + 63) & ~size_t{63} : 0;
+  __m512 facc[NX][NW];
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) facc[a][w] = _mm512_setzero_ps();
+  for (int64_t c = 0; c * kCB < nb; ++c) {
+    const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+    if constexpr (kPrefetch) {
+      // Prefetches never fault, so running past the end of the mapping is harmless.
+      const char* ahead = reinterpret_cast<const char*>(wrow[0]) + kDecodePrefetch;
+      const size_t lo = pf_step * static_cast<size_t>(c);
+      const size_t hi = std::min(span, lo + pf_step);
+      for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
+    }
+    const __mmask16 mk = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
+    const uint8_t* wq[NW];
+    const uint8_t* xq[NX];
+    for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes;
+    __m512i D[NX][NW];
+    for (int a = 0; a < NX; ++a) {
+      xq[a] = A.q.data() + srow[a] * K + c * 512;
+      const __m512i init = _mm512_maskz_loadu_epi32(mk, A.nzx.data() + srow[a] * nb + b0);
+      for (int w = 0; w < NW; ++w) D[a][w] = init;
+    }
+    if (m == kCB)
+      chunk_vnni<T, NX, NW, false>(wq, xq, m, mk, D);
+    else
+      chunk_vnni<T, NX, NW, true>(wq, xq, m, mk, D);
+    __m512 dw[NW];
+    for (int w = 0; w < NW; ++w)
+      dw[w] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, wrow[w] + 2 * b0));
+    for (int a = 0; a < NX; ++a) {
+      const __m512 dx = _mm512_maskz_loadu_ps(mk, A.d.data() + srow[a] * nb + b0);
+      for (int w = 0; w < NW; ++w)
+        facc[a][w] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[a][w]), _mm512_mul_ps(dw[w], dx), facc[a][w]);
+    }
+  }
+  for (int a = 0; a < NX; ++a)
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = _mm512_reduce_add_ps(facc[a][w]);
+}
+
+template <DType T>
+struct VnniTiles {
+  static constexpr int NW = 4;
+  template <int NX>
+  GEMSTAGE_VNNI static void run(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                                float* out) {
+    tile_vnni<T, NX, NW>(A, srow, wrow, out);
+  }
+};
+
+// Decode-sized calls (S <= kStreamMaxRows: one row per sequence of a batched decode step, or a
+// speculative round's verify rows) stream the weights in address order with the decode
+// prefetch, as the S = 1 GEMV does. The 4 x 4 prefill tiles read four rows at once with no
+// prefetch and halved the bandwidth: on the 2-core Xeon the Q4_0 LM head (226 MB) took 1.9x,
+// 2.2x and 3.6x the one-row time for 2, 4 and 8 rows (bench "BatchedDecode").
+// For S >= 2 four consecutive weight rows (one prefetched span) meet the activation rows at
+// once, so each activation vector serves four weight rows. One weight row at a time re-read the
+// whole quantized activation block per row: at 31B's down projection (input 21504) four rows'
+// codes are 86 KB, past L1, and the call took 3.2x the one-row time; with four weight rows at a
+// time 1.9x. E2B's gate projection at S = 4: 414-519 -> 293 us (bench/RESULTS.md, tenth
+// session). Outputs are unchanged: each (row, weight row) pair sums exactly as before.
+template <DType T, int NX>
+GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t row_bytes,
+                                    int64_t N, float* y, int64_t r0, int64_t r1) {
+  static constexpr int64_t kRows[kStreamMaxRows] = {0, 1, 2, 3, 4, 5, 6, 7};
+  constexpr int NW = NX == 1 ? 1 : 4;  // weight rows per tile
+  constexpr int NA = NX > 4 ? 4 : NX;  // activation rows of the streamed tile; the rest from L1
+  float out[4 * 4];
+  int64_t r = r0;
+  if constexpr (NW > 1) {
+    for (; r + NW <= r1; r += NW) {
+      const uint8_t* wrow[NW];
+      for (int w = 0; w < NW; ++w) wrow[w] = wdata + static_cast<size_t>(r + w) * row_bytes;
+      tile_vnni<T, NA, NW, true>(A, kRows, wrow, out, row_bytes);
+      for (int a = 0; a < NA; ++a)
+        for (int w = 0; w < NW; ++w) y[a * N + r + w] = out[a * NW + w];
+      if constexpr (NX > 4) {
+        tile_vnni<T, NX - 4, NW>(A, kRows + 4, wrow, out);
+        for (int a = 0; a < NX - 4; ++a)
+          for (int w = 0; w < NW; ++w) y[(4 + a) * N + r + w] = out[a * NW + w];
+      }
+    }
+  }
+  for (; r < r1; ++r) {
+    const uint8_t* wrow = wdata + static_cast<size_t>(r) * row_bytes;
+    tile_vnni<T, NX, 1, true>(A, kRows, &wrow, out, row_bytes);
+    for (int a = 0; a < NX; ++a) y[a * N + r] = out[a];
+  }
+}
+
+// stream_rows_vnni<T, 1> ... <T, kStreamMaxRows>, indexed by S - 1.
+template <DType T, size_t... I>
+constexpr auto stream_rows_table(std::index_sequence<I...>) {
+  return std::array{&stream_rows_vnni<T, static_cast<int>(I) + 1>...};
+}
+
+template <DType T>
+GEMSTAGE_VNNI void rows_vnni(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes,
+                             int64_t N, float* y, int64_t r0, int64_t r1) {
+  if (S <= kStreamMaxRows) {  // decode (S = 1) and batched decode steps
+    static constexpr auto kStream =
+        stream_rows_table<T>(std::make_index_sequence<kStreamMaxRows>());
+    return kStream[static_cast<size_t>(S - 1)](A, wdata, row_bytes, N, y, r0, r1);
+  }
+  prefill_tiles<VnniTiles<T>>(A, S, wdata, row_bytes, N, y, r0, r1);
+}
+
+}  // namespace
+
+void quantize_act_row(const float* x, int64_t K, int z, uint8_t* q, float* d, int32_t* nzx) {
+  quantize_act_row_impl(x, K, z, q, d, nzx);
+}
+
+QuantRowsFn quant_rows(DType t) {
+  return t == DType::Q8_0 ? rows_vnni<DType::Q8_0> : rows_vnni<DType::Q4_0>;
+}
+
+}  // namespace gemstage::avx512
