@@ -21,7 +21,6 @@
 
 #include "core/dtype.h"
 #include "core/thread_pool.h"
-#include "kernels/quant.h"
 #include "kernels/attention.h"
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"

@@ -10,7 +10,6 @@
 
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "kernels/quant.h"
 #include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
