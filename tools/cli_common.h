@@ -25,7 +25,8 @@ inline int64_t argmax_first(const float* v, int64_t n) {
   return best;
 }
 
-// --cache-type: the KV cache's row type, "auto" leaving the model's choice (Model::default_kv_type).
+// --cache-type: the KV cache's row type, "auto" leaving the model's choice
+// (Model::default_kv_type).
 inline void add_cache_type(CLI::App* sub, std::string& v) {
   sub->add_option("--cache-type", v,
                   "KV cache row type: auto (bf16 for Q8_0/Q4_0 weights, else f32), f32 or bf16")
