@@ -35,6 +35,7 @@ int zero_point(DType t) {
   return t == DType::Q8_0 ? 128 : 8;
 }
 
+// One row, portably: the codes, scales and corrections every SIMD twin reproduces exactly.
 void quantize_act_row(const float* x, int64_t K, int z, bool interleave, uint8_t* q, float* d,
                       int32_t* nzx) {
   const int64_t nb = K / kQB;

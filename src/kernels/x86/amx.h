@@ -3,13 +3,14 @@
 //
 // Why bf16 and not int8 tiles: a Q4_0/Q8_0 block scale covers 32 weights, so int8 tiles have to
 // stop after every 32 input columns: store the int32 C tile and add it to f32 accumulators with
-// its two scales. Measured on the 2-core Xeon (bench/RESULTS.md, twelfth session): with one C
-// tile store and two tile loads per 32 columns, int8 tiles ran at 0.35-0.65x these bf16 tiles at
-// 128-512 rows, about even at 64 rows with f32 accumulators kept in registers, and 0.2x the VNNI
-// kernels at 2-16 rows. Tile loads and stores cost tens of cycles
-// each there, and bf16 tiles need none per block. So each weight row is dequantized to bf16 with
-// its scale folded in, w = (u - z) * d, once per pass of up to 256 activation rows, and the tiles
-// accumulate in f32 across the whole input width with no per-block work.
+// its two scales. Measured on the 2-core Xeon (bench/RESULTS.md, twelfth session), with one C
+// tile store and two tile loads per 32 columns: 0.35-0.85x these bf16 tiles at 128-512 rows
+// (0.6-1.0x, and 1.1-1.2x on the 12B's 64-row shapes, with the f32 accumulators kept in
+// registers, which gives up the VNNI kernels' exact summation order), and 0.2-0.6x the VNNI
+// kernels at 2-16 rows. Tile loads and stores cost tens
+// of cycles each there, and bf16 tiles need none per block. So each weight row is dequantized to
+// bf16 with its scale folded in, w = (u - z) * d, once per pass of up to 256 activation rows,
+// and the tiles accumulate in f32 across the whole input width with no per-block work.
 //
 // The inner product may visit the input columns in any order as long as both operands use the
 // same one, so the weights are read in their stored chunk-interleaved order (kernels/quant.h:
