@@ -31,14 +31,9 @@ constexpr VecKernels kAvx512{
     avx512::scale_row, avx512::gelu_tanh_mul, avx512::softcap,          avx512::softmax_inplace,
     avx512::dot,       avx512::axpy,          avx512::attend_key_block, avx512::attend_key_block};
 
-constexpr VecKernels kAvx2{avx2::scale_row,
-                           avx2::gelu_tanh_mul,
-                           avx2::softcap,
-                           avx2::softmax_inplace,
-                           avx2::dot,
-                           avx2::axpy,
-                           without_next<float, static_cast<F32Block>(avx2::attend_key_block)>,
-                           without_next<uint16_t, static_cast<Bf16Block>(avx2::attend_key_block)>};
+constexpr VecKernels kAvx2{
+    avx2::scale_row, avx2::gelu_tanh_mul, avx2::softcap,          avx2::softmax_inplace,
+    avx2::dot,       avx2::axpy,          avx2::attend_key_block, avx2::attend_key_block};
 #endif
 
 #if defined(__aarch64__)

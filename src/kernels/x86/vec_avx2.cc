@@ -218,6 +218,35 @@ GEMSTAGE_AVX2 inline __m256 reduce_8(const __m256 (&a)[8]) {
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
+// The next block's rows that a score tile prefetches: keys j0, j0 + 1 of it, K and V, one 64-byte
+// line of each whenever the tile's read offset crosses a line, so the block's prefetches spread
+// over its tiles (as the AVX-512 twin's TilePrefetch does; issued in one burst they stall the
+// core on its miss buffers).
+struct TilePrefetch {
+  const char* k[2];
+  const char* v[2];
+  bool on = false;
+
+  template <typename T>
+  TilePrefetch(const T* const* next_k, const T* const* next_v, int64_t next_n, int64_t j0,
+               const T* const* current, int64_t nk) {
+    on = next_n > j0;
+    for (int i = 0; i < 2; ++i) {
+      const bool ahead = j0 + i < next_n;  // else re-touch a row this tile reads anyway
+      const T* mine = current[std::min<int64_t>(j0 + i, nk - 1)];
+      k[i] = reinterpret_cast<const char*>(ahead ? next_k[j0 + i] : mine);
+      v[i] = reinterpret_cast<const char*>(ahead ? next_v[j0 + i] : mine);
+    }
+  }
+  GEMSTAGE_AVX2 void line(int64_t byte_offset) const {
+    if (!on || byte_offset % 64 != 0) return;
+    for (int i = 0; i < 2; ++i) {
+      _mm_prefetch(k[i] + byte_offset, _MM_HINT_T0);
+      _mm_prefetch(v[i] + byte_offset, _MM_HINT_T0);
+    }
+  }
+};
+
 // s[(m0 + i) * ss + j0 + j] = q[m0 + i] · k[j0 + j] for the 4 x 2 tile at (m0, j0): each key
 // vector (widening bf16 keys is much of a step's work) serves four queries and each query vector
 // two keys, and the eight sums are reduced together. It replaced a 2 x 1 tile with a horizontal
@@ -226,7 +255,8 @@ GEMSTAGE_AVX2 inline __m256 reduce_8(const __m256 (&a)[8]) {
 // repeats the last one, and those sums are not stored.
 template <typename T>
 GEMSTAGE_AVX2 void score_tile(const float* const* q, int64_t M, int64_t m0, const T* const* k,
-                              int64_t nk, int64_t j0, int64_t hd, float* s, int64_t ss) {
+                              int64_t nk, int64_t j0, int64_t hd, float* s, int64_t ss,
+                              const TilePrefetch& pf) {
   const float* qp[4];
   for (int i = 0; i < 4; ++i) qp[i] = q[std::min<int64_t>(m0 + i, M - 1)];
   const T* k0 = k[std::min<int64_t>(j0, nk - 1)];
@@ -235,6 +265,7 @@ GEMSTAGE_AVX2 void score_tile(const float* const* q, int64_t M, int64_t m0, cons
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;  // a<key><query>
   for (int64_t d = 0; d < hd; d += 8) {
+    pf.line(d * static_cast<int64_t>(sizeof(T)));
     const int64_t n = hd - d;
     const __m256 q0 = load(qp[0] + d, n), q1 = load(qp[1] + d, n);
     const __m256 q2 = load(qp[2] + d, n), q3 = load(qp[3] + d, n);
@@ -261,10 +292,14 @@ template <typename T>
 GEMSTAGE_AVX2 void key_block(const float* const* q, float* const* out, const int64_t* lo,
                              const int64_t* hi, int64_t M, int64_t hd, const T* const* k,
                              const T* const* v, int64_t nk, int64_t first, float* scores,
-                             int64_t ss, float* max, float* sum) {
+                             int64_t ss, float* max, float* sum, const T* const* next_k,
+                             const T* const* next_v, int64_t next_n) {
   // Scores of every (query, key) pair; masked ones are overwritten by the softmax pass below.
+  // The first row of tiles prefetches the next block.
   for (int64_t m0 = 0; m0 < M; m0 += 4)
-    for (int64_t j0 = 0; j0 < nk; j0 += 2) score_tile(q, M, m0, k, nk, j0, hd, scores, ss);
+    for (int64_t j0 = 0; j0 < nk; j0 += 2)
+      score_tile(q, M, m0, k, nk, j0, hd, scores, ss,
+                 TilePrefetch(next_k, next_v, m0 == 0 ? next_n : 0, j0, k, nk));
   for (int64_t m = 0; m < M; ++m) {
     const int64_t a = std::max<int64_t>(lo[m] - first, 0),
                   b = std::min<int64_t>(hi[m] - first, nk - 1);
@@ -320,15 +355,17 @@ GEMSTAGE_AVX2 void key_block(const float* const* q, float* const* out, const int
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
-                      float* max, float* sum) {
-  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
+                      float* max, float* sum, const float* const* next_k,
+                      const float* const* next_v, int64_t next_n) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
 }
 
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
-                      int64_t ss, float* max, float* sum) {
-  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum);
+                      int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
+                      const uint16_t* const* next_v, int64_t next_n) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
 }
 
 }  // namespace gemstage::avx2

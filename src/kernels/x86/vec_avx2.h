@@ -16,15 +16,17 @@ void softmax_inplace(float* s, int64_t n);
 float dot(const float* a, const float* b, int64_t n);
 void axpy(float a, const float* x, float* y, int64_t n);
 // attention.h's attend_key_block for M queries over nk keys at positions first.., as
-// avx512::attend_key_block (no prefetch arguments: the AVX2 loop reads one key row per query
-// group at a time and the hardware prefetchers follow it).
+// avx512::attend_key_block: next_k / next_v / next_n are the following block's rows, prefetched
+// while this block's scores are computed.
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const float* const* k,
                       const float* const* v, int64_t nk, int64_t first, float* scores, int64_t ss,
-                      float* max, float* sum);
+                      float* max, float* sum, const float* const* next_k,
+                      const float* const* next_v, int64_t next_n);
 void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
                       const int64_t* hi, int64_t M, int64_t hd, const uint16_t* const* k,
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
-                      int64_t ss, float* max, float* sum);
+                      int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
+                      const uint16_t* const* next_v, int64_t next_n);
 
 }  // namespace gemstage::avx2
