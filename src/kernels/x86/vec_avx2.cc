@@ -8,6 +8,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/x86/tile_prefetch.h"
+
 #define GEMSTAGE_AVX2 __attribute__((target("avx2,fma")))
 
 namespace gemstage::avx2 {
@@ -218,34 +220,8 @@ GEMSTAGE_AVX2 inline __m256 reduce_8(const __m256 (&a)[8]) {
                        _mm256_permute2f128_ps(h0123, h4567, 0x31));
 }
 
-// The next block's rows that a score tile prefetches: keys j0, j0 + 1 of it, K and V, one 64-byte
-// line of each whenever the tile's read offset crosses a line, so the block's prefetches spread
-// over its tiles (as the AVX-512 twin's TilePrefetch does; issued in one burst they stall the
-// core on its miss buffers).
-struct TilePrefetch {
-  const char* k[2];
-  const char* v[2];
-  bool on = false;
-
-  template <typename T>
-  TilePrefetch(const T* const* next_k, const T* const* next_v, int64_t next_n, int64_t j0,
-               const T* const* current, int64_t nk) {
-    on = next_n > j0;
-    for (int i = 0; i < 2; ++i) {
-      const bool ahead = j0 + i < next_n;  // else re-touch a row this tile reads anyway
-      const T* mine = current[std::min<int64_t>(j0 + i, nk - 1)];
-      k[i] = reinterpret_cast<const char*>(ahead ? next_k[j0 + i] : mine);
-      v[i] = reinterpret_cast<const char*>(ahead ? next_v[j0 + i] : mine);
-    }
-  }
-  GEMSTAGE_AVX2 void line(int64_t byte_offset) const {
-    if (!on || byte_offset % 64 != 0) return;
-    for (int i = 0; i < 2; ++i) {
-      _mm_prefetch(k[i] + byte_offset, _MM_HINT_T0);
-      _mm_prefetch(v[i] + byte_offset, _MM_HINT_T0);
-    }
-  }
-};
+// A 4 x 2 score tile prefetches two keys of the next block (x86/tile_prefetch.h).
+using TilePrefetch = x86::TilePrefetch<2>;
 
 // s[(m0 + i) * ss + j0 + j] = q[m0 + i] · k[j0 + j] for the 4 x 2 tile at (m0, j0): each key
 // vector (widening bf16 keys is much of a step's work) serves four queries and each query vector

@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "kernels/x86/tile_prefetch.h"
+
 #define GEMSTAGE_AVX512F __attribute__((target("avx512f")))
 
 namespace gemstage::avx512 {
@@ -219,34 +221,8 @@ GEMSTAGE_AVX512F inline __m512 reduce_4x4(const __m512* a) {
                        _mm512_shuffle_ps(t0, t1, _MM_SHUFFLE(3, 2, 3, 2)));
 }
 
-// The next block's rows that a score tile prefetches: keys j0..j0+3 of it, K and V, one 64-byte
-// line of each per step at the offset the tile is reading. Issued as one burst per block, the
-// block's 1024 prefetches fill the core's miss buffers and stall it: one core then read a cache
-// streaming from DRAM at 9 GB/s (it streams 28 GB/s alone); spread over the tiles, 12.
-struct TilePrefetch {
-  const char* k[4];
-  const char* v[4];
-  bool on = false;
-
-  template <typename T>
-  TilePrefetch(const T* const* next_k, const T* const* next_v, int64_t next_n, int64_t j0,
-               const T* const* current, int64_t nk) {
-    on = next_n > j0;
-    for (int i = 0; i < 4; ++i) {
-      const bool ahead = j0 + i < next_n;  // else re-touch a row this tile reads anyway
-      const T* mine = current[std::min<int64_t>(j0 + i, nk - 1)];
-      k[i] = reinterpret_cast<const char*>(ahead ? next_k[j0 + i] : mine);
-      v[i] = reinterpret_cast<const char*>(ahead ? next_v[j0 + i] : mine);
-    }
-  }
-  GEMSTAGE_AVX512F void line(int64_t byte_offset) const {
-    if (!on || byte_offset % 64 != 0) return;
-    for (int i = 0; i < 4; ++i) {
-      _mm_prefetch(k[i] + byte_offset, _MM_HINT_T0);
-      _mm_prefetch(v[i] + byte_offset, _MM_HINT_T0);
-    }
-  }
-};
+// A 4 x 4 score tile prefetches four keys of the next block (x86/tile_prefetch.h).
+using TilePrefetch = x86::TilePrefetch<4>;
 
 // s[(m0 + i) * ss + j0 + j] = q[m0 + i] · k[j0 + j] for the 4x4 tile at (m0, j0). Past the last
 // query or key the tile repeats the last one, and those sums are not stored.
