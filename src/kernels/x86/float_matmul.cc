@@ -11,6 +11,8 @@
 
 #include <algorithm>
 
+#include "kernels/x86/avx2_sum.h"
+
 namespace gemstage {
 
 namespace avx512 {
@@ -106,14 +108,6 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 load_w8(const void* base,
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum256(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
-}
-
 template <DType T>
 __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t S,
                                                         const WeightView& w, float* y, int64_t r0,
@@ -147,7 +141,7 @@ __attribute__((target("avx2,fma,f16c"))) void rows_avx2(const float* x, int64_t 
       }
       for (int a = 0; a < nx; ++a)
         for (int b = 0; b < nw; ++b) {
-          float v = hsum256(acc[a][b]);
+          float v = x86::hsum_hadd(acc[a][b]);
           for (int64_t k = full; k < K; ++k)
             v += x[(s + a) * K + k] * widen_weight(w.data, T, (r + b) * K + k);
           y[(s + a) * N + r + b] = v;

@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "kernels/quant.h"
+#include "kernels/x86/avx2_sum.h"
 
 namespace gemstage::avx2 {
 
@@ -77,14 +78,6 @@ GEMSTAGE_AVX2 inline __m256i load_part(const void* p, int bytes) {
   alignas(32) uint8_t buf[32] = {};
   std::memcpy(buf, p, static_cast<size_t>(bytes));
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(buf));
-}
-
-GEMSTAGE_AVX2 inline float hsum8(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_hadd_ps(lo, lo);
-  lo = _mm_hadd_ps(lo, lo);
-  return _mm_cvtss_f32(lo);
 }
 
 // One (NX activation rows x NW weight rows) tile over the whole input width. Per half chunk
@@ -174,7 +167,7 @@ GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* 
     }
   }
   for (int a = 0; a < NX; ++a)
-    for (int w = 0; w < NW; ++w) out[a * NW + w] = hsum8(facc[a][w]);
+    for (int w = 0; w < NW; ++w) out[a * NW + w] = x86::hsum_hadd(facc[a][w]);
 }
 
 template <bool kFull>
@@ -278,7 +271,7 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dh), _mm256_mul_ps(sh, xs), acc);
       }
     }
-    y[r] = hsum8(acc);
+    y[r] = x86::hsum_hadd(acc);
   }
 }
 
