@@ -11,6 +11,7 @@
 // per (format, shape) and kept only while consecutive benchmarks use them.
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <map>
@@ -123,6 +124,39 @@ void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
   state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
                                                  benchmark::Counter::kIsRate);
   state.SetLabel(dtype_is_quantized(t) ? quant_isa(S) : matmul_isa());
+}
+
+// As BM_Matmul, on one of enough copies of the matrix to fill kStackBytes, a different copy each
+// call in turn, so every call reads its weights from DRAM as a decode step of a model far past
+// the caches does (the last-level cache of a server CPU holds a whole 31B-shape MLP matrix, which
+// BM_Matmul then measures from cache). args: out, in, S, threads.
+constexpr size_t kStackBytes = size_t{1280} << 20;
+void BM_MatmulDram(benchmark::State& state, DType t, CpuTier tier) {
+  ScopedCpuTier use(tier);
+  const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
+  const int threads = static_cast<int>(state.range(3));
+  const Matrix& m = matrix(t, out, in);
+  const size_t copies = std::max<size_t>(2, kStackBytes / m.bytes.size());
+  std::vector<uint8_t> stack(copies * m.bytes.size());
+  for (size_t c = 0; c < copies; ++c)
+    std::memcpy(stack.data() + c * m.bytes.size(), m.bytes.data(), m.bytes.size());
+  const auto x = activations(S * in);
+  std::vector<float> y(static_cast<size_t>(S * out));
+  ThreadPool& pool = pool_of(threads);
+  size_t c = 0;
+  for (auto _ : state) {
+    const WeightView w{"bench", t, {out, in}, stack.data() + c * m.bytes.size(), m.bytes.size()};
+    matmul(pool, x.data(), S, w, y.data());
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+    c = (c + 1) % copies;
+  }
+  const double it = static_cast<double>(state.iterations());
+  state.counters["GB/s"] = benchmark::Counter(it * static_cast<double>(m.bytes.size()) / 1e9,
+                                              benchmark::Counter::kIsRate);
+  state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
+                                                 benchmark::Counter::kIsRate);
+  state.SetLabel(quant_isa(S));
 }
 
 void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
@@ -303,6 +337,15 @@ const bool registered = [] {
         batched_decode_args(benchmark::RegisterBenchmark(
             (std::string("BatchedDecode/") + f.name + "/" + cpu_tier_name(t)).c_str(), BM_Matmul,
             f.t, std::optional<CpuTier>(t)));
+  // The 31B MLP at a speculative round's 1-4 verify rows, weights from DRAM.
+  for (CpuTier t : simd)
+    benchmark::RegisterBenchmark((std::string("VerifyRowsDram/Q4_0/") + cpu_tier_name(t)).c_str(),
+                                 BM_MatmulDram, DType::Q4_0, t)
+        ->ArgNames({"out", "in", "S", "threads"})
+        ->ArgsProduct({{21504}, {5376}, {1, 2, 3, 4}, {2}})
+        ->ArgsProduct({{5376}, {21504}, {1, 2, 3, 4}, {2}})
+        ->UseRealTime()
+        ->Unit(benchmark::kMicrosecond);
   return true;
 }();
 

@@ -29,7 +29,7 @@ std::string assistant_fixture(const std::string& rel) {
 std::string export_with_drafter(const std::string& name, const std::string& weights) {
   const std::string out = temp_dir(name);
   ExportOptions o;
-  o.stages = "2";
+  o.stages = std::string("2");  // not = "2": GCC 12 reports a false -Wrestrict there
   o.weights = weights;
   o.progress = false;
   o.force = true;
@@ -125,6 +125,33 @@ TEST(BundleDrafter, QuantizedDrafterIsCheckedAndKeepsGreedyOutput) {
       ++agree;
     EXPECT_EQ(rounds[r].accepted, agree) << "round " << r;
   }
+}
+
+// -md takes a bundle too: its drafter stage drafts for any target of the drafter's shape (here the
+// checkpoint the bundle came from), exactly as the drafter checkpoint does.
+TEST(BundleDrafter, DashMdTakesABundlesDrafterStage) {
+  const std::string dir = export_with_drafter("bundle_drafter_md", "f32");
+  const auto from_bundle = open_drafter(dir);
+  const auto from_checkpoint = open_drafter(assistant_fixture("assistant_e"));
+  const std::string set = assistant_fixture("e_text/");
+  const std::vector<int32_t> prompt = load_ids(set + "input_ids.npy");
+  std::vector<int32_t> bundle_ids, checkpoint_ids;
+  const auto target = Model::open(fixture("model"));
+  const auto b = greedy_rounds(target, *from_bundle, prompt, &bundle_ids);
+  const auto c = greedy_rounds(target, *from_checkpoint, prompt, &checkpoint_ids);
+  EXPECT_EQ(bundle_ids, load_ids(set + "greedy_ids.npy"));
+  EXPECT_EQ(bundle_ids, checkpoint_ids);
+  ASSERT_EQ(b.size(), c.size());
+  for (size_t r = 0; r < b.size(); ++r) EXPECT_EQ(b[r].drafts, c[r].drafts) << "round " << r;
+
+  ExportOptions o;
+  o.progress = false;
+  o.force = true;
+  const std::string plain = temp_dir("bundle_drafter_md_none");
+  export_bundle(fixture("model"), plain, o);
+  const std::string err = testing::error_of([&] { (void)open_drafter(plain); });
+  EXPECT_NE(err.find("has no drafter stage"), std::string::npos) << err;
+  EXPECT_NE(err.find(plain), std::string::npos) << err;
 }
 
 // The manifest's drafter must sit with the last transformer stage and read its donor layers.

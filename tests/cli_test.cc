@@ -156,17 +156,40 @@ TEST(Cli, BenchDrafterSpeedCurveAgainstAcceptance) {
   EXPECT_NE(out.find("| tg12 | 3 | drafter |"), std::string::npos) << out;
   EXPECT_NE(out.find("| tg12 | 3 | 1.00 |"), std::string::npos) << out;
   EXPECT_NE(out.find("| tg12 | 3 | 0.00 |"), std::string::npos) << out;
+  // Columns: drafter, test, k max, drafts agree, plain t/s, drafter t/s, ratio, acceptance, then
+  // where a round's time went: plain step ms, draft step ms, verify ms (mean rows).
+  auto columns = [](const std::string& line) {
+    std::vector<std::string> cols;
+    std::stringstream ss(line);
+    std::string c;
+    std::getline(ss, c, '|');  // before the first bar
+    while (std::getline(ss, c, '|')) cols.push_back(c.substr(1, c.size() - 2));
+    return cols;
+  };
   std::stringstream lines(out);
+  int rows = 0;
   for (std::string line; std::getline(lines, line);) {
-    if (line.find("| 1.00 |") != std::string::npos) {
-      const size_t at = line.rfind("| ");
-      EXPECT_EQ(line.substr(at, 7), "| 1.000") << line;  // every draft accepted
+    if (line.find("| tg12 | 3 |") == std::string::npos) continue;
+    const auto cols = columns(line);
+    ASSERT_EQ(cols.size(), 11u) << line;
+    ++rows;
+    if (cols[3] == "1.00") {
+      EXPECT_EQ(cols[7].substr(0, 5), "1.000") << line;  // every draft accepted
+      // Every round drafted and verified: a draft step and a verify call of 2-4 rows timed.
+      EXPECT_GT(std::stod(cols[9]), 0.0) << line;
+      const size_t open = cols[10].find('(');
+      ASSERT_NE(open, std::string::npos) << line;
+      EXPECT_GT(std::stod(cols[10].substr(0, open)), 0.0) << line;
+      const double rows_per_call = std::stod(cols[10].substr(open + 1));
+      EXPECT_GE(rows_per_call, 2.0) << line;
+      EXPECT_LE(rows_per_call, 4.0) << line;
     }
-    if (line.find("| 0.00 |") != std::string::npos) {
-      const size_t at = line.rfind("| ");
-      EXPECT_EQ(line.substr(at, 7), "| 0.000") << line;
+    if (cols[3] == "0.00") {
+      EXPECT_EQ(cols[7].substr(0, 5), "0.000") << line;
     }
+    EXPECT_GT(std::stod(cols[8]), 0.0) << line;  // plain step ms
   }
+  EXPECT_EQ(rows, 3) << out;
 }
 
 TEST(Cli, BenchDecodesSeveralSequencesTogether) {

@@ -17,6 +17,7 @@
 #include "kernels/cpu_features.h"
 #include "kernels/vec_kernels.h"
 #include "runtime/speculative.h"
+#include "stage/bundle.h"
 #include "stage/call_pipeline.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
@@ -51,12 +52,15 @@ struct BenchArgs {
 void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
                    const std::vector<int32_t>& prompt, const std::vector<int64_t>& gens,
                    std::ostream& out) {
-  const auto drafter = AssistantModel::open(a.model_draft);
+  const auto drafter = open_drafter(a.model_draft);
   check_assistant_matches(drafter->config(), p.config(), a.model_draft, a.model);
   std::vector<double> agree = {-1};  // the drafter's own drafts first
   agree.insert(agree.end(), a.draft_agree.begin(), a.draft_agree.end());
+  // The last three columns say where a round's time went: a plain step, one draft step, and
+  // one verify call (its mean rows, k + 1) against a plain step.
   out << "| drafter | test | k max | drafts agree | plain t/s | drafter t/s | ratio | acceptance "
-         "|\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+         "| plain step ms | draft step ms | verify ms (rows) |\n"
+         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
   const auto argmax = [](const FloatTensor& l) {
     const float* row = l.row(0);
     return static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row);
@@ -114,7 +118,19 @@ void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
         out << "drafter";
       out << " | " << std::fixed << std::setprecision(2) << n / plain_s << " | " << n / spec_s
           << " | " << std::setprecision(3) << plain_s / spec_s << " | " << st.acceptance() << " ("
-          << st.accepted << "/" << st.drafted << ") |\n";
+          << st.accepted << "/" << st.drafted << ") | " << std::setprecision(1) << 1e3 * plain_s / n
+          << " | ";
+      if (st.draft_steps > 0)
+        out << 1e3 * st.draft_seconds / static_cast<double>(st.draft_steps);
+      else
+        out << "-";
+      out << " | ";
+      if (st.rounds > 0)
+        out << 1e3 * st.verify_seconds / static_cast<double>(st.rounds) << " ("
+            << static_cast<double>(st.verify_rows) / static_cast<double>(st.rounds) << ")";
+      else
+        out << "-";
+      out << " |\n";
     }
   }
 }
@@ -524,9 +540,11 @@ void add_bench_command(CLI::App& app, Registry& reg) {
                   "report the tokens/s of all K together")
       ->capture_default_str();
   add_cache_type(sub, a->cache_type);
-  sub->add_option("--model-draft", a->model_draft,
-                  "also decode with this gemma4_assistant drafter (also -md): t/s with and without "
-                  "it and its acceptance, from a random 32-token prompt");
+  sub->add_option(
+      "--model-draft", a->model_draft,
+      "also decode with this gemma4_assistant drafter (also -md; a checkpoint, or a bundle "
+      "whose drafter stage to use): t/s with and without it and its acceptance, from a "
+      "random 32-token prompt");
   sub->add_option("--draft-max", a->draft_max, "drafts per round at most (default 4)")
       ->check(CLI::Range(1, 64));
   sub->add_option("--draft-agree", a->draft_agree,

@@ -14,6 +14,7 @@
 #include "io/npy.h"
 #include "runtime/sampler.h"
 #include "runtime/speculative.h"
+#include "stage/bundle.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -43,7 +44,7 @@ struct DumpArgs {
 void record_speculative(const DumpArgs& a, ThreadPool& pool, const Sequence& model,
                         std::span<const int32_t> ids, const FloatTensor* soft, int64_t chunk,
                         int n_new, TapRecorder& taps) {
-  const auto drafter = AssistantModel::open(a.model_draft);
+  const auto drafter = open_drafter(a.model_draft);
   check_assistant_matches(drafter->config(), model.config(), a.model_draft, a.model);
   Sequence seq(model.shared_model(),
                std::min<int64_t>(model.max_context(),
@@ -330,8 +331,8 @@ void add_dump_command(CLI::App& app, Registry& reg) {
                   "greedy decode N tokens with the KV cache (decode_ids, decode_logits)");
   sub->add_option("--model-draft", a->model_draft,
                   "with --decode: also a greedy speculative decode with this gemma4_assistant "
-                  "drafter (also -md), writing the spec_* taps (spec_round_drafts, "
-                  "spec_round_accepted, ...)");
+                  "drafter (also -md; a checkpoint, or a bundle with a drafter stage), writing the "
+                  "spec_* taps (spec_round_drafts, spec_round_accepted, ...)");
   sub->add_option("--draft-max", a->draft_max, "drafts per speculative round (default 4)")
       ->check(CLI::Range(1, 64));
   sub->add_option("--chunk", a->chunk, "prefill chunk size (0 = whole prompt in one pass)");

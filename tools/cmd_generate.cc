@@ -175,7 +175,7 @@ int run_generate(const GenerateArgs& a) {
     p = as->prepare_chat(pool, msgs, {true, a.think});
   }
   if (!a.model_draft.empty()) {
-    const auto drafter = AssistantModel::open(a.model_draft);
+    const auto drafter = open_drafter(a.model_draft);
     return run_generate_speculative(a, *as, pool, p, drafter.get());
   }
   // A bundle's drafter stage drafts unless --no-bundle-drafter; --json-schema decodes plainly.
@@ -307,9 +307,9 @@ void add_generate_command(CLI::App& app, Registry& reg) {
                   "object), enforced while sampling");
   sub->add_option("--json-schema-file", a->json_schema_file,
                   "the same, with the schema read from a file");
-  sub->add_option(
-      "--model-draft", a->model_draft,
-      "speculative decoding with this gemma4_assistant (MTP) drafter checkpoint (also -md)");
+  sub->add_option("--model-draft", a->model_draft,
+                  "speculative decoding with this gemma4_assistant (MTP) drafter (also -md): a "
+                  "checkpoint, or a bundle whose drafter stage (export -md) to use");
   sub->add_option("--draft-max", a->draft_max, "drafts per round at most (default 4)")
       ->check(CLI::Range(1, 64));
   sub->add_option("--draft-min", a->draft_min,

@@ -168,8 +168,9 @@ void add_serve_command(CLI::App& app, Registry& reg) {
       ->capture_default_str()
       ->check(CLI::Range(0.0, 3600.0));
   sub->add_option("--model-draft", a->model_draft,
-                  "speculative decoding with this gemma4_assistant (MTP) drafter checkpoint (also "
-                  "-md): every request drafts unless it sends \"speculative.n_max\": 0")
+                  "speculative decoding with this gemma4_assistant (MTP) drafter (also -md: a "
+                  "checkpoint, or a bundle whose drafter stage to use): every request drafts "
+                  "unless it sends \"speculative.n_max\": 0")
       ->check(CLI::ExistingDirectory);
   sub->add_option("--draft-max", a->draft_max,
                   "drafts per round at most, a request's default (\"speculative.n_max\"; 0: "

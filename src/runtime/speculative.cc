@@ -267,10 +267,15 @@ std::vector<int32_t> speculative_generate(
     round.input_token = x;
     ctx.position = P;
     std::vector<int32_t> ids = draft_round(pool, drafter, ctx, x, h, k);
+    st.draft_steps += k;
+    st.draft_seconds += seconds_since(t0);
     if (opt.replace_drafts)
       opt.replace_drafts(static_cast<int64_t>(out.size()), std::span<int32_t>(ids).subspan(1));
     round.drafts.assign(ids.begin() + 1, ids.end());
+    const auto t_verify = std::chrono::steady_clock::now();
     TargetRows r = run_target(pool, target, ids, true);
+    st.verify_rows += static_cast<int64_t>(ids.size());
+    st.verify_seconds += seconds_since(t_verify);
     VerifyOutcome v =
         speculative_verify(r.logits.row(0), r.logits.dim(1), round.drafts, sampler, history);
     const int n = v.accepted;

@@ -72,6 +72,10 @@ struct SpeculativeRound {
 struct SpeculativeStats {
   int64_t rounds = 0, drafted = 0, accepted = 0;
   int64_t plain_steps = 0;  // target steps without drafts
+  // Where a round's time goes (bench prints it): the drafter's steps, and the target's verify
+  // calls with their rows (k + 1 each).
+  int64_t draft_steps = 0, verify_rows = 0;
+  double draft_seconds = 0, verify_seconds = 0;
   double acceptance() const {
     return drafted > 0 ? static_cast<double>(accepted) / static_cast<double>(drafted) : 0.0;
   }

@@ -415,7 +415,7 @@ void Server::Impl::open_drafter() {
   const bool from_bundle = opt.model_draft.empty();
   std::unique_ptr<AssistantModel> d;
   if (!from_bundle) {
-    d = AssistantModel::open(opt.model_draft);
+    d = gemstage::open_drafter(opt.model_draft);
     drafter_name = opt.model_draft;
   } else if (opt.bundle_drafter && is_bundle_dir(opt.model_path)) {
     const BundleManifest m = read_bundle_manifest(opt.model_path);

@@ -494,6 +494,16 @@ std::unique_ptr<AssistantModel> open_bundle_drafter(const std::string& dir,
   return model;
 }
 
+std::unique_ptr<AssistantModel> open_drafter(const std::string& path) {
+  if (!is_bundle_dir(path)) return AssistantModel::open(path);
+  auto d = open_bundle_drafter(path, read_bundle_manifest(path));
+  if (!d)
+    fail("-md ", path,
+         ": this bundle has no drafter stage; pass a gemma4_assistant checkpoint directory, or a "
+         "bundle exported with --model-draft");
+  return d;
+}
+
 bool is_bundle_dir(const std::string& path) {
   const fs::path m = fs::path(path) / "manifest.json";
   if (!fs::exists(m)) return false;

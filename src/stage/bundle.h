@@ -109,6 +109,11 @@ std::string sha256_file(const std::string& path);
 std::unique_ptr<AssistantModel> open_bundle_drafter(const std::string& dir,
                                                     const BundleManifest& m);
 
+// -md PATH: a gemma4_assistant checkpoint directory, or a bundle whose drafter stage (export -md)
+// is taken, so a drafter quantized at export serves other targets of its shape too. Fails, saying
+// what to pass instead, for a bundle without one.
+std::unique_ptr<AssistantModel> open_drafter(const std::string& path);
+
 // Every stage's weights of a bundle as one tensor source (a key held by two stages, such as the
 // tied embedding, resolves to the first).
 std::shared_ptr<TensorSource> open_bundle_tensors(const std::string& dir, const BundleManifest& m);
