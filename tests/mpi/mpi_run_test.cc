@@ -266,10 +266,12 @@ class ServeJob {
   ServeJob& operator=(const ServeJob&) = delete;
 
   // Waits for the port the server took (--port 0: any free one, from its start-up line) and for
-  // /health to answer 200; false (the log says why) if that does not happen within 30 s.
+  // /health to answer 200; false (the log says why) if that does not happen within 120 s. A
+  // 3-rank job started beside a 1-rank one is four processes on a 2-core CI machine, and Open
+  // MPI's ranks poll while they wait: such a start took over 30 s now and then.
   bool wait_up() {
     const std::string listening = "listening on http://127.0.0.1:";
-    for (int i = 0; i < 300 && port_ == 0; ++i) {
+    for (int i = 0; i < 1200 && port_ == 0; ++i) {
       const std::string text = slurp(log_);
       if (const auto at = text.find(listening); at != std::string::npos)
         port_ = std::atoi(text.c_str() + at + listening.size());
@@ -277,7 +279,7 @@ class ServeJob {
     }
     if (port_ == 0) return false;
     httplib::Client c = client();
-    for (int i = 0; i < 300; ++i) {
+    for (int i = 0; i < 1200; ++i) {
       const auto r = c.Get("/health");
       if (r && r->status == 200) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
