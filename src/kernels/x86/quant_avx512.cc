@@ -140,7 +140,8 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
       // NW > 1 rows reads NW streams a row apart, so kDecodePrefetch past its first row's start
       // lands inside its own later rows, which it then reads before the prefetch has arrived;
       // it prefetches the next tile instead, kDecodePrefetch past its start. The 31B MLP at 4
-      // verify rows from DRAM (bench VerifyRowsDram): 1.5x -> 1.27x the one-row time.
+      // verify rows from DRAM (bench VerifyRowsDram): 1.27-1.47x -> 1.15-1.41x the one-row time,
+      // and a 31B verify call of 3-4 rows 1.3-1.4 -> 1.1-1.3 plain steps (bench/RESULTS.md).
       const size_t distance = NW == 1 ? kDecodePrefetch : span + kDecodePrefetch;
       const char* ahead = reinterpret_cast<const char*>(wrow[0]) + distance;
       const size_t lo = pf_step * static_cast<size_t>(c);
