@@ -102,20 +102,41 @@ std::vector<float> activations(int64_t n) {
   return x;
 }
 
-// args: out, in, S, threads. tier: the tier to run under (nullopt: the one in force).
-void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
+// Weights of the DRAM variant: enough copies of the matrix to fill this, one per call in turn.
+constexpr size_t kStackBytes = size_t{1280} << 20;
+
+// args: out, in, S, threads. tier: the tier to run under (nullopt: the one in force). from_dram:
+// each call multiplies the next of enough copies of the matrix to fill kStackBytes, so every call
+// reads its weights from DRAM as a decode step of a model far past the caches does (the
+// last-level cache of a server CPU holds a whole 31B-shape MLP matrix, which one copy measures
+// from cache).
+void run_matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier, bool from_dram) {
   std::optional<ScopedCpuTier> use;
   if (tier) use.emplace(*tier);
   const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
   const int threads = static_cast<int>(state.range(3));
   const Matrix& m = matrix(t, out, in);
+  std::vector<uint8_t> stack;
+  std::vector<WeightView> views{m.view};
+  if (from_dram) {
+    const size_t copies = std::max<size_t>(2, kStackBytes / m.bytes.size());
+    stack.resize(copies * m.bytes.size());
+    views.clear();
+    for (size_t c = 0; c < copies; ++c) {
+      uint8_t* dst = stack.data() + c * m.bytes.size();
+      std::memcpy(dst, m.bytes.data(), m.bytes.size());
+      views.push_back(WeightView{"bench", t, {out, in}, dst, m.bytes.size()});
+    }
+  }
   const auto x = activations(S * in);
   std::vector<float> y(static_cast<size_t>(S * out));
   ThreadPool& pool = pool_of(threads);
+  size_t c = 0;
   for (auto _ : state) {
-    matmul(pool, x.data(), S, m.view, y.data());
+    matmul(pool, x.data(), S, views[c], y.data());
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
+    c = (c + 1) % views.size();
   }
   const double it = static_cast<double>(state.iterations());
   state.SetBytesProcessed(static_cast<int64_t>(it * static_cast<double>(m.bytes.size())));
@@ -126,37 +147,12 @@ void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
   state.SetLabel(dtype_is_quantized(t) ? quant_isa(S) : matmul_isa());
 }
 
-// As BM_Matmul, on one of enough copies of the matrix to fill kStackBytes, a different copy each
-// call in turn, so every call reads its weights from DRAM as a decode step of a model far past
-// the caches does (the last-level cache of a server CPU holds a whole 31B-shape MLP matrix, which
-// BM_Matmul then measures from cache). args: out, in, S, threads.
-constexpr size_t kStackBytes = size_t{1280} << 20;
+void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
+  run_matmul(state, t, tier, false);
+}
+
 void BM_MatmulDram(benchmark::State& state, DType t, CpuTier tier) {
-  ScopedCpuTier use(tier);
-  const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
-  const int threads = static_cast<int>(state.range(3));
-  const Matrix& m = matrix(t, out, in);
-  const size_t copies = std::max<size_t>(2, kStackBytes / m.bytes.size());
-  std::vector<uint8_t> stack(copies * m.bytes.size());
-  for (size_t c = 0; c < copies; ++c)
-    std::memcpy(stack.data() + c * m.bytes.size(), m.bytes.data(), m.bytes.size());
-  const auto x = activations(S * in);
-  std::vector<float> y(static_cast<size_t>(S * out));
-  ThreadPool& pool = pool_of(threads);
-  size_t c = 0;
-  for (auto _ : state) {
-    const WeightView w{"bench", t, {out, in}, stack.data() + c * m.bytes.size(), m.bytes.size()};
-    matmul(pool, x.data(), S, w, y.data());
-    benchmark::DoNotOptimize(y.data());
-    benchmark::ClobberMemory();
-    c = (c + 1) % copies;
-  }
-  const double it = static_cast<double>(state.iterations());
-  state.counters["GB/s"] = benchmark::Counter(it * static_cast<double>(m.bytes.size()) / 1e9,
-                                              benchmark::Counter::kIsRate);
-  state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
-                                                 benchmark::Counter::kIsRate);
-  state.SetLabel(quant_isa(S));
+  run_matmul(state, t, tier, true);
 }
 
 void gemv_args(benchmark::internal::Benchmark* b, bool lm_head) {
