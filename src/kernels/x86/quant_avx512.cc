@@ -117,14 +117,49 @@ GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* co
     }
 }
 
+// Folds chunk c (m blocks) of the tile into its f32 accumulators: the integer dots seeded with
+// the -z*sum(xq) term, then one convert, one scale product and one FMA per (row, weight row).
+// Whole chunks (kTail false) and a row's short last chunk are separate instances, so the whole
+// chunks' loads carry no mask and their accumulators stay in registers.
+template <DType T, int NX, int NW, bool kTail>
+GEMSTAGE_VNNI inline void fold_chunk(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
+                                     int64_t c, int64_t m, __m512 (&facc)[NX][NW]) {
+  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t K = A.K, nb = A.nb, b0 = c * kCB;
+  const __mmask16 mk = static_cast<__mmask16>(kTail ? (1u << m) - 1u : 0xffffu);
+  const uint8_t* wq[NW];
+  const uint8_t* xq[NX];
+  for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes;
+  __m512i D[NX][NW];
+  for (int a = 0; a < NX; ++a) {
+    xq[a] = A.q.data() + srow[a] * K + c * 512;
+    const int32_t* nzx = A.nzx.data() + srow[a] * nb + b0;
+    const __m512i init = kTail ? _mm512_maskz_loadu_epi32(mk, nzx) : _mm512_loadu_si512(nzx);
+    for (int w = 0; w < NW; ++w) D[a][w] = init;
+  }
+  chunk_vnni<T, NX, NW, kTail>(wq, xq, m, mk, D);
+  __m512 dw[NW];
+  for (int w = 0; w < NW; ++w) {
+    const uint8_t* d = wrow[w] + 2 * b0;
+    dw[w] = _mm512_cvtph_ps(kTail ? _mm256_maskz_loadu_epi16(mk, d)
+                                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(d)));
+  }
+  for (int a = 0; a < NX; ++a) {
+    const float* d = A.d.data() + srow[a] * nb + b0;
+    const __m512 dx = kTail ? _mm512_maskz_loadu_ps(mk, d) : _mm512_loadu_ps(d);
+    for (int w = 0; w < NW; ++w)
+      facc[a][w] =
+          _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[a][w]), _mm512_mul_ps(dw[w], dx), facc[a][w]);
+  }
+}
+
 // out[a*NW + w] = dot(activation row srow[a], weight row wrow[w]). With kPrefetch the NW rows
 // must be consecutive (one span of NW * row_bytes) and the span kDecodePrefetch ahead is
 // prefetched as the chunks advance.
 template <DType T, int NX, int NW, bool kPrefetch = false>
 GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
                              float* out, size_t row_bytes = 0) {
-  const int64_t K = A.K, nb = A.nb;
-  constexpr int64_t chunk_bytes = T == DType::Q8_0 ? 512 : 256;
+  const int64_t nb = A.nb;
   const int64_t n_chunks = (nb + kCB - 1) / kCB;
   const size_t span = NW * row_bytes;
   // The span is prefetched in equal 64-byte-aligned steps, one per chunk (one division per call:
@@ -134,7 +169,7 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
   for (int a = 0; a < NX; ++a)
     for (int w = 0; w < NW; ++w) facc[a][w] = _mm512_setzero_ps();
   for (int64_t c = 0; c * kCB < nb; ++c) {
-    const int64_t b0 = c * kCB, m = std::min(kCB, nb - b0);
+    const int64_t m = std::min(kCB, nb - c * kCB);
     if constexpr (kPrefetch) {
       // Prefetches never fault, so running past the end of the mapping is harmless. A tile of
       // NW > 1 rows reads NW streams a row apart, so kDecodePrefetch past its first row's start
@@ -148,28 +183,10 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
       const size_t hi = std::min(span, lo + pf_step);
       for (size_t o = lo; o < hi; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T2);
     }
-    const __mmask16 mk = static_cast<__mmask16>(m == 16 ? 0xffffu : (1u << m) - 1u);
-    const uint8_t* wq[NW];
-    const uint8_t* xq[NX];
-    for (int w = 0; w < NW; ++w) wq[w] = wrow[w] + 2 * nb + c * chunk_bytes;
-    __m512i D[NX][NW];
-    for (int a = 0; a < NX; ++a) {
-      xq[a] = A.q.data() + srow[a] * K + c * 512;
-      const __m512i init = _mm512_maskz_loadu_epi32(mk, A.nzx.data() + srow[a] * nb + b0);
-      for (int w = 0; w < NW; ++w) D[a][w] = init;
-    }
-    if (m == kCB)
-      chunk_vnni<T, NX, NW, false>(wq, xq, m, mk, D);
-    else
-      chunk_vnni<T, NX, NW, true>(wq, xq, m, mk, D);
-    __m512 dw[NW];
-    for (int w = 0; w < NW; ++w)
-      dw[w] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mk, wrow[w] + 2 * b0));
-    for (int a = 0; a < NX; ++a) {
-      const __m512 dx = _mm512_maskz_loadu_ps(mk, A.d.data() + srow[a] * nb + b0);
-      for (int w = 0; w < NW; ++w)
-        facc[a][w] =
-            _mm512_fmadd_ps(_mm512_cvtepi32_ps(D[a][w]), _mm512_mul_ps(dw[w], dx), facc[a][w]);
+    if (m == kCB) {
+      fold_chunk<T, NX, NW, false>(A, srow, wrow, c, m, facc);
+    } else {
+      fold_chunk<T, NX, NW, true>(A, srow, wrow, c, m, facc);
     }
   }
   for (int a = 0; a < NX; ++a)
