@@ -117,6 +117,32 @@ GEMSTAGE_VNNI inline void chunk_vnni(const uint8_t* const* wq, const uint8_t* co
     }
 }
 
+// The 16 sums of a 4 x 4 tile's accumulators, lane a * 4 + w = _mm512_reduce_add_ps(v[a][w])
+// bit for bit: the same additions of the same lanes (GCC's reduce adds the upper 256 bits to the
+// lower, then the upper 128 of that to the lower, then lanes 2-3 to 0-1, then lane 1 to 0), done
+// for all 16 vectors at once by pairing them at each step. 46 instructions where 16 separate
+// reductions take about 130, which for a 1536-wide input (3 chunks a tile) was about a tenth of
+// the tile's work; and the decode GEMV, which reduces one vector alone, still agrees with it.
+GEMSTAGE_VNNI inline __m512 reduce_add_4x4(const __m512 (&v)[4][4]) {
+  __m512 l1[8], l2[4], l3[2];
+  for (int p = 0; p < 8; ++p) {  // lanes 0-7: vector 2p's 8 sums, 8-15: vector 2p + 1's
+    const __m512 x = v[p / 2][2 * (p % 2)], y = v[p / 2][2 * (p % 2) + 1];
+    l1[p] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(3, 2, 3, 2)),
+                          _mm512_shuffle_f32x4(x, y, _MM_SHUFFLE(1, 0, 1, 0)));
+  }
+  for (int p = 0; p < 4; ++p)  // 128-bit lane q: vector 4p + q's 4 sums
+    l2[p] = _mm512_add_ps(_mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                          _mm512_shuffle_f32x4(l1[2 * p], l1[2 * p + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+  for (int p = 0; p < 2; ++p)  // in lane q: two sums of vector 8p + q, then of 8p + 4 + q
+    l3[p] = _mm512_add_ps(_mm512_shuffle_ps(l2[2 * p], l2[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                          _mm512_shuffle_ps(l2[2 * p], l2[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  // Lane 4q + k: the sum of vector 4k + q.
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(l3[0], l3[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i to_rows = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(to_rows, r);
+}
+
 // Folds chunk c (m blocks) of the tile into its f32 accumulators: the integer dots seeded with
 // the -z*sum(xq) term, then one convert, one scale product and one FMA per (row, weight row).
 // Whole chunks (kTail false) and a row's short last chunk are separate instances, so the whole
@@ -189,8 +215,12 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
       fold_chunk<T, NX, NW, true>(A, srow, wrow, c, m, facc);
     }
   }
-  for (int a = 0; a < NX; ++a)
-    for (int w = 0; w < NW; ++w) out[a * NW + w] = _mm512_reduce_add_ps(facc[a][w]);
+  if constexpr (NX == 4 && NW == 4) {
+    _mm512_storeu_ps(out, reduce_add_4x4(facc));
+  } else {
+    for (int a = 0; a < NX; ++a)
+      for (int w = 0; w < NW; ++w) out[a * NW + w] = _mm512_reduce_add_ps(facc[a][w]);
+  }
 }
 
 template <DType T>
