@@ -46,6 +46,17 @@ constexpr int64_t kMaxBlockCols = 4 * kCB * kQuantBlock;
 #define GEMSTAGE_AMX \
   __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512bf16")))
 
+// n elements of buf starting on a 64-byte line. A tile row is 64 bytes: from a buffer that is
+// not line-aligned (large std::vector blocks come from mmap at 16 bytes past a page) every row
+// of every tile load and store spans two cache lines.
+template <class T>
+T* aligned_to_line(std::vector<T>& buf, size_t n) {
+  constexpr size_t kPad = 64 / sizeof(T);
+  buf.resize(n + kPad);
+  const auto addr = reinterpret_cast<uintptr_t>(buf.data());
+  return buf.data() + ((64 - addr % 64) % 64) / sizeof(T);
+}
+
 // 64-byte tile configuration, palette 1: every tile 16 rows of 64 bytes.
 struct alignas(64) TileConfig {
   uint8_t palette = 1, start_row = 0;
@@ -325,8 +336,8 @@ GEMSTAGE_AMX void run_strips(const uint8_t* w, size_t row_bytes, int64_t nb, int
                              int64_t row_tiles, int64_t s0, int64_t S, const Accumulators& acc,
                              float* y) {
   const int64_t n_steps = (std::min(nb, kb.c1 * kCB) - kb.c0 * kCB) * kQuantBlock / kStep;
-  thread_local std::vector<uint16_t> strip;
-  strip.resize(static_cast<size_t>(n_steps * 2 * kTileElems));
+  thread_local std::vector<uint16_t> strip_buffer;
+  uint16_t* strip = aligned_to_line(strip_buffer, static_cast<size_t>(n_steps * 2 * kTileElems));
   TileConfig cfg;
   for (int i = 0; i < 8; ++i) {
     cfg.rows[i] = kTileRows;
@@ -338,8 +349,7 @@ GEMSTAGE_AMX void run_strips(const uint8_t* w, size_t row_bytes, int64_t nb, int
     for (int64_t r = 0; r < kStrip; ++r) {
       // Row r of the strip is row r % 16 of A tile r / 16; step ks of that tile starts at
       // element (ks * 2 + r / 16) * kTileElems.
-      uint16_t* out = strip.data() +
-                      static_cast<size_t>((r / kTileRows) * kTileElems + (r % kTileRows) * kStep);
+      uint16_t* out = strip + static_cast<size_t>((r / kTileRows) * kTileElems + (r % kTileRows) * kStep);
       if (r0 + r < N)
         dequantize_row_bf16<T>(w + static_cast<size_t>(r0 + r) * row_bytes, nb, kb.c0, kb.c1, out,
                                static_cast<size_t>(2 * kTileElems));
@@ -347,7 +357,7 @@ GEMSTAGE_AMX void run_strips(const uint8_t* w, size_t row_bytes, int64_t nb, int
         for (int64_t ks = 0; ks < n_steps; ++ks)
           std::memset(out + static_cast<size_t>(ks * 2 * kTileElems), 0, kStep * 2);
     }
-    run_strip(strip.data(), packed, n_steps, row_tiles, s0, S, st, N, acc, kb.first, kb.last, y);
+    run_strip(strip, packed, n_steps, row_tiles, s0, S, st, N, acc, kb.first, kb.last, y);
   }
   _tile_release();
 }
@@ -371,8 +381,8 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
     Accumulators acc;
     acc.pairs = row_tiles / 2;
     if (n_chunks > block_chunks) {
-      parked.resize(static_cast<size_t>(n_strips * acc.pairs * 4 * kTileRows * kTileRows));
-      acc.parked = parked.data();
+      acc.parked = aligned_to_line(
+          parked, static_cast<size_t>(n_strips * acc.pairs * 4 * kTileRows * kTileRows));
     }
     for (int64_t c0 = 0; c0 < n_chunks; c0 += block_chunks) {
       KBlock kb;
@@ -384,8 +394,9 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
       const int64_t kw = std::min(K, kb.c1 * kCB * kQuantBlock) - k0, n_steps = kw / kStep;
       // Every lane is written below (the padding rows of the last tile pair as zeros), so the
       // buffer is only resized, not cleared.
-      packed.resize(static_cast<size_t>(row_tiles * n_steps * kTileElems));
-      auto* packed32 = reinterpret_cast<uint32_t*>(packed.data());
+      uint16_t* packed_tiles =
+          aligned_to_line(packed, static_cast<size_t>(row_tiles * n_steps * kTileElems));
+      auto* packed32 = reinterpret_cast<uint32_t*>(packed_tiles);
       pool.parallel_for(static_cast<size_t>(row_tiles), [&](size_t b, size_t e) {
         std::vector<float> xq(static_cast<size_t>(kTileRows * kw));
         for (size_t tile = b; tile < e; ++tile) {
@@ -398,7 +409,7 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
       });
       pool.parallel_for(static_cast<size_t>(n_strips), [&](size_t b, size_t e) {
         run_strips<T>(w, row_bytes, nb, N, kb, static_cast<int64_t>(b), static_cast<int64_t>(e),
-                      packed.data(), row_tiles, s0, S, acc, y);
+                      packed_tiles, row_tiles, s0, S, acc, y);
       });
     }
   }
