@@ -4,6 +4,13 @@
 // GEMV (gemv_avx2) walks the rows one at a time with the same prefetch as the VNNI one. The 1 x 4
 // tile it replaced read four row streams without prefetch and reached ~45% of the VNNI GEMV's
 // GB/s on the Zen 4 VM; gemv_avx2 measured at or above the VNNI GEMV there (bench/RESULTS.md).
+//
+// The prefill tile is bound by its vector ALU ports: per half chunk and (row, weight row) pair,
+// 8 VPMADDUBSW and 8 int16 adds, 5 ops to widen, convert and scale, and 1.5 of the 4 x 2 tile's
+// shared nibble unpacking. Written so GCC keeps the accumulators in registers (whole chunks on
+// their own path, see fold_half; pin_in_registers), it measured 1.25-1.45x its first form on the
+// 2-core Xeon (bench/RESULTS.md, fourteenth session); AVX-VNNI's VPDPBUSD in place of the
+// multiply-add pairs measured no faster, its 5-cycle latency chaining the 8 accumulators.
 #include "kernels/x86/quant_avx2.h"
 
 #include <immintrin.h>
