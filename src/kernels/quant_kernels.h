@@ -55,7 +55,8 @@ inline constexpr int64_t kActBlockBytes = int64_t{256} << 10;
 // On the VNNI kernels, calls of at most this many activation rows (a batched decode step) stream
 // the weights as decode does (x86/quant_avx512.cc, stream_rows_vnni) and are scheduled like it.
 // The AVX2 kernels keep their prefill tiles: streamed 1 x NX tiles measured no faster there (they
-// are bound by the maddubs arithmetic, 55-85 GFLOP/s on 2 Xeon cores, at every S from 1 to 16).
+// are bound by the maddubs arithmetic at every S from 1 to 16: 55-85 GFLOP/s on 2 Xeon cores in
+// the twelfth session, before the tile's rewrite in x86/quant_avx2.cc).
 inline constexpr int64_t kStreamMaxRows = 8;
 
 // Whole 4-row tiles per block, at least one.
