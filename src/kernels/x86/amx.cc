@@ -349,7 +349,8 @@ GEMSTAGE_AMX void run_strips(const uint8_t* w, size_t row_bytes, int64_t nb, int
     for (int64_t r = 0; r < kStrip; ++r) {
       // Row r of the strip is row r % 16 of A tile r / 16; step ks of that tile starts at
       // element (ks * 2 + r / 16) * kTileElems.
-      uint16_t* out = strip + static_cast<size_t>((r / kTileRows) * kTileElems + (r % kTileRows) * kStep);
+      uint16_t* out =
+          strip + static_cast<size_t>((r / kTileRows) * kTileElems + (r % kTileRows) * kStep);
       if (r0 + r < N)
         dequantize_row_bf16<T>(w + static_cast<size_t>(r0 + r) * row_bytes, nb, kb.c0, kb.c1, out,
                                static_cast<size_t>(2 * kTileElems));
