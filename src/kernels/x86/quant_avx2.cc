@@ -114,9 +114,10 @@ GEMSTAGE_AVX2 inline void half_tile(const uint8_t* const* xq, const uint8_t* con
                                     __m256i (&D)[NX][NW]) {
   const __m256i ones16 = _mm256_set1_epi16(1);
   if constexpr (T == DType::Q4_0) {
-    // As in half_dot_avx2: eight VPMADDUBSW lanes of u <= 15 and |x| <= 127 sum to <= 30480, so
-    // the whole half accumulates in int16 and widens once. Low nibbles, then high ones, so that
-    // only NW unpacked weight vectors are live beside the NX x NW accumulators.
+    // A VPMADDUBSW lane holds u0 x0 + u1 x1 with u <= 15, |x| <= 127 (<= 3810); the eight of a
+    // half sum to <= 30480 < 2^15, so the whole half accumulates in int16 and widens once. Low
+    // nibbles, then high ones, so that only NW unpacked weight vectors are live beside the NX x NW
+    // accumulators.
     const __m256i lo4 = _mm256_set1_epi8(0x0f);
     __m256i s16[NX][NW];
     for (int a = 0; a < NX; ++a)
@@ -232,43 +233,14 @@ GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* 
     for (int w = 0; w < NW; ++w) out[a * NW + w] = x86::hsum_hadd(facc[a][w]);
 }
 
-// Integer dots of half a chunk of one weight row with one activation row: int32 lane i is block
-// i of the half (lanes past the half's L blocks are 0 when kFull is false). gs is the chunk's
-// group stride (4 m bytes), lb = 4 L the bytes of the half in each group.
+// The decode GEMV's integer dots of half a chunk: the 1 x 1 tile of half_tile, with the -z*sum(x)
+// term (lanes past the half's L blocks are 0 when kFull is false).
 template <DType T, bool kFull>
-GEMSTAGE_AVX2 inline __m256i half_dot_avx2(const uint8_t* wq, const uint8_t* xq, int64_t gs,
-                                           int lb) {
-  const __m256i ones16 = _mm256_set1_epi16(1);
-  if constexpr (T == DType::Q4_0) {
-    // A 16-bit lane of VPMADDUBSW holds u0 x0 + u1 x1 with u <= 15, |x| <= 127 (<= 3810), so
-    // the eight products of the block's 32 weights per lane pair sum to <= 30480 < 2^15: the
-    // whole half accumulates in int16 and widens once.
-    const __m256i lo4 = _mm256_set1_epi8(0x0f);
-    __m256i s16 = _mm256_setzero_si256();
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; ++g) {
-      const __m256i pv = load_half<kFull>(wq + g * gs, lb);
-      s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(pv, lo4),
-                                                       load_half<kFull>(xq + 2 * g * gs, lb)));
-      s16 = _mm256_add_epi16(s16,
-                             _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(pv, 4), lo4),
-                                                  load_half<kFull>(xq + (2 * g + 1) * gs, lb)));
-    }
-    return _mm256_madd_epi16(s16, ones16);
-  } else {
-    // Signed q = u - 128 by the sign trick: |q| as the unsigned operand, x carrying q's sign. A
-    // pair sum reaches 2 * 127 * 127, so each group widens to int32 on its own.
-    const __m256i bias = _mm256_set1_epi8(static_cast<char>(0x80));
-    __m256i s32 = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; ++j) {
-      const __m256i qs = _mm256_xor_si256(load_half<kFull>(wq + j * gs, lb), bias);
-      const __m256i p = _mm256_maddubs_epi16(
-          _mm256_sign_epi8(qs, qs), _mm256_sign_epi8(load_half<kFull>(xq + j * gs, lb), qs));
-      s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(p, ones16));
-    }
-    return s32;
-  }
+GEMSTAGE_AVX2 inline __m256i row_half_dot(const uint8_t* wq, const uint8_t* xq, const int32_t* nzx,
+                                          int64_t gs, int lb) {
+  __m256i D[1][1];
+  half_tile<T, 1, 1, kFull>(&xq, &wq, &nzx, gs, lb, D);
+  return D[0][0];
 }
 
 // Decode GEMV: weight rows [r0, r1) against activation row 0, one row at a time in address
@@ -298,12 +270,8 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
       const uint8_t* wc = wq + c * chunk_bytes;
       const uint8_t* xc = xq + c * 512;
       if (m == kCB) {
-        const __m256i d0 =
-            _mm256_add_epi32(half_dot_avx2<T, true>(wc, xc, 64, 32),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0)));
-        const __m256i d1 =
-            _mm256_add_epi32(half_dot_avx2<T, true>(wc + 32, xc + 32, 64, 32),
-                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(nzx + b0 + 8)));
+        const __m256i d0 = row_half_dot<T, true>(wc, xc, nzx + b0, 64, 32);
+        const __m256i d1 = row_half_dot<T, true>(wc + 32, xc + 32, nzx + b0 + 8, 64, 32);
         const __m256 s0 =
             _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wrow + 2 * b0)));
         const __m256 s1 =
@@ -319,8 +287,7 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
         if (L <= 0) break;
         const int lb = static_cast<int>(4 * L);
         const int64_t bh = b0 + 8 * h;
-        const __m256i dh = _mm256_add_epi32(
-            half_dot_avx2<T, false>(wc + 32 * h, xc + 32 * h, 4 * m, lb), load_part(nzx + bh, lb));
+        const __m256i dh = row_half_dot<T, false>(wc + 32 * h, xc + 32 * h, nzx + bh, 4 * m, lb);
         alignas(16) uint16_t hs[8] = {};
         std::memcpy(hs, wrow + 2 * bh, static_cast<size_t>(2 * L));
         const __m256 sh = _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(hs)));
