@@ -37,8 +37,9 @@ class ThreadPool {
   void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t grain = 1);
 
   // fn(begin, end) over [0, n) in ranges of `chunk` (the last may be shorter), each taken in
-  // order by whichever thread is free. For memory-bound work, where threads sharing the DRAM
-  // bandwidth run at uneven speeds and an even split leaves one of them waiting at the end.
+  // order by whichever thread is free. For work whose threads run at uneven speeds (sharing the
+  // DRAM bandwidth, on a hybrid CPU's slower cores, on a busy host), where an even split leaves
+  // the faster ones waiting at the end.
   void parallel_chunks(size_t n, size_t chunk, const std::function<void(size_t, size_t)>& fn);
 
  private:
