@@ -372,6 +372,37 @@ TEST(QuantMatmulShapes, BatchedRowsEqualEachRowAlone) {
   }
 }
 
+// Prefill rows are shared out in chunks taken as threads come free (16-row groups for the
+// tiles, 32-row strips for AMX), so which thread computes a row varies from run to run; the
+// outputs must not. Every tier, both formats, row counts on the tile and AMX paths, an output
+// count that splits into uneven chunks, and a width with a short last chunk and (on AMX) two K
+// blocks.
+TEST(QuantMatmulShapes, PrefillRowsDoNotDependOnTheThreadCount) {
+  ThreadPool p1(1), p2(2), p3(3);
+  for (DType t : {DType::Q8_0, DType::Q4_0}) {
+    const int64_t K = 2080, N = 301;
+    const auto wf = randn(static_cast<size_t>(N * K), 91, 0.02f);
+    const auto q = quantize_matrix(t, wf.data(), N, K);
+    const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+    for (CpuTier tier : cpu_supported_tiers()) {
+      ScopedCpuTier use(tier);
+      for (int64_t S : {int64_t{9}, kAmxMinRows + 5, 2 * kAmxMinRows + 3}) {
+        const auto x = randn(static_cast<size_t>(S * K), 92 + static_cast<uint32_t>(S));
+        std::vector<float> one(static_cast<size_t>(S * N)), two(one.size()), three(one.size());
+        quant_matmul(p1, x.data(), S, w, one.data());
+        quant_matmul(p2, x.data(), S, w, two.data());
+        quant_matmul(p3, x.data(), S, w, three.data());
+        for (size_t i = 0; i < one.size(); ++i) {
+          ASSERT_EQ(two[i], one[i])
+              << fmt(t) << " tier " << cpu_tier_name(tier) << " S=" << S << " at " << i;
+          ASSERT_EQ(three[i], one[i])
+              << fmt(t) << " tier " << cpu_tier_name(tier) << " S=" << S << " at " << i;
+        }
+      }
+    }
+  }
+}
+
 // Matrices sharing an input (Q/K/V, gate/up) run as one job and give exactly what each gives on
 // its own: the row ranges of the stacked job fall across matrix boundaries at odd places.
 TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
