@@ -509,6 +509,18 @@ TEST(ThreadPool, ChunksCoverEveryIndexOnceInWholeChunks) {
                std::runtime_error);
 }
 
+// About four chunks per thread, in whole grains, never below one grain.
+TEST(ThreadPool, ChunkForGivesEachThreadAboutFourWholeGrains) {
+  ThreadPool two(2), three(3);
+  EXPECT_EQ(two.chunk_for(6144, 16), 768u);   // 8 chunks
+  EXPECT_EQ(two.chunk_for(301, 16), 32u);     // 37 rounded down to whole groups
+  EXPECT_EQ(three.chunk_for(1001, 16), 80u);  // 83 rounded down
+  EXPECT_EQ(two.chunk_for(40, 16), 16u);      // fewer rows than 4 chunks a thread: one group
+  EXPECT_EQ(two.chunk_for(0, 16), 16u);
+  EXPECT_EQ(three.chunk_for(192, 1), 16u);  // AMX strips
+  EXPECT_EQ(three.chunk_for(5, 1), 1u);
+}
+
 // Thousands of back-to-back jobs (the decode pattern) and jobs after the workers have gone to
 // sleep (idle longer than their spin) must all run every range exactly once.
 TEST(ThreadPool, BackToBackJobsAndJobsAfterSleeping) {

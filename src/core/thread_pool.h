@@ -42,6 +42,14 @@ class ThreadPool {
   // the faster ones waiting at the end.
   void parallel_chunks(size_t n, size_t chunk, const std::function<void(size_t, size_t)>& fn);
 
+  // A chunk for parallel_chunks that gives each thread about four: enough for the faster threads
+  // to take over a slower one's share, few enough that each chunk is still a long run of work.
+  // Whole multiples of `grain`, at least one.
+  size_t chunk_for(size_t n, size_t grain) const {
+    const size_t chunk = n / (4 * static_cast<size_t>(n_threads_)) / grain * grain;
+    return chunk > grain ? chunk : grain;
+  }
+
  private:
   void worker_loop(int index);
   void run_share(int index) noexcept;

@@ -259,14 +259,13 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   };
   const size_t n = static_cast<size_t>(total_rows);
   if (!fn) return pool.parallel_for(n, rows, 16);
-  // About 4 chunks per thread (whole 16-row groups), taken as threads come free. Decode: an even
+  // Chunks of whole 16-row groups (about 4 per thread), taken as threads come free. Decode: an even
   // static split left one thread waiting at the end of most matrices: tg32 15.0-15.2 -> 15.4-15.5
   // t/s measured on the E2B-shape Q4_0 bundle, run for run interleaved. Prefill: threads that run
   // at different speeds (the performance and efficiency cores of a hybrid CPU, a busy VM host)
   // finish an even split at the slower one's pace. Each row is still computed whole by one
   // thread, so the outputs do not depend on which one.
-  const size_t chunk = std::max<size_t>(16, n / (4 * static_cast<size_t>(pool.size())) / 16 * 16);
-  pool.parallel_chunks(n, chunk, rows);
+  pool.parallel_chunks(n, pool.chunk_for(n, 16), rows);
 }
 
 }  // namespace gemstage

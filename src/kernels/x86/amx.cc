@@ -408,14 +408,12 @@ GEMSTAGE_AMX void amx_matmul_t(ThreadPool& pool, const float* x, int64_t S, cons
                                packed32 + static_cast<size_t>(r0 * n_steps) * 16, xq.data());
         }
       });
-      // About 4 runs of strips per thread, taken as threads come free (quant_kernels.cc says why).
+      // Runs of strips taken as threads come free (quant_kernels.cc says why).
       const size_t strips = static_cast<size_t>(n_strips);
-      pool.parallel_chunks(
-          strips, std::max<size_t>(1, strips / (4 * static_cast<size_t>(pool.size()))),
-          [&](size_t b, size_t e) {
-            run_strips<T>(w, row_bytes, nb, N, kb, static_cast<int64_t>(b), static_cast<int64_t>(e),
-                          packed_tiles, row_tiles, s0, S, acc, y);
-          });
+      pool.parallel_chunks(strips, pool.chunk_for(strips, 1), [&](size_t b, size_t e) {
+        run_strips<T>(w, row_bytes, nb, N, kb, static_cast<int64_t>(b), static_cast<int64_t>(e),
+                      packed_tiles, row_tiles, s0, S, acc, y);
+      });
     }
   }
 }
