@@ -236,19 +236,27 @@ class MpiTransport final : public StageTransport {
     std::lock_guard<std::mutex> lk(mu_);
     RankState& r = ranks_.at(static_cast<size_t>(rank));
     if (!r.failed.empty()) fail(r.failed);
+    // The call waits for its reply before its first byte leaves. While the send progresses this
+    // thread takes in what the workers send, and the worker can receive, compute and answer
+    // before MPI reports the send complete; a reply must then find its call at the front of
+    // `waiting`, not be dropped (its call would time out and the next call on the rank would
+    // take this one's reply).
+    uint64_t ticket = 0;
+    if (want_reply) {
+      // An idle rank starts its clock now; a busy one keeps the clock of its running call.
+      if (r.waiting.empty()) r.heard = Clock::now();
+      ticket = ++last_ticket_;
+      r.waiting.push_back(ticket);
+      rank_of_[ticket] = rank;
+    }
     try {
       send_taking_in(request, rank);
       r.sent = Clock::now();
     } catch (const Error& e) {
       mark_failed(rank, e.what());
+      if (ticket != 0) rank_of_.erase(ticket);  // the caller gets no ticket to take
       throw;
     }
-    if (!want_reply) return 0;
-    // An idle rank starts its clock now; a busy one keeps the clock of its running call.
-    if (r.waiting.empty()) r.heard = Clock::now();
-    const uint64_t ticket = ++last_ticket_;
-    r.waiting.push_back(ticket);
-    rank_of_[ticket] = rank;
     return ticket;
   }
 
@@ -382,7 +390,12 @@ class MpiTransport final : public StageTransport {
         std::vector<uint8_t> bytes =
             receive_bytes(st, Clock::now() + timeout_, std::chrono::microseconds(200));
         r.heard = Clock::now();
-        if (st.MPI_TAG == kTagReply && !r.waiting.empty()) {
+        if (st.MPI_TAG == kTagReply) {
+          // Every reply answers the oldest call waiting on its rank; one with no call waiting
+          // means the two sides no longer agree which reply is whose, so nothing more from
+          // the rank can be trusted.
+          if (r.waiting.empty())
+            fail("it sent a reply when no call to it was waiting; restart the service");
           replies_[r.waiting.front()] = std::move(bytes);
           r.waiting.pop_front();
         }
