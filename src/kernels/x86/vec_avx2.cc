@@ -181,32 +181,42 @@ GEMSTAGE_AVX2 void axpy(float a, const float* x, float* y, int64_t n) {
 
 namespace {
 
-// Up to 4 queries' outputs, one 8-column slice at a time, stay in registers across all nk value
-// rows: each value vector is loaded once per slice and used by every query of the group.
+// Up to 4 queries' outputs, one 16-column slice at a time, stay in registers across all nk value
+// rows: each value vector is loaded once per slice and used by every query of the group. kFull:
+// the slice has all 16 columns, so its loads and stores carry no tail checks (GCC kept the
+// checks' lengths in registers and spilled the queries' p-row pointers for them).
+template <int NG, bool kFull, typename T>
+GEMSTAGE_AVX2 inline void accumulate_slice(const float* p, int64_t pstride, const T* const* v,
+                                           int64_t nk, int64_t d, int64_t hd, float* const* out) {
+  const int64_t n0 = kFull ? 8 : hd - d, n1 = kFull ? 8 : hd - d - 8;
+  const float* pg[NG];
+  for (int g = 0; g < NG; ++g) pg[g] = p + g * pstride;
+  __m256 a0[NG], a1[NG];
+  for (int g = 0; g < NG; ++g) {
+    a0[g] = load(out[g] + d, n0);
+    a1[g] = n1 > 0 ? load(out[g] + d + 8, n1) : _mm256_setzero_ps();
+  }
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 v0 = load(v[j] + d, n0);
+    const __m256 v1 = n1 > 0 ? load(v[j] + d + 8, n1) : _mm256_setzero_ps();
+    for (int g = 0; g < NG; ++g) {
+      const __m256 s = _mm256_broadcast_ss(pg[g] + j);
+      a0[g] = _mm256_fmadd_ps(s, v0, a0[g]);
+      a1[g] = _mm256_fmadd_ps(s, v1, a1[g]);
+    }
+  }
+  for (int g = 0; g < NG; ++g) {
+    store(out[g] + d, n0, a0[g]);
+    if (n1 > 0) store(out[g] + d + 8, n1, a1[g]);
+  }
+}
+
 template <int NG, typename T>
 GEMSTAGE_AVX2 void accumulate_values(const float* p, int64_t pstride, const T* const* v, int64_t nk,
                                      int64_t hd, float* const* out) {
-  for (int64_t d = 0; d < hd; d += 16) {
-    const int64_t n0 = hd - d, n1 = hd - d - 8;
-    __m256 a0[NG], a1[NG];
-    for (int g = 0; g < NG; ++g) {
-      a0[g] = load(out[g] + d, n0);
-      a1[g] = n1 > 0 ? load(out[g] + d + 8, n1) : _mm256_setzero_ps();
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      const __m256 v0 = load(v[j] + d, n0);
-      const __m256 v1 = n1 > 0 ? load(v[j] + d + 8, n1) : _mm256_setzero_ps();
-      for (int g = 0; g < NG; ++g) {
-        const __m256 s = _mm256_set1_ps(p[g * pstride + j]);
-        a0[g] = _mm256_fmadd_ps(s, v0, a0[g]);
-        a1[g] = _mm256_fmadd_ps(s, v1, a1[g]);
-      }
-    }
-    for (int g = 0; g < NG; ++g) {
-      store(out[g] + d, n0, a0[g]);
-      if (n1 > 0) store(out[g] + d + 8, n1, a1[g]);
-    }
-  }
+  int64_t d = 0;
+  for (; d + 16 <= hd; d += 16) accumulate_slice<NG, true>(p, pstride, v, nk, d, hd, out);
+  if (d < hd) accumulate_slice<NG, false>(p, pstride, v, nk, d, hd, out);
 }
 
 // The eight sums of a[0..7] in one vector, in order: two rounds of pairwise horizontal adds
@@ -229,7 +239,9 @@ using TilePrefetch = x86::TilePrefetch<2>;
 // sum per score: E2B's full-layer decode shape (8 heads, 4096 bf16 keys of 512) took 2.6-3.0 ms,
 // now 1.4-1.8 (bench BM_Attention, avx2 tier, 2-core Xeon). Past the last query or key the tile
 // repeats the last one, and those sums are not stored.
-template <typename T>
+// kFull: hd is a whole number of 8-lane vectors (every Gemma 4 head), so the loads carry no
+// tail checks.
+template <bool kFull, typename T>
 GEMSTAGE_AVX2 void score_tile(const float* const* q, int64_t M, int64_t m0, const T* const* k,
                               int64_t nk, int64_t j0, int64_t hd, float* s, int64_t ss,
                               const TilePrefetch& pf) {
@@ -242,7 +254,7 @@ GEMSTAGE_AVX2 void score_tile(const float* const* q, int64_t M, int64_t m0, cons
   __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;  // a<key><query>
   for (int64_t d = 0; d < hd; d += 8) {
     pf.line(d * static_cast<int64_t>(sizeof(T)));
-    const int64_t n = hd - d;
+    const int64_t n = kFull ? 8 : hd - d;
     const __m256 q0 = load(qp[0] + d, n), q1 = load(qp[1] + d, n);
     const __m256 q2 = load(qp[2] + d, n), q3 = load(qp[3] + d, n);
     __m256 kv = load(k0 + d, n);
@@ -272,10 +284,15 @@ GEMSTAGE_AVX2 void key_block(const float* const* q, float* const* out, const int
                              const T* const* next_v, int64_t next_n) {
   // Scores of every (query, key) pair; masked ones are overwritten by the softmax pass below.
   // The first row of tiles prefetches the next block.
+  const bool full = hd % 8 == 0;
   for (int64_t m0 = 0; m0 < M; m0 += 4)
-    for (int64_t j0 = 0; j0 < nk; j0 += 2)
-      score_tile(q, M, m0, k, nk, j0, hd, scores, ss,
-                 TilePrefetch(next_k, next_v, m0 == 0 ? next_n : 0, j0, k, nk));
+    for (int64_t j0 = 0; j0 < nk; j0 += 2) {
+      const TilePrefetch pf(next_k, next_v, m0 == 0 ? next_n : 0, j0, k, nk);
+      if (full)
+        score_tile<true>(q, M, m0, k, nk, j0, hd, scores, ss, pf);
+      else
+        score_tile<false>(q, M, m0, k, nk, j0, hd, scores, ss, pf);
+    }
   for (int64_t m = 0; m < M; ++m) {
     const int64_t a = std::max<int64_t>(lo[m] - first, 0),
                   b = std::min<int64_t>(hi[m] - first, nk - 1);
