@@ -319,12 +319,21 @@ INSTANTIATE_TEST_SUITE_P(Sizes, QuantMatmul,
 // The AMX path's blocking (kernels/x86/amx.cc): K blocks of 2048 columns, passes of 256 rows. 530
 // rows x 2080 columns are three passes (the last a single tile pair, mostly padding) of two K
 // blocks, the second a one-block short chunk, so accumulators are parked and reloaded. On the
-// other tiers the same shape walks the activation rows in blocks of 124 (kernels/quant_kernels.h,
-// prefill_tiles): four whole blocks and a last one of 34 rows that ends in a 2-row tile.
+// VNNI and NEON tiers the same shape walks the activation rows in blocks of 124
+// (kernels/quant_kernels.h, prefill_tiles): four whole blocks and a last one of 34 rows that ends
+// in a 2-row tile; AVX2 keeps each 4-row tile in L1 and passes the 45 weight rows by it.
 INSTANTIATE_TEST_SUITE_P(AmxBlocking, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
                                             ::testing::Values(530), ::testing::Values(2080),
                                             ::testing::Values(45)));
+// prefill_tiles' two loop orders on AVX2, on either side of their switch (4 rows of K codes in
+// kRowTileBytes = 16 KiB): K = 4096 passes weight blocks of 56 (Q4_0) / 30 (Q8_0) rows by each
+// 4-row tile, several blocks per thread; K = 4128 (a one-block tail chunk) walks activation
+// blocks of 60 rows instead.
+INSTANTIATE_TEST_SUITE_P(LoopOrders, QuantMatmul,
+                         ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
+                                            ::testing::Values(9, 70), ::testing::Values(4096, 4128),
+                                            ::testing::Values(301)));
 
 // Decode-shaped GEMV over a row count that splits unevenly across threads and the 8-row tiles.
 TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {

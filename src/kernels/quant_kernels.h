@@ -64,43 +64,64 @@ inline int64_t activation_block_rows(int64_t K) {
   return std::max<int64_t>(4, kActBlockBytes / K / 4 * 4);
 }
 
-// Tiles: a struct with NW (weight rows per tile) and run<NX>(A, srow, wrow, out) writing
-// out[a * NW + w] = dot(activation row srow[a], weight row wrow[w]) for NX = 1..4.
+// The second loop order, for tiers whose tiles opt in (Tiles::kWeightsPastRows): four activation
+// rows stay in L1 while the weight rows stream past them from a block of about kWeightBlockBytes
+// that stays in L2. A tile then reads its 4 x 256 activation bytes per half chunk from L1 and
+// only the weights' 2 x 128 from L2, where the first order reads the activations from L2. Used
+// while the four rows take at most kRowTileBytes of codes (K <= 4096: the attention and MLP
+// input projections); wider rows spill L1 and keep the first order. Measured on the Zen 3 VM's
+// AVX2 tile (bench/RESULTS.md, seventeenth session): K 1536-2048 +5-8%, K 6144 even, K 12288 -5%.
+inline constexpr int64_t kRowTileBytes = int64_t{16} << 10;
+inline constexpr int64_t kWeightBlockBytes = int64_t{128} << 10;
+
+// Tiles: a struct with NW (weight rows per tile), kWeightsPastRows (the loop order above), and
+// run<NX>(A, srow, wrow, out) writing out[a * NW + w] = dot(activation row srow[a], weight row
+// wrow[w]) for NX = 1..4.
 template <class Tiles>
 void prefill_tiles(const ActQ& A, int64_t S, const uint8_t* wdata, size_t row_bytes, int64_t N,
                    float* y, int64_t r0, int64_t r1) {
   constexpr int NW = Tiles::NW;
-  float out[4 * NW];
+  // Rows [s, s + 4) (fewer at the end) against weight rows [r, r + NW) (fewer at the end).
+  const auto tile = [&](int64_t s, int64_t r) {
+    const int nx = static_cast<int>(std::min<int64_t>(4, S - s));
+    const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
+    const uint8_t* wrow[NW];
+    for (int w = 0; w < NW; ++w)
+      wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
+    const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
+    float out[4 * NW];
+    switch (nx) {
+      case 4:
+        Tiles::template run<4>(A, srow, wrow, out);
+        break;
+      case 3:
+        Tiles::template run<3>(A, srow, wrow, out);
+        break;
+      case 2:
+        Tiles::template run<2>(A, srow, wrow, out);
+        break;
+      default:
+        Tiles::template run<1>(A, srow, wrow, out);
+        break;
+    }
+    for (int a = 0; a < nx; ++a)
+      for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
+  };
+  if (Tiles::kWeightsPastRows && 4 * A.K <= kRowTileBytes) {
+    const int64_t block = std::max<int64_t>(
+        NW, static_cast<int64_t>(static_cast<size_t>(kWeightBlockBytes) / row_bytes) / NW * NW);
+    for (int64_t g0 = r0; g0 < r1; g0 += block) {
+      const int64_t g1 = std::min(r1, g0 + block);
+      for (int64_t s = 0; s < S; s += 4)
+        for (int64_t r = g0; r < g1; r += NW) tile(s, r);
+    }
+    return;
+  }
   const int64_t block = activation_block_rows(A.K);
   for (int64_t s0 = 0; s0 < S; s0 += block) {
     const int64_t s1 = std::min(S, s0 + block);
-    for (int64_t r = r0; r < r1; r += NW) {
-      const int nw = static_cast<int>(std::min<int64_t>(NW, r1 - r));
-      const uint8_t* wrow[NW];
-      for (int w = 0; w < NW; ++w)
-        wrow[w] = wdata + static_cast<size_t>(r + std::min(w, nw - 1)) * row_bytes;
-      for (int64_t s = s0; s < s1;) {
-        const int nx = static_cast<int>(std::min<int64_t>(4, s1 - s));
-        const int64_t srow[4] = {s, s + 1, s + 2, s + 3};
-        switch (nx) {
-          case 4:
-            Tiles::template run<4>(A, srow, wrow, out);
-            break;
-          case 3:
-            Tiles::template run<3>(A, srow, wrow, out);
-            break;
-          case 2:
-            Tiles::template run<2>(A, srow, wrow, out);
-            break;
-          default:
-            Tiles::template run<1>(A, srow, wrow, out);
-            break;
-        }
-        for (int a = 0; a < nx; ++a)
-          for (int w = 0; w < nw; ++w) y[(s + a) * N + r + w] = out[a * NW + w];
-        s += nx;
-      }
-    }
+    for (int64_t r = r0; r < r1; r += NW)
+      for (int64_t s = s0; s < s1; s += 4) tile(s, r);
   }
 }
 

@@ -129,6 +129,7 @@ GEMSTAGE_DOTPROD void tile_neon(const ActQ& A, const int64_t* srow, const uint8_
 template <DType T, bool kDot>
 struct NeonTiles {
   static constexpr int NW = kDot ? 4 : 2;
+  static constexpr bool kWeightsPastRows = false;  // not measured on ARM hardware
   template <int NX>
   GEMSTAGE_DOTPROD static void run(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
                                    float* out) {

@@ -229,8 +229,12 @@ GEMSTAGE_AVX2 void tile_avx2(const ActQ& A, const int64_t* srow, const uint8_t* 
     }
     if (m > 8) fold_half<T, NX, NW, false>(A, srow, wrow, full, 1, m, facc);
   }
-  for (int a = 0; a < NX; ++a)
-    for (int w = 0; w < NW; ++w) out[a * NW + w] = x86::hsum_hadd(facc[a][w]);
+  if constexpr (NX * NW == 8) {
+    _mm256_storeu_ps(out, x86::hsum_hadd_8(&facc[0][0]));  // out[a * NW + w], in that order
+  } else {
+    for (int a = 0; a < NX; ++a)
+      for (int w = 0; w < NW; ++w) out[a * NW + w] = x86::hsum_hadd(facc[a][w]);
+  }
 }
 
 // The decode GEMV's integer dots of half a chunk: the 1 x 1 tile of half_tile, with the -z*sum(x)
@@ -302,6 +306,7 @@ GEMSTAGE_AVX2 void gemv_avx2(const ActQ& A, const uint8_t* wdata, size_t row_byt
 template <DType T>
 struct Avx2Tiles {
   static constexpr int NW = 2;
+  static constexpr bool kWeightsPastRows = true;
   template <int NX>
   GEMSTAGE_AVX2 static void run(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
                                 float* out) {

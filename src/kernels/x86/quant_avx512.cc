@@ -226,6 +226,7 @@ GEMSTAGE_VNNI void tile_vnni(const ActQ& A, const int64_t* srow, const uint8_t* 
 template <DType T>
 struct VnniTiles {
   static constexpr int NW = 4;
+  static constexpr bool kWeightsPastRows = false;  // measured with the first order only
   template <int NX>
   GEMSTAGE_VNNI static void run(const ActQ& A, const int64_t* srow, const uint8_t* const* wrow,
                                 float* out) {
