@@ -327,9 +327,10 @@ INSTANTIATE_TEST_SUITE_P(AmxBlocking, QuantMatmul,
                                             ::testing::Values(530), ::testing::Values(2080),
                                             ::testing::Values(45)));
 // prefill_tiles' two loop orders on AVX2, on either side of their switch (4 rows of K codes in
-// kRowTileBytes = 16 KiB): K = 4096 passes weight blocks of 56 (Q4_0) / 30 (Q8_0) rows by each
-// 4-row tile, several blocks per thread; K = 4128 (a one-block tail chunk) walks activation
-// blocks of 60 rows instead.
+// kRowTileBytes = 16 KiB): K = 4096 passes weight blocks by each 4-row tile. The two threads take
+// the 301 rows in chunks of 32; Q8_0's 30-row blocks split each chunk in two (a 2-row last block),
+// Q4_0's 56-row ones cover it whole. K = 4128 (a one-block tail chunk) walks activation blocks of
+// 60 rows instead.
 INSTANTIATE_TEST_SUITE_P(LoopOrders, QuantMatmul,
                          ::testing::Combine(::testing::Values(DType::Q8_0, DType::Q4_0),
                                             ::testing::Values(9, 70), ::testing::Values(4096, 4128),
