@@ -68,6 +68,20 @@ TEST(TemplateCli, ParseOutputPrintsTheMessage) {
   EXPECT_EQ(j["tool_calls"], nlohmann::json::parse(R"([{"name":"f","arguments":{"x":"a"}}])"));
 }
 
+// The command line as the README documents it, --model included: CLI11 once wrote --model into
+// storage the action had not kept alive, and every such call aborted.
+TEST(TemplateCli, ParseOutputWithModelAsDocumented) {
+  const std::string dir = gemstage::testing::temp_dir("parse_output_model_cli");
+  write(dir + "/text", "Plain answer.");
+  ASSERT_EQ(run("parse-output --model " + std::string(GEMSTAGE_FIXTURES) +
+                    "/gemma4-tiny/model --text-file " + dir + "/text",
+                dir + "/out"),
+            0)
+      << slurp(dir + "/out");
+  const auto j = nlohmann::json::parse(slurp(dir + "/out"));
+  EXPECT_EQ(j["content"], "Plain answer.");
+}
+
 TEST(ConversationRendererChoice, CheckpointTemplateWinsAndItsRaiseIsAnError) {
   const std::string dir = gemstage::testing::temp_dir("renderer_choice");
   const ordered_json msgs = ordered_json::parse(R"([{"role":"user","content":" Hi "}])");

@@ -40,26 +40,28 @@ void add_template_command(CLI::App& app, Registry& reg) {
       "template",
       "print the prompt a conversation renders to, exactly (the checkpoint's chat template, or "
       "the built-in Gemma 4 renderer when it ships none)");
-  auto model = std::make_shared<std::string>();
-  auto conversation = std::make_shared<std::string>();
-  auto builtin = std::make_shared<bool>(false);
-  sub->add_option("--model", *model,
+  struct Args {
+    std::string model, conversation;
+    bool builtin = false;
+  };
+  auto& a = reg.args<Args>();
+  sub->add_option("--model", a.model,
                   "model directory (chat_template.jinja / tokenizer_config.json)");
-  sub->add_option("--conversation", *conversation,
+  sub->add_option("--conversation", a.conversation,
                   "JSON file: {messages, tools, add_generation_prompt, enable_thinking, "
                   "preserve_thinking}")
       ->required();
-  sub->add_flag("--builtin", *builtin,
+  sub->add_flag("--builtin", a.builtin,
                 "use the built-in renderer even if the model has a template");
-  reg.add(sub, [=] {
-    const ordered_json conv = read_conversation(*conversation);
+  reg.add(sub, [&a] {
+    const ordered_json conv = read_conversation(a.conversation);
     ConversationOptions o;
-    o.add_generation_prompt = flag(conv, "add_generation_prompt", true, *conversation);
-    o.enable_thinking = flag(conv, "enable_thinking", false, *conversation);
-    o.preserve_thinking = flag(conv, "preserve_thinking", false, *conversation);
-    const ConversationRenderer r = *builtin || model->empty()
+    o.add_generation_prompt = flag(conv, "add_generation_prompt", true, a.conversation);
+    o.enable_thinking = flag(conv, "enable_thinking", false, a.conversation);
+    o.preserve_thinking = flag(conv, "preserve_thinking", false, a.conversation);
+    const ConversationRenderer r = a.builtin || a.model.empty()
                                        ? ConversationRenderer()
-                                       : ConversationRenderer::for_model_dir(*model);
+                                       : ConversationRenderer::for_model_dir(a.model);
     std::cout << r.render(conv["messages"], conv.value("tools", ordered_json()), o);
     std::cout.flush();
     return 0;

@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace gemstage::cli {
@@ -10,9 +11,23 @@ namespace gemstage::cli {
 // A registered subcommand runs this after parsing; it returns the process exit code.
 using Action = std::function<int()>;
 
+// The registry owns every subcommand's option storage (args<T>()), so what CLI11 writes while
+// parsing lives as long as the actions that read it. Storage owned by an action's captures is a
+// trap: a lambda that never names a variable does not capture it, and CLI11 then writes into
+// freed memory (`parse-output --model` once crashed that way).
 struct Registry {
   std::vector<std::pair<CLI::App*, Action>> commands;
+  std::vector<std::shared_ptr<void>> storage;
+
   void add(CLI::App* sub, Action a) { commands.emplace_back(sub, std::move(a)); }
+  // A default-constructed T that lives as long as the registry; bind options to its fields.
+  template <class T>
+  T& args() {
+    auto p = std::make_shared<T>();
+    T& ref = *p;
+    storage.push_back(std::move(p));
+    return ref;
+  }
 };
 
 void add_info_command(CLI::App& app, Registry& reg);
