@@ -1,6 +1,6 @@
 // Assistant::prepare_conversation with images and audio: the tool path's prompt ids are the chat
 // template's text (the public chat-template fixtures) with each placeholder expanded as the
-// processor expands it (/work/shared/docs/gemma4-chat-format.md 3.5), and its soft tokens are the
+// processor expands it (docs/gemma4-chat-format.md 3.5), and its soft tokens are the
 // plain chat path's.
 #include <gtest/gtest.h>
 
@@ -108,7 +108,7 @@ TEST_F(TinyAssistant, ImageWithToolsIsTheToolCaseWithTheImageInTheUserTurn) {
 TEST_F(TinyAssistant, AnImageInAToolResultFollowsTheResponse) {
   // 16-tool_call_then_response with the result as a text part and an image part: the template
   // writes the text as the value and the image's placeholder after <tool_response|>
-  // (/work/shared/docs/gemma4-tools.md, "Tool results").
+  // (docs/gemma4-tools.md, "Tool results").
   ordered_json c = template_case("16-tool_call_then_response.json");
   ordered_json& result = c["messages"][2];
   ASSERT_EQ(result["role"], "tool");

@@ -36,7 +36,7 @@ std::string repeat(std::string_view s, int n) {
 
 }  // namespace
 
-// Expected strings are the literal outputs in /work/shared/docs/gemma4-chat-format.md, section 3
+// Expected strings are the literal outputs in docs/gemma4-chat-format.md, section 3
 // (E2B/E4B template, revision B where revisions differ).
 
 TEST(ChatFormat, SingleUserMessage) {  // doc 3.1

@@ -62,7 +62,7 @@ TEST_P(ChatTemplateCase, BuiltInRendererMatchesGolden) {
 // The same cases through the Jinja interpreter running Google's own chat_template.jinja. The
 // template is Google's file and is not copied into this repository: point
 // GEMSTAGE_GEMMA4_CHAT_TEMPLATE at a copy (the E-series file of google/gemma-4-E2B-it, header
-// "Published: 2026-07-09"; /work/shared/docs/gemma4-tools.md names a public copy) to run it.
+// "Published: 2026-07-09"; docs/gemma4-tools.md names a public copy) to run it.
 TEST_P(ChatTemplateCase, CheckpointTemplateThroughJinjaMatchesGolden) {
   const char* path = std::getenv("GEMSTAGE_GEMMA4_CHAT_TEMPLATE");
   if (!path || !*path) GTEST_SKIP() << "GEMSTAGE_GEMMA4_CHAT_TEMPLATE is not set";

@@ -1,7 +1,7 @@
 // The large Gemma 4 models (26B-A4B: mixture of experts; 31B: dense, both attention_k_eq_v on
 // full layers, no PLE) against their golden fixtures (tests/fixtures/gemma4-tiny-moe and
 // gemma4-tiny-dense, an independent reference of the transformers forward; docs in
-// ../shared/docs/gemma4-large.md): every tap within the manifest's tolerance, the experts each
+// docs/gemma4-large.md): every tap within the manifest's tolerance, the experts each
 // row chose exact, greedy ids exact, on whole-prompt and chunked prefill.
 #include <gtest/gtest.h>
 

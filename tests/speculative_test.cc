@@ -1,5 +1,5 @@
 // The Gemma 4 MTP drafter and speculative decoding against the gemma4-tiny-assistant fixtures
-// (shared/docs/gemma4-mtp.md): every drafter tap of K = 4 steps from three starts, the per-round
+// (docs/gemma4-mtp.md): every drafter tap of K = 4 steps from three starts, the per-round
 // drafts and accepted counts, greedy output identical to plain decoding (also past the sliding
 // ring's wrap, where rollback must keep the window intact), mismatched pairs refused, and the
 // sampling acceptance rule's output distribution.

@@ -1,7 +1,7 @@
 // gemma4_unified (Gemma4UnifiedForConditionalGeneration, the 12B: no towers, image patches and
 // raw audio frames through small embedders) against its golden fixtures
 // (tests/fixtures/gemma4-tiny-unified, an independent float32 reference; docs in
-// ../shared/docs/gemma4-unified.md): every tap within the fixture manifest's
+// docs/gemma4-unified.md): every tap within the fixture manifest's
 // tolerances_atol_computed, greedy ids (after generation_config.suppress_tokens) exact, on
 // whole-prompt and chunked prefill; the BF16 checkpoint by top-1 and logits closeness.
 #include <gtest/gtest.h>
@@ -457,7 +457,7 @@ TEST(UnifiedCli, BundleExportCheckRunStageParity) {
 namespace {
 
 // make-random --preset 12b writes the released 12B's shapes: 11,959,730,224 parameters
-// (shared/docs/gemma4-unified.md: embedding 1.007 B, decoder 10.901 B, image embedder 49.9 M,
+// (docs/gemma4-unified.md: embedding 1.007 B, decoder 10.901 B, image embedder 49.9 M,
 // audio embedder 2.5 M), 8 x (5 sliding + 1 full) layers, k_eq_v full layers.
 TEST(UnifiedPreset, TwelveBHasTheReleasedShapes) {
   const ModelConfig c = parse_model_config(preset_config("12b").dump(), "12b preset");

@@ -39,7 +39,7 @@ struct DumpArgs {
   int draft_max = 4;
 };
 
-// The spec_* taps of shared/docs/gemma4-mtp.md: a greedy speculative decode of n_new tokens with
+// The spec_* taps of docs/gemma4-mtp.md: a greedy speculative decode of n_new tokens with
 // a constant draft length, on a fresh sequence of the same model; rows padded with -1.
 void record_speculative(const DumpArgs& a, ThreadPool& pool, const Sequence& model,
                         std::span<const int32_t> ids, const FloatTensor* soft, int64_t chunk,

@@ -37,7 +37,7 @@ struct GenerateArgs : CommonArgs {
   std::vector<std::string> images, audios;
   bool raw = false, json = false;
   std::string json_schema, json_schema_file;  // constrained output (llama.cpp's -j / -jf)
-  // Speculative decoding with a gemma4_assistant drafter (shared/docs/gemma4-mtp.md).
+  // Speculative decoding with a gemma4_assistant drafter (docs/gemma4-mtp.md).
   std::string model_draft;
   int draft_max = 4, draft_min = 0;
   bool no_draft_adapt = false;

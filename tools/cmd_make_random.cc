@@ -180,7 +180,7 @@ void write_config_files(const std::string& dir, const nlohmann::json& cfg_json,
   std::ofstream(fs::path(dir) / "preprocessor_config.json") << pre.dump(2);
 }
 
-// The tensors of a gemma4_assistant checkpoint (shared/docs/gemma4-mtp.md): the drafter's Q-only
+// The tensors of a gemma4_assistant checkpoint (docs/gemma4-mtp.md): the drafter's Q-only
 // layers (no k/v projections: it reads the target's caches), the projections to and from the
 // target's width, the tied head.
 std::vector<TensorSpec> assistant_tensor_specs(const nlohmann::json& cfg) {

@@ -1,5 +1,5 @@
 // Audio file decoding to the mono float32 16 kHz waveform the Gemma 4 feature extractor takes,
-// the way Hugging Face loads a clip (shared/docs/gemma4-audio.md, "Loading"):
+// the way Hugging Face loads a clip (docs/gemma4-audio.md, "Loading"):
 //  - samples become float32 in [-1, 1) by libsndfile's normalisation, which is the scale
 //    soundfile/librosa and FFmpeg use (PCM16 × 1/32768, PCM24 × 1/2^23, PCM32 × 1/2^31; float
 //    files as stored);

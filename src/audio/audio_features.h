@@ -1,5 +1,5 @@
 // The Gemma 4 log-mel feature extractor (Gemma4AudioFeatureExtractor, one clip), exactly as
-// shared/docs/gemma4-audio.md "Feature extractor" describes it:
+// docs/gemma4-audio.md "Feature extractor" describes it:
 //   pad the waveform with zeros to a multiple of 128 samples; prepend 160 zeros (semicausal);
 //   frames of 320 samples every 160 (the unfold takes 321, the last one unused); periodic Hann
 //   window (float32 product); |rfft| with n = 512 (magnitude, not power); HTK mel bank of 128

@@ -277,7 +277,7 @@ void AssistantModel::attend(const LayerSpec& ls, const LayerKvCache& cache, int6
          "position ",
          position);
   // Full layers see every position 0..P-1; sliding layers the last W+1 of them (the drafter's
-  // bidirectional window |q - kv| <= W, shared/docs/gemma4-mtp.md pitfall 7).
+  // bidirectional window |q - kv| <= W, docs/gemma4-mtp.md pitfall 7).
   const int64_t first = ls.type == LayerType::Full
                             ? 0
                             : std::max<int64_t>(0, position - cfg_.text.sliding_window - 1);

@@ -1,4 +1,4 @@
-// The Gemma 4 MTP drafter ("assistant", model_type gemma4_assistant; shared/docs/gemma4-mtp.md):
+// The Gemma 4 MTP drafter ("assistant", model_type gemma4_assistant; docs/gemma4-mtp.md):
 // a few Q-only decoder layers that read the TARGET's K/V (its last non-KV-shared layer of each
 // type), fed the target's scaled embedding of the newest token concatenated with a target-width
 // hidden state, at one constant position for all K draft steps. It never writes any cache: a

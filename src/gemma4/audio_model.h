@@ -1,5 +1,5 @@
 // The Gemma 4 E-series audio tower (Gemma4AudioModel) and the audio embedder (model.embed_audio),
-// as shared/docs/gemma4-audio.md describes them:
+// as docs/gemma4-audio.md describes them:
 //   subsampling  2 × [mask rows, Conv2d 3×3 stride 2 pad 1 (no bias), LayerNorm over channels
 //                (weight only), ReLU, mask[::2]], flatten (freq, ch), input_proj_linear
 //   conformer    × num_hidden_layers: half-step FFN, chunked local self-attention (self + left−2

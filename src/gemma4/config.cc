@@ -445,7 +445,7 @@ const std::set<std::string> kKnownUnifiedAudioFields = {
     "torch_dtype",   "audio_embed_dim",         "hidden_size",         "output_proj_dims",
     "_name_or_path", "audio_samples_per_token", "transformers_version"};
 
-// gemma4_unified's vision_config: the patch embedder's sizes (shared/docs/gemma4-unified.md).
+// gemma4_unified's vision_config: the patch embedder's sizes (docs/gemma4-unified.md).
 void parse_unified_vision(const json& vj, const std::string& where, UnifiedVisionConfig& v,
                           std::vector<std::string>& warnings) {
   if (!vj.is_object()) fail(where, " must be an object");

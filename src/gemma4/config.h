@@ -90,7 +90,7 @@ struct VisionConfig {
   int default_output_length = 280;
 };
 
-// Gemma4AudioConfig (E-series audio tower; shared/docs/gemma4-audio.md). Defaults are the class
+// Gemma4AudioConfig (E-series audio tower; docs/gemma4-audio.md). Defaults are the class
 // defaults, which E2B/E4B use.
 struct AudioConfig {
   int hidden_size = 1024;
@@ -115,7 +115,7 @@ struct AudioConfig {
 };
 
 // gemma4_unified (12B) has no towers: 48-px image patches and raw audio frames go through small
-// embedders into the decoder (shared/docs/gemma4-unified.md). Defaults are the 12B's.
+// embedders into the decoder (docs/gemma4-unified.md). Defaults are the 12B's.
 struct UnifiedVisionConfig {
   int patch_size = 16;
   int pooling_kernel_size = 3;

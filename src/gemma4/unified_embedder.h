@@ -1,6 +1,6 @@
 // The embedders of gemma4_unified (Gemma4UnifiedForConditionalGeneration, the 12B): no vision or
 // audio tower; 48-px image patches and raw 40 ms audio frames go through small embedders
-// straight into the text width (shared/docs/gemma4-unified.md).
+// straight into the text width (docs/gemma4-unified.md).
 //
 //   image  per patch vector v (48·48·3 values in (row, column, channel) order):
 //          LayerNorm1 → patch_dense (with bias) → LayerNorm2 → + pos[x, 0] + pos[y, 1] →

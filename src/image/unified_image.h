@@ -1,4 +1,4 @@
-// The image processor of gemma4_unified (Gemma4UnifiedImageProcessor, shared/docs/
+// The image processor of gemma4_unified (Gemma4UnifiedImageProcessor, docs/
 // gemma4-unified.md): the same aspect-preserving resize as Gemma 4's (fill the soft-token budget,
 // small images scaled up, sides floored to multiples of patch_size * pooling_kernel_size), values
 // uint8/255 without normalisation, then one vector per (patch·pooling)-px block in (row, column,

@@ -143,7 +143,7 @@ PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& mes
   // The rendered text writes <bos> itself; special-token strings in it become their ids. The
   // template writes one <|image|> / <|audio|> per media part; the processor then replaces each
   // with its open marker, N soft-token placeholders and its close marker
-  // (/work/shared/docs/gemma4-chat-format.md 3.5), which is the same at the id level because the
+  // (docs/gemma4-chat-format.md 3.5), which is the same at the id level because the
   // tokenizer never merges a special token with its neighbours.
   const std::vector<int32_t> raw = tok_.encode(text, /*add_special=*/false, /*parse_special=*/true);
   const std::optional<int32_t> image_at = chat_ids_.image_soft, audio_at = chat_ids_.audio_soft;

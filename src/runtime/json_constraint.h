@@ -36,7 +36,7 @@ namespace gemstage {
 struct JsonSchemaNode;
 
 // The text a grammar matches: JSON, or the arguments of a Gemma 4 tool call
-// (/work/shared/docs/gemma4-tools.md, "ARGS grammar": bare keys, strings between <|"|> tokens with
+// (docs/gemma4-tools.md, "ARGS grammar": bare keys, strings between <|"|> tokens with
 // no escaping, otherwise JSON's values). The <|"|> token is the byte kGemmaQuote to a matcher.
 enum class JsonDialect { kJson, kGemmaArgs };
 inline constexpr unsigned char kGemmaQuote = 0x00;

@@ -1,4 +1,4 @@
-// Speculative decoding with a Gemma 4 MTP drafter (shared/docs/gemma4-mtp.md): the drafter
+// Speculative decoding with a Gemma 4 MTP drafter (docs/gemma4-mtp.md): the drafter
 // proposes k tokens from the target's newest token and post-norm hidden state, reading the
 // target's committed K/V; the target runs [x_P, d_1..d_k] as one call of k+1 rows, keeps the
 // longest prefix of drafts it agrees with plus its own next token, and its caches are rolled back

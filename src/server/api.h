@@ -165,7 +165,7 @@ nlohmann::json usage_chunk_json(const ResponseMeta& m, const std::string& object
 nlohmann::json models_json(const std::string& model, int64_t created);
 
 // ---------------------------------------------------------------------------------------------
-// Tool calling on /v1/chat/completions (/work/shared/docs/gemma4-tools.md, "OpenAI mapping").
+// Tool calling on /v1/chat/completions (docs/gemma4-tools.md, "OpenAI mapping").
 // Request side: the conversation as the chat template takes it; reply side: Gemma's raw output
 // parsed (tokenizer/chat_output.h) into content, reasoning_content and tool_calls. tool_choice
 // is validated and recorded here; the server enforces it while sampling (runtime/

@@ -44,7 +44,7 @@ struct BundleStage {
 };
 
 // The MTP drafter as its own stage (export -md): placed with the last transformer stage, whose
-// KV caches it reads (shared/docs/gemma4-mtp.md); its weights file holds the drafter's tensors
+// KV caches it reads (docs/gemma4-mtp.md); its weights file holds the drafter's tensors
 // (matrices in the bundle's format, vectors f32), drafter_config.json its checkpoint config.
 struct BundleDrafter {
   std::string id, placed_with, config_file, config_sha256, weights_file, sha256;

@@ -1,4 +1,4 @@
-// Gemma 4 E-series conversation format, following /work/shared/docs/gemma4-chat-format.md.
+// Gemma 4 E-series conversation format, following docs/gemma4-chat-format.md.
 // Pinned to template revision B (the later upstream revision, which the DiffusionGemma test ids
 // and gemma4-spec.md 5.2 agree with): `<|think|>\n` opens a thinking system turn, images are
 // inlined with no surrounding newlines, consecutive assistant messages share one model turn, and
@@ -84,7 +84,7 @@ ChatPrompt render_chat(const Tokenizer& tokenizer, const ChatTokenIds& ids,
 std::string strip_thinking(std::string_view text);
 
 // ---------------------------------------------------------------------------------------------
-// OpenAI-style conversations with tools, following /work/shared/docs/gemma4-tools.md: the
+// OpenAI-style conversations with tools, following docs/gemma4-tools.md: the
 // built-in renderer for checkpoints that ship no chat template. It writes exactly what Google's
 // E-series template (header "Published: 2026-07-09") writes: tool declarations, assistant
 // tool_calls, role:"tool" results folded into the model turn, reasoning, system / developer

@@ -1,4 +1,4 @@
-// Gemma 4 model output parsed into an assistant message (/work/shared/docs/gemma4-tools.md,
+// Gemma 4 model output parsed into an assistant message (docs/gemma4-tools.md,
 // "Parsing model output"): thought channels become reasoning,
 // <|tool_call>call:NAME{...}<tool_call|> blocks become tool calls with JSON arguments, everything
 // else is content. Malformed or unfinished calls stay in the content verbatim; parsing never throws
