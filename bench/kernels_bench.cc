@@ -20,10 +20,10 @@
 #include <string>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "kernels/attention.h"
-#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
@@ -43,10 +43,13 @@ struct Lcg {
   }
 };
 
-ThreadPool& pool_of(int threads) {
-  static std::map<int, std::unique_ptr<ThreadPool>> pools;
-  auto& p = pools[threads];
-  if (!p) p = std::make_unique<ThreadPool>(threads);
+// A pool per thread count and tier (nullopt: GEMSTAGE_ISA, else the CPU's best), kept for the
+// whole run so the benchmarks do not time thread start-up.
+ThreadPool& pool_of(int threads, std::optional<CpuTier> tier = std::nullopt) {
+  static std::map<std::pair<int, int>, std::unique_ptr<ThreadPool>> pools;
+  const CpuTier t = tier ? *tier : cpu_tier_from_environment();
+  auto& p = pools[{threads, static_cast<int>(t)}];
+  if (!p) p = std::make_unique<ThreadPool>(threads, t);
   return *p;
 }
 
@@ -105,14 +108,12 @@ std::vector<float> activations(int64_t n) {
 // Weights of the DRAM variant: enough copies of the matrix to fill this, one per call in turn.
 constexpr size_t kStackBytes = size_t{1280} << 20;
 
-// args: out, in, S, threads. tier: the tier to run under (nullopt: the one in force). from_dram:
-// each call multiplies the next of enough copies of the matrix to fill kStackBytes, so every call
-// reads its weights from DRAM as a decode step of a model far past the caches does (the
+// args: out, in, S, threads. tier: the tier to run under (nullopt: GEMSTAGE_ISA or the best).
+// from_dram: each call multiplies the next of enough copies of the matrix to fill kStackBytes, so
+// every call reads its weights from DRAM as a decode step of a model far past the caches does (the
 // last-level cache of a server CPU holds a whole 31B-shape MLP matrix, which one copy measures
 // from cache).
 void run_matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier, bool from_dram) {
-  std::optional<ScopedCpuTier> use;
-  if (tier) use.emplace(*tier);
   const int64_t out = state.range(0), in = state.range(1), S = state.range(2);
   const int threads = static_cast<int>(state.range(3));
   const Matrix& m = matrix(t, out, in);
@@ -130,7 +131,7 @@ void run_matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier, b
   }
   const auto x = activations(S * in);
   std::vector<float> y(static_cast<size_t>(S * out));
-  ThreadPool& pool = pool_of(threads);
+  ThreadPool& pool = pool_of(threads, tier);
   size_t c = 0;
   for (auto _ : state) {
     matmul(pool, x.data(), S, views[c], y.data());
@@ -144,7 +145,7 @@ void run_matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier, b
                                               benchmark::Counter::kIsRate);
   state.counters["GFLOP/s"] = benchmark::Counter(it * 2.0 * static_cast<double>(S * out * in) / 1e9,
                                                  benchmark::Counter::kIsRate);
-  state.SetLabel(dtype_is_quantized(t) ? quant_isa(S) : matmul_isa());
+  state.SetLabel(dtype_is_quantized(t) ? quant_isa(pool.tier(), S) : matmul_isa(pool.tier()));
 }
 
 void BM_Matmul(benchmark::State& state, DType t, std::optional<CpuTier> tier) {
@@ -207,7 +208,7 @@ void BM_RmsNorm(benchmark::State& state) {
   const auto x = activations(rows * n), w = activations(n);
   std::vector<float> y(x.size());
   for (auto _ : state) {
-    rmsnorm_rows(x.data(), rows, n, w.data(), 1e-6f, y.data());
+    rmsnorm_rows(cpu_tier_from_environment(), x.data(), rows, n, w.data(), 1e-6f, y.data());
     benchmark::DoNotOptimize(y.data());
   }
   state.SetBytesProcessed(state.iterations() * rows * n * 4 * 2);
@@ -226,12 +227,13 @@ void BM_Attention(benchmark::State& state, bool kv_bf16) {
     v16[i] = f32_to_bf16(v[i]);
   }
   std::vector<float> out(static_cast<size_t>(M * hd));
+  ThreadPool& pool = pool_of(1);
   QueryBlock queries;
+  queries.tier = pool.tier();
   for (int64_t m = 0; m < M; ++m) queries.add(q.data() + m * hd, out.data() + m * hd, 0, n - 1);
   AttentionScratch scratch;
   // As a pool job, so with subnormals flushed as in the decoder: softmax tails are subnormal, and
   // each one costs a microcode assist otherwise.
-  ThreadPool& pool = pool_of(1);
   for (auto _ : state) {
     pool.parallel_for(1, [&](size_t, size_t) {
       if (kv_bf16)
@@ -281,6 +283,7 @@ void BM_AttentionDecode(benchmark::State& state) {
       for (size_t t = b; t < e; ++t) {
         const int64_t lo = static_cast<int64_t>(t) * per_part, hi = std::min(n, lo + per_part) - 1;
         QueryBlock queries;
+        queries.tier = pool.tier();
         for (int64_t m = 0; m < M; ++m)
           queries.add(q.data() + m * hd, part_out.data() + (static_cast<int64_t>(t) * M + m) * hd,
                       lo, hi);
@@ -293,8 +296,8 @@ void BM_AttentionDecode(benchmark::State& state) {
       }
     });
     for (int64_t m = 0; m < M; ++m)
-      merge_partial_attention(part_out.data() + m * hd, part_max.data() + m, part_sum.data() + m,
-                              threads, M, hd, out.data() + m * hd);
+      merge_partial_attention(pool.tier(), part_out.data() + m * hd, part_max.data() + m,
+                              part_sum.data() + m, threads, M, hd, out.data() + m * hd);
     benchmark::DoNotOptimize(out.data());
   }
   const double it = static_cast<double>(state.iterations());

@@ -7,6 +7,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -15,6 +16,7 @@
 #include "distributed/stage_worker.h"
 #include "distributed/wire.h"
 #include "gemma4/config.h"
+#include "runtime/engine.h"
 #include "stage/bundle.h"
 #include "stage/call_pipeline.h"
 #include "stage/sequence.h"
@@ -426,9 +428,8 @@ TEST(RemoteStages, PipelinedCallsInFlightTogetherGiveWhatEachGetsAlone) {
   SplitModel split = open_split();
   EXPECT_EQ(CallPipeline::depth(*whole), 1);
   EXPECT_EQ(CallPipeline::depth(*split.model), 3) << "the front and ranks 1 and 2";
-  CallPipeline::set_depth_override(2);
-  EXPECT_EQ(CallPipeline::depth(*split.model), 2) << "--pipeline-depth";
-  CallPipeline::set_depth_override(0);
+  EXPECT_EQ(CallPipeline::depth(*split.model, 2), 2) << "--pipeline-depth";
+  EXPECT_EQ(CallPipeline::depth(*split.model, 0), 3) << "0: automatic";
   const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
   ThreadPool pool(1);
   std::vector<std::unique_ptr<Sequence>> a, b;
@@ -542,6 +543,138 @@ TEST(StageWorkerProtocol, RefusesUnknownSequencesAndStagesByName) {
   EXPECT_NE(r->error.find("sequence 99"), std::string::npos) << r->error;
   r = w.handle(m);
   EXPECT_EQ(r->op, WireOp::Result);
+}
+
+// ------------------------------------------------------------------------------------------
+// The engine (runtime/engine.h): every front end's scheduler gives each request what a plain
+// decode loop on the whole model gives it, alone or batched with others, with the stages in this
+// process or spread over (loopback) ranks with calls pipelined; and two models at two CPU tiers
+// and placements run side by side in one process.
+
+// Greedy ids after `prompt`, from a plain loop of forward calls (not the engine).
+std::vector<int32_t> plain_greedy(const std::shared_ptr<const Model>& model, ThreadPool& pool,
+                                  const std::vector<int32_t>& prompt, int n) {
+  Sequence seq(model);
+  FloatTensor l = seq.forward(pool, prompt, nullptr, false, nullptr);
+  std::vector<int32_t> ids;
+  for (int i = 0; i < n; ++i) {
+    const float* row = l.row(l.dim(0) - 1);
+    ids.push_back(static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row));
+    l = seq.forward(pool, std::span<const int32_t>(&ids.back(), 1), nullptr, false, nullptr);
+  }
+  return ids;
+}
+
+// Greedy ids of each prompt, all submitted at once to an engine of `slots` slots.
+std::vector<std::vector<int32_t>> engine_greedy(const std::shared_ptr<const Model>& model,
+                                                ThreadPool& pool,
+                                                const std::vector<std::vector<int32_t>>& prompts,
+                                                int n, int slots) {
+  EngineOptions eo;
+  eo.slots = slots;
+  eo.kv_budget = 256;
+  eo.batch_rows = eo.ubatch_rows = 7;  // prompts in several chunks, decode rows beside them
+  eo.kv_type = KvType::F32;
+  Engine engine(model, nullptr, pool, eo);
+  std::vector<std::shared_ptr<Generation>> gens;
+  for (const auto& p : prompts) {
+    EngineRequest r;
+    r.ids = p;
+    r.gen.max_tokens = n;
+    r.gen.sampling = SamplingParams::greedy();
+    gens.push_back(engine.submit(std::move(r)));
+  }
+  engine.run_until_idle();
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& g : gens) {
+    const Generation::Result r = g->result();
+    EXPECT_FALSE(r.error) << (r.error ? r.error->message : "");
+    EXPECT_EQ(r.generation.finish_reason, "length");
+    out.push_back(r.generation.tokens);
+  }
+  return out;
+}
+
+std::vector<std::vector<int32_t>> three_prompts() {
+  const std::vector<int32_t> ids = testing::load_ids(testing::fixture("text/input_ids.npy"));
+  return {ids, std::vector<int32_t>(ids.begin() + 3, ids.end()),
+          std::vector<int32_t>(ids.begin(), ids.begin() + 5)};
+}
+
+TEST(Engine, GreedyIdsEqualAPlainLoopAloneBatchedAndOverRemoteStages) {
+  const auto whole = Model::open(split_bundle());
+  ThreadPool pool(2);
+  const auto prompts = three_prompts();
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& p : prompts) want.push_back(plain_greedy(whole, pool, p, 12));
+  ASSERT_EQ(want[0].size(), 12u);
+  // One slot: the requests run one after another.
+  EXPECT_EQ(engine_greedy(whole, pool, prompts, 12, 1), want);
+  // Three slots: batched together, prompt chunks beside decode rows.
+  EXPECT_EQ(engine_greedy(whole, pool, prompts, 12, 3), want);
+  // The transformer stages on two loopback ranks: calls pipelined over them (depth 3).
+  SplitModel split = open_split();
+  EXPECT_EQ(CallPipeline::depth(*split.model), 3);
+  EXPECT_EQ(engine_greedy(split.model, pool, prompts, 12, 3), want);
+  EXPECT_GT(split.transport->max_outstanding, 1u) << "calls were in flight together";
+}
+
+// Nothing about how a model runs is process state: a model on the scalar tier with every stage
+// here and one on the best tier with its stages on loopback ranks run at the same time on two
+// threads, each giving what it gives alone.
+TEST(Engine, TwoModelsAtTwoTiersAndPlacementsRunConcurrentlyInOneProcess) {
+  const auto whole = Model::open(split_bundle());
+  SplitModel split = open_split();
+  ThreadPool scalar_pool(1, CpuTier::Scalar), best_pool(2, cpu_best_tier());
+  const auto prompts = three_prompts();
+  const auto alone_a = engine_greedy(whole, scalar_pool, prompts, 8, 2);
+  const auto alone_b = engine_greedy(split.model, best_pool, prompts, 8, 3);
+  std::vector<std::vector<int32_t>> together_a, together_b;
+  std::thread a([&] { together_a = engine_greedy(whole, scalar_pool, prompts, 8, 2); });
+  std::thread b([&] { together_b = engine_greedy(split.model, best_pool, prompts, 8, 3); });
+  a.join();
+  b.join();
+  EXPECT_EQ(together_a, alone_a);
+  EXPECT_EQ(together_b, alone_b);
+  ASSERT_EQ(alone_a[0].size(), 8u);
+}
+
+// A request cancelled while it waits in the queue never starts; one cancelled while it runs ends
+// as "cancelled" at the next step, and its slot's rows are dropped.
+TEST(Engine, CancelledRequestsEndAndFreeTheirSlot) {
+  const auto whole = Model::open(split_bundle());
+  ThreadPool pool(1);
+  EngineOptions eo;
+  eo.kv_budget = 128;
+  int steps = 0;
+  std::shared_ptr<Generation> running;
+  eo.before_step = [&] {
+    if (++steps == 3) running->cancel();
+  };
+  Engine engine(whole, nullptr, pool, eo);
+  EngineRequest r;
+  r.ids = three_prompts()[0];
+  r.gen.max_tokens = 50;
+  r.gen.sampling = SamplingParams::greedy();
+  running = engine.submit(r);
+  const std::shared_ptr<Generation> queued = engine.submit(r);
+  queued->cancel();
+  engine.run_until_idle();
+  const Generation::Result a = running->result(), b = queued->result();
+  EXPECT_FALSE(a.error);
+  EXPECT_EQ(a.generation.finish_reason, "cancelled");
+  EXPECT_LT(a.generation.tokens.size(), 50u);
+  ASSERT_TRUE(b.error);
+  EXPECT_EQ(b.error->kind, EngineError::Kind::kCancelled);
+  EXPECT_EQ(engine.stats().kv_rows_used, 0) << "a cancelled request's rows are dropped";
+  // A prompt that leaves no room is refused at submit, naming the reason.
+  r.ids.assign(128, 5);
+  try {
+    engine.submit(r);
+    ADD_FAILURE() << "a prompt filling the context was accepted";
+  } catch (const RequestRejected& e) {
+    EXPECT_EQ(e.reason(), RequestRejected::Reason::kPromptTooLong) << e.what();
+  }
 }
 
 }  // namespace

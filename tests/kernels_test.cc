@@ -12,10 +12,10 @@
 #include <thread>
 #include <tuple>
 
+#include "core/cpu_features.h"
 #include "core/dtype.h"
 #include "core/thread_pool.h"
 #include "kernels/attention.h"
-#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
@@ -65,15 +65,14 @@ TEST_P(MatmulOdd, MatchesReferenceSimdAndScalar) {
   const Stored w = store_as(wf, N, K, t);
   std::vector<float> ref(static_cast<size_t>(S * N)), got(ref.size());
   matmul_reference(x.data(), S, w.view, ref.data());
-  ThreadPool pool(2);
   const double tol = 1e-5 * std::sqrt(static_cast<double>(K)) * 4;
   // Every tier this CPU supports (an AVX-512 machine still runs the AVX2 rows), scalar included.
   for (CpuTier tier : cpu_supported_tiers()) {
-    ScopedCpuTier use(tier);
+    ThreadPool pool(2, tier);
     matmul(pool, x.data(), S, w.view, got.data());
     for (size_t i = 0; i < ref.size(); ++i)
       ASSERT_NEAR(got[i], ref[i], tol)
-          << cpu_tier_name(tier) << " (" << matmul_isa() << ") at " << i;
+          << cpu_tier_name(tier) << " (" << matmul_isa(tier) << ") at " << i;
     // Each row alone (the decode GEMV) equals its row of the batch bit for bit: the decoder's
     // incremental-equals-recompute tests rely on it.
     std::vector<float> one(static_cast<size_t>(N));
@@ -113,8 +112,8 @@ TEST(RmsNorm, MatchesDoubleReferenceWithAndWithoutWeight) {
     const auto x = randn(static_cast<size_t>(3 * n), 3, 2.0f);
     const auto w = randn(static_cast<size_t>(n), 4);
     std::vector<float> y(x.size()), y0(x.size());
-    rmsnorm_rows(x.data(), 3, n, w.data(), 1e-6f, y.data());
-    rmsnorm_rows(x.data(), 3, n, nullptr, 1e-6f, y0.data());
+    rmsnorm_rows(cpu_tier_from_environment(), x.data(), 3, n, w.data(), 1e-6f, y.data());
+    rmsnorm_rows(cpu_tier_from_environment(), x.data(), 3, n, nullptr, 1e-6f, y0.data());
     for (int r = 0; r < 3; ++r) {
       double ss = 0;
       for (int i = 0; i < n; ++i) ss += static_cast<double>(x[r * n + i]) * x[r * n + i];
@@ -134,14 +133,14 @@ TEST(Gelu, TanhFormMatchesFormula) {
   }
   const auto g = randn(37, 5), u = randn(37, 6);
   std::vector<float> out(37);
-  gelu_tanh_mul(g.data(), u.data(), 37, out.data());
+  gelu_tanh_mul(cpu_tier_from_environment(), g.data(), u.data(), 37, out.data());
   for (int i = 0; i < 37; ++i) EXPECT_FLOAT_EQ(out[i], gelu_tanh(g[i]) * u[i]);
 }
 
 TEST(Softcap, IsCapTimesTanh) {
   std::vector<float> v = {-100.0f, -1.0f, 0.0f, 5.0f, 90.0f};
   const auto orig = v;
-  softcap(v.data(), 5, 30.0f);
+  softcap(cpu_tier_from_environment(), v.data(), 5, 30.0f);
   for (size_t i = 0; i < v.size(); ++i) EXPECT_NEAR(v[i], 30.0 * std::tanh(orig[i] / 30.0), 1e-5);
 }
 
@@ -185,7 +184,7 @@ TEST(Rope, RelativePositionInvariance) {
     auto a = q, b = k;
     apply_rope(t, pq, a.data(), 1);
     apply_rope(t, pk, b.data(), 1);
-    return dot_f32(a.data(), b.data(), 64);
+    return dot_f32(cpu_tier_from_environment(), a.data(), b.data(), 64);
   };
   EXPECT_NEAR(dot_at(10, 3), dot_at(107, 100), 1e-4);
 }
@@ -204,7 +203,6 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
            {std::tuple{1, 37, 13}, std::tuple{8, 64, 1}, std::tuple{3, 5, 129},
             std::tuple{11, 47, 37}, std::tuple{16, 256, 100}, std::tuple{17, 512, 70},
             std::tuple{5, 32, 37}, std::tuple{8, 512, 1100}}) {
-        ScopedCpuTier use(tier);
         // Scores of a few units, like the decoder's normalized q and k; not so peaked that one
         // key takes all the weight.
         const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
@@ -219,6 +217,7 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
         std::vector<float> out(static_cast<size_t>(M * hd)), ref(static_cast<size_t>(hd));
         std::mt19937 rng(static_cast<uint32_t>(M * 1000 + n));
         QueryBlock queries;
+        queries.tier = tier;
         for (int64_t m = 0; m < M; ++m) {
           int64_t lo = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
           int64_t hi = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
@@ -248,7 +247,6 @@ TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
   // Decode splits one row's keys into parts, one per thread, and merges their unnormalized
   // states; a part past the last key (sum 0, output never written) must not count.
   for (CpuTier tier : cpu_supported_tiers()) {
-    ScopedCpuTier use(tier);
     const int64_t hd = 40, n = 75, G = 3;
     const auto q = randn(static_cast<size_t>(G * hd), 41, 0.3f), k = randn(n * hd, 42),
                v = randn(n * hd, 43);
@@ -261,6 +259,7 @@ TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
       const auto [lo, hi] = ranges[p];
       if (lo > hi) continue;
       QueryBlock queries;
+      queries.tier = tier;
       for (int64_t g = 0; g < G; ++g)
         queries.add(q.data() + g * hd, part_out.data() + (p * G + g) * hd, lo, hi);
       attend_queries_partial(
@@ -273,8 +272,8 @@ TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
     }
     std::vector<float> out(static_cast<size_t>(hd)), ref(static_cast<size_t>(hd));
     for (int64_t g = 0; g < G; ++g) {
-      merge_partial_attention(part_out.data() + g * hd, part_max.data() + g, part_sum.data() + g, P,
-                              G, hd, out.data());
+      merge_partial_attention(tier, part_out.data() + g * hd, part_max.data() + g,
+                              part_sum.data() + g, P, G, hd, out.data());
       attention_reference(q.data() + g * hd, k.data(), v.data(), hd, n, ref.data());
       for (int64_t i = 0; i < hd; ++i)
         ASSERT_NEAR(out[static_cast<size_t>(i)], ref[static_cast<size_t>(i)], 1e-5)
@@ -309,18 +308,9 @@ class VectorOps : public ::testing::TestWithParam<CpuTier> {
     if (!cpu_tier_supported(GetParam()))
       GTEST_SKIP() << "this CPU has no " << cpu_tier_name(GetParam()) << " (it has "
                    << cpu_features_string() << ")";
-    previous_ = cpu_tier();
-    set_cpu_tier(GetParam(), "VectorOps test");
   }
-  void TearDown() override {
-    if (previous_) set_cpu_tier(*previous_, "VectorOps test");
-  }
-  template <typename Fn>
-  static auto scalar(Fn fn) {
-    ScopedCpuTier use(CpuTier::Scalar);
-    return fn();
-  }
-  std::optional<CpuTier> previous_;
+  // The tier under test; each test runs its kernels under it and under CpuTier::Scalar.
+  static CpuTier tier() { return GetParam(); }
 };
 
 INSTANTIATE_TEST_SUITE_P(Tiers, VectorOps,
@@ -335,12 +325,12 @@ TEST_P(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
     auto g = randn(static_cast<size_t>(n), 31, 3.0f);
     for (int i = 0; i < n; i += 3) g[static_cast<size_t>(i)] *= 0.02f;
     const auto u = randn(static_cast<size_t>(n), 32);
-    auto run = [&] {
+    auto run = [&](CpuTier t) {
       std::vector<float> out(static_cast<size_t>(n));
-      gelu_tanh_mul(g.data(), u.data(), n, out.data());
+      gelu_tanh_mul(t, g.data(), u.data(), n, out.data());
       return out;
     };
-    const auto want = scalar(run), got = run();
+    const auto want = run(CpuTier::Scalar), got = run(tier());
     for (int i = 0; i < n; ++i) {
       const float w = want[static_cast<size_t>(i)];
       EXPECT_NEAR(got[static_cast<size_t>(i)], w, 4e-7f * std::max(1.0f, std::fabs(w)))
@@ -349,7 +339,7 @@ TEST_P(VectorOps, GeluTanhMulMatchesScalarAcrossItsRange) {
   }
   const float big[3] = {-20.0f, 20.0f, 1e6f}, one[3] = {1, 1, 1};
   float out[3];
-  gelu_tanh_mul(big, one, 3, out);
+  gelu_tanh_mul(tier(), big, one, 3, out);
   EXPECT_EQ(out[0], -0.0f);
   EXPECT_EQ(out[1], 20.0f);
   EXPECT_EQ(out[2], 1e6f);
@@ -360,12 +350,12 @@ TEST_P(VectorOps, RmsNormMatchesScalar) {
     const auto x = randn(static_cast<size_t>(3 * n), 45, 3.0f);
     const auto w = randn(static_cast<size_t>(n), 46);
     for (const float* wp : {w.data(), static_cast<const float*>(nullptr)}) {
-      auto run = [&] {
+      auto run = [&](CpuTier t) {
         std::vector<float> y(x.size());
-        rmsnorm_rows(x.data(), 3, n, wp, 1e-6f, y.data());
+        rmsnorm_rows(t, x.data(), 3, n, wp, 1e-6f, y.data());
         return y;
       };
-      const auto want = scalar(run), got = run();
+      const auto want = run(CpuTier::Scalar), got = run(tier());
       for (size_t i = 0; i < want.size(); ++i)
         EXPECT_NEAR(got[i], want[i], 2e-6f * std::max(1.0f, std::fabs(want[i]))) << n;
     }
@@ -375,17 +365,18 @@ TEST_P(VectorOps, RmsNormMatchesScalar) {
 TEST_P(VectorOps, SoftcapAndSoftmaxMatchScalar) {
   for (int n : {1, 16, 31, 1001}) {
     const auto x = randn(static_cast<size_t>(n), 41, 40.0f);
-    auto capped = [&] {
+    auto capped = [&](CpuTier t) {
       auto y = x;
-      softcap(y.data(), n, 30.0f);
+      softcap(t, y.data(), n, 30.0f);
       return y;
     };
-    auto soft = [&] {
+    auto soft = [&](CpuTier t) {
       auto y = x;
-      softmax_inplace(y.data(), n);
+      softmax_inplace(t, y.data(), n);
       return y;
     };
-    const auto cw = scalar(capped), cg = capped(), sw = scalar(soft), sg = soft();
+    const auto cw = capped(CpuTier::Scalar), cg = capped(tier()), sw = soft(CpuTier::Scalar),
+               sg = soft(tier());
     for (int i = 0; i < n; ++i) {
       EXPECT_NEAR(cg[static_cast<size_t>(i)], cw[static_cast<size_t>(i)], 4e-6) << n;
       EXPECT_NEAR(sg[static_cast<size_t>(i)], sw[static_cast<size_t>(i)],
@@ -398,14 +389,14 @@ TEST_P(VectorOps, SoftcapAndSoftmaxMatchScalar) {
 TEST_P(VectorOps, DotAndAxpyMatchScalar) {
   for (int n : {1, 7, 16, 33, 512, 515}) {
     const auto a = randn(static_cast<size_t>(n), 51), b = randn(static_cast<size_t>(n), 52);
-    const float want = scalar([&] { return dot_f32(a.data(), b.data(), n); });
-    EXPECT_NEAR(dot_f32(a.data(), b.data(), n), want, 1e-5 * std::sqrt(n)) << n;
-    auto ax = [&] {
+    const float want = dot_f32(CpuTier::Scalar, a.data(), b.data(), n);
+    EXPECT_NEAR(dot_f32(tier(), a.data(), b.data(), n), want, 1e-5 * std::sqrt(n)) << n;
+    auto ax = [&](CpuTier t) {
       auto y = b;
-      axpy_f32(0.37f, a.data(), y.data(), n);
+      axpy_f32(t, 0.37f, a.data(), y.data(), n);
       return y;
     };
-    const auto yw = scalar(ax), yg = ax();
+    const auto yw = ax(CpuTier::Scalar), yg = ax(tier());
     for (int i = 0; i < n; ++i)
       EXPECT_NEAR(yg[static_cast<size_t>(i)], yw[static_cast<size_t>(i)], 1e-6) << n;
   }
@@ -417,7 +408,7 @@ TEST_P(VectorOps, DotAndAxpyMatchScalar) {
 // exact on every path, so the tiers differ only in f32 summation order; within a tier the decode
 // GEMV keeps its prefill tile's order.
 TEST_P(VectorOps, QuantGemvMatchesScalar) {
-  ThreadPool pool(2);
+  ThreadPool scalar_pool(2, CpuTier::Scalar), pool(2, tier());
   for (DType t : {DType::Q8_0, DType::Q4_0})
     for (int64_t K : {32, 288, 1184}) {
       const int64_t N = 77;
@@ -426,12 +417,12 @@ TEST_P(VectorOps, QuantGemvMatchesScalar) {
       const WeightView w{"w", t, {N, K}, q.data(), q.size()};
       auto x = randn(static_cast<size_t>(K), 81);
       x[static_cast<size_t>(K / 3)] = 25.0f;
-      auto run = [&] {
+      auto run = [&](ThreadPool& p) {
         std::vector<float> y(static_cast<size_t>(N));
-        matmul(pool, x.data(), 1, w, y.data());
+        matmul(p, x.data(), 1, w, y.data());
         return y;
       };
-      const auto want = scalar(run), got = run();
+      const auto want = run(scalar_pool), got = run(pool);
       // The decode row equals the same row inside a small prefill bit for bit (the decoder's
       // incremental-equals-recompute tests rely on it).
       {
@@ -444,7 +435,7 @@ TEST_P(VectorOps, QuantGemvMatchesScalar) {
         matmul(pool, x3.data(), 3, w, y3.data());
         for (int64_t r = 0; r < N; ++r)
           ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
-              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(tier(), 1) << ")";
       }
       // The decode row equals the same row inside a small prefill bit for bit (the decoder's
       // incremental-equals-recompute tests rely on it).
@@ -458,19 +449,19 @@ TEST_P(VectorOps, QuantGemvMatchesScalar) {
         matmul(pool, x3.data(), 3, w, y3.data());
         for (int64_t r = 0; r < N; ++r)
           ASSERT_EQ(y3[static_cast<size_t>(N + r)], got[static_cast<size_t>(r)])
-              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+              << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(tier(), 1) << ")";
       }
       for (int64_t r = 0; r < N; ++r) {
         double mag = 0;
         for (int64_t k = 0; k < K; ++k)
           mag += std::fabs(x[static_cast<size_t>(k)] * wf[static_cast<size_t>(r * K + k)]);
         ASSERT_NEAR(got[static_cast<size_t>(r)], want[static_cast<size_t>(r)], 3e-5 * mag + 1e-6)
-            << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(1) << ")";
+            << dtype_name(t) << " K=" << K << " row " << r << " (" << quant_isa(tier(), 1) << ")";
       }
       std::fill(x.begin(), x.end(), 0.0f);
-      for (float v : run()) ASSERT_EQ(v, 0.0f) << dtype_name(t) << " K=" << K;
+      for (float v : run(pool)) ASSERT_EQ(v, 0.0f) << dtype_name(t) << " K=" << K;
       x[static_cast<size_t>(K - 1)] = NAN;
-      for (float v : run()) ASSERT_TRUE(std::isnan(v)) << dtype_name(t) << " K=" << K;
+      for (float v : run(pool)) ASSERT_TRUE(std::isnan(v)) << dtype_name(t) << " K=" << K;
     }
 }
 

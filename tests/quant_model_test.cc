@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <memory>
 
-#include "kernels/cpu_features.h"
+#include "core/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/quant.h"
 #include "stage/bundle.h"
@@ -61,9 +61,9 @@ double min_row_cosine(const FloatTensor& a, const FloatTensor& b) {
 // code in the next layer.
 TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
   const std::vector<int32_t> ids = load_ids(fixture("long/input_ids.npy"));
-  ThreadPool pool(2);
   // f32 KV rows throughout, so only the weights' format differs between the runs.
-  auto run = [&](const std::shared_ptr<const Model>& model) {
+  auto run = [&](const std::shared_ptr<const Model>& model, CpuTier tier = cpu_best_tier()) {
+    ThreadPool pool(2, tier);
     Sequence seq(model, 256, KvType::F32);
     return seq.forward(pool, ids, nullptr, true, nullptr);
   };
@@ -74,16 +74,10 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     EXPECT_EQ(text->stages()[1]->text().weights().layers[0].q_proj.dtype, t);
     // The int8 kernels: the best tier short of AMX tiles.
     const CpuTier int8_tier = cpu_best_tier() == CpuTier::Amx ? CpuTier::Avx512 : cpu_best_tier();
-    const FloatTensor got = [&] {
-      ScopedCpuTier use(int8_tier);
-      return run(text);
-    }();
+    const FloatTensor got = run(text, int8_tier);
     ASSERT_EQ(got.shape, want.shape);
     for (float v : got.data) ASSERT_TRUE(std::isfinite(v));
-    const FloatTensor scalar = [&] {
-      ScopedCpuTier use(CpuTier::Scalar);
-      return run(text);
-    }();
+    const FloatTensor scalar = run(text, CpuTier::Scalar);
     const double self = min_row_cosine(scalar, got);
     EXPECT_GE(self, 0.995) << dtype_name(t);
     std::printf("%s: SIMD vs scalar min row cosine %.6f, max-abs %.4g\n",
@@ -92,8 +86,7 @@ TEST(QuantModel, RunsEndToEndWithQuantizedMatricesAndTables) {
     // The prefill on AMX tiles (bf16 operands instead of int8 activations) must track f32 at
     // least about as well as the int8 kernels do.
     if (cpu_tier_supported(CpuTier::Amx)) {
-      ScopedCpuTier use(CpuTier::Amx);
-      const FloatTensor tiles = run(text);
+      const FloatTensor tiles = run(text, CpuTier::Amx);
       for (float v : tiles.data) ASSERT_TRUE(std::isfinite(v));
       const double amx_cos = min_row_cosine(want, tiles);
       std::printf("%s: AMX prefill min row cosine vs f32 %.4f (int8 kernels %.4f)\n",

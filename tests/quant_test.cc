@@ -8,9 +8,9 @@
 #include <random>
 #include <string>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
-#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
 
@@ -282,19 +282,18 @@ TEST_P(QuantMatmul, MatchesReferenceOnEveryPath) {
 
   std::vector<float> ref(static_cast<size_t>(S * N));
   matmul_reference(x.data(), S, w, ref.data());
-  ThreadPool pool(2);
   std::vector<float> forced_scalar(ref.size());
   {
-    ScopedCpuTier use(CpuTier::Scalar);
-    matmul(pool, x.data(), S, w, forced_scalar.data());
+    ThreadPool scalar_pool(2, CpuTier::Scalar);
+    matmul(scalar_pool, x.data(), S, w, forced_scalar.data());
   }
   for (size_t i = 0; i < ref.size(); ++i)
     ASSERT_NEAR(forced_scalar[i], ref[i], bound[i]) << fmt(t) << " forced scalar at " << i;
   // Every tier this CPU supports, through matmul() and quant_matmul() both: an AVX-512 machine
   // still proves the AVX2 kernels.
   for (CpuTier tier : cpu_supported_tiers()) {
-    ScopedCpuTier use(tier);
-    const std::string isa = quant_isa(S);
+    ThreadPool pool(2, tier);
+    const std::string isa = quant_isa(tier, S);
     std::vector<float> via_matmul(ref.size()), got(ref.size());
     matmul(pool, x.data(), S, w, via_matmul.data());
     quant_matmul(pool, x.data(), S, w, got.data());
@@ -357,14 +356,13 @@ TEST(QuantMatmulShapes, GemvManyRowsTwoThreads) {
 // both formats, S on both sides of the streamed decode-sized path (kernels/quant_kernels.h,
 // kStreamMaxRows = 8), an odd row count split over two threads, a width with a short last chunk.
 TEST(QuantMatmulShapes, BatchedRowsEqualEachRowAlone) {
-  ThreadPool pool(2);
   for (DType t : {DType::Q8_0, DType::Q4_0}) {
     const int64_t K = 1056, N = 301;
     const auto wf = randn(static_cast<size_t>(N * K), 81, 0.02f);
     const auto q = quantize_matrix(t, wf.data(), N, K);
     const WeightView w{"w", t, {N, K}, q.data(), q.size()};
     for (CpuTier tier : cpu_supported_tiers()) {
-      ScopedCpuTier use(tier);
+      ThreadPool pool(2, tier);
       for (int64_t S : {2, 3, 4, 5, 7, 8, 9, 16}) {
         const auto x = randn(static_cast<size_t>(S * K), 82 + static_cast<uint32_t>(S));
         std::vector<float> batched(static_cast<size_t>(S * N));
@@ -388,14 +386,13 @@ TEST(QuantMatmulShapes, BatchedRowsEqualEachRowAlone) {
 // count that splits into uneven chunks, and a width with a short last chunk and (on AMX) two K
 // blocks.
 TEST(QuantMatmulShapes, PrefillRowsDoNotDependOnTheThreadCount) {
-  ThreadPool p1(1), p2(2), p3(3);
   for (DType t : {DType::Q8_0, DType::Q4_0}) {
     const int64_t K = 2080, N = 301;
     const auto wf = randn(static_cast<size_t>(N * K), 91, 0.02f);
     const auto q = quantize_matrix(t, wf.data(), N, K);
     const WeightView w{"w", t, {N, K}, q.data(), q.size()};
     for (CpuTier tier : cpu_supported_tiers()) {
-      ScopedCpuTier use(tier);
+      ThreadPool p1(1, tier), p2(2, tier), p3(3, tier);
       for (int64_t S : {int64_t{9}, kAmxMinRows + 5, 2 * kAmxMinRows + 3}) {
         const auto x = randn(static_cast<size_t>(S * K), 92 + static_cast<uint32_t>(S));
         std::vector<float> one(static_cast<size_t>(S * N)), two(one.size()), three(one.size());
@@ -448,7 +445,7 @@ TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
   // Matrices that each read their own input (a decode step's experts' down projections) in one
   // job, beside ones that read the shared input: each equals its own matmul, on every tier.
   for (CpuTier tier : cpu_supported_tiers()) {
-    ScopedCpuTier use(tier);
+    ThreadPool tier_pool(3, tier);
     for (DType t : {DType::Q8_0, DType::Q4_0})
       for (int64_t S : {int64_t{1}, int64_t{2}, kAmxMinRows + 1}) {
         const int64_t K = 544;  // 17 blocks: a whole chunk and a one-block tail
@@ -472,12 +469,12 @@ TEST(QuantMatmulShapes, ManyMatricesOnOneInputMatchOneByOne) {
           one[i].resize(static_cast<size_t>(S * w[i].rows()));
           many[i].assign(one[i].size(), NAN);
           // Matrix 1 reads the shared input, 0 and 2 their own.
-          matmul(pool, i == 1 ? shared.data() : xs[i].data(), S, w[i], one[i].data());
+          matmul(tier_pool, i == 1 ? shared.data() : xs[i].data(), S, w[i], one[i].data());
         }
         const QuantTarget targets[] = {{&w[0], many[0].data(), xs[0].data()},
                                        {&w[1], many[1].data()},
                                        {&w[2], many[2].data(), xs[2].data()}};
-        quant_matmul_many(pool, shared.data(), S, targets);
+        quant_matmul_many(tier_pool, shared.data(), S, targets);
         for (size_t i = 0; i < 3; ++i)
           for (size_t j = 0; j < one[i].size(); ++j)
             ASSERT_EQ(many[i][j], one[i][j]) << fmt(t) << " tier " << cpu_tier_name(tier)
@@ -517,9 +514,8 @@ TEST(QuantMatmulShapes, ZeroAndNanActivations) {
       auto x = randn(static_cast<size_t>(S * K), 42);
       for (int64_t k = 0; k < K; ++k) x[static_cast<size_t>(K + k)] = 0.0f;  // row 1 zero
       x[2 * K + 40] = NAN;                                                   // row 2 NaN
-      ThreadPool pool(2);
       for (CpuTier tier : cpu_supported_tiers()) {
-        ScopedCpuTier use(tier);
+        ThreadPool pool(2, tier);
         std::vector<float> y(static_cast<size_t>(S * N));
         quant_matmul(pool, x.data(), S, w, y.data());
         for (int64_t r = 0; r < N; ++r) {

@@ -505,7 +505,7 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
   opt.max_tokens = 3;
   opt.top_logprobs = 1;
   {
-    TokenStream st(tok, {2, 900}, opt);
+    TokenStream st(&tok, {2, 900}, opt);
     const std::vector<float> first = rows({500});
     ASSERT_EQ(st.next(first.data(), V, true), 500);
     // Drafts 600 700 800 all agree, and the target's own token is 900: five tokens, but
@@ -525,7 +525,7 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
   opt.max_tokens = 16;
   opt.stop_strings = {"<t700>"};
   {
-    TokenStream st(tok, {2, 900}, opt);
+    TokenStream st(&tok, {2, 900}, opt);
     const std::vector<float> first = rows({500});
     ASSERT_EQ(st.next(first.data(), V, true), 500);
     // The second draft is rejected (the target chose 650): 600 then 650 are taken.
@@ -549,7 +549,7 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
     // An accepted draft that is a stop id ends the reply before it.
     opt.stop_strings.clear();
     opt.stop_ids = {106};
-    TokenStream st(tok, {2, 900}, opt);
+    TokenStream st(&tok, {2, 900}, opt);
     const std::vector<float> first = rows({500});
     ASSERT_EQ(st.next(first.data(), V, true), 500);
     const std::vector<float> verify = rows({600, 106, 800});
@@ -565,7 +565,7 @@ TEST(ServerSpeculative, TokenStreamCutsARoundAtMaxTokensAndStopStrings) {
   {
     // No room for the row after the second token: the reply ends at the context limit.
     opt.stop_strings.clear();
-    TokenStream st(tok, {2, 900}, opt);
+    TokenStream st(&tok, {2, 900}, opt);
     const std::vector<float> first = rows({500});
     ASSERT_EQ(st.next(first.data(), V, true), 500);
     const std::vector<float> verify = rows({600, 700, 800});

@@ -13,16 +13,17 @@
 #include <random>
 #include <sstream>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
-#include "kernels/cpu_features.h"
+#include "core/op_profile.h"
 #include "kernels/vec_kernels.h"
+#include "runtime/engine.h"
 #include "runtime/speculative.h"
 #include "stage/bundle.h"
 #include "stage/call_pipeline.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
-#include "trace/op_profile.h"
 
 namespace gemstage::cli {
 
@@ -39,20 +40,20 @@ struct BenchArgs {
   std::string model_draft;  // a gemma4_assistant drafter: decode with and without it
   int draft_max = 4;
   std::vector<double> draft_agree;  // with model_draft: drafts replaced to agree this often
-  bool profile = false;             // each test's wall time by kind of work (trace/op_profile.h)
+  bool profile = false;             // each test's wall time by kind of work (core/op_profile.h)
 };
 
 // Decode speed with and without a speculative drafter, interleaved per repetition so both see
-// the same machine load: plain greedy steps against speculative_generate (adaptive) from the
-// same prompt, with the drafter's acceptance. Each --draft-agree fraction P adds a row where the
-// drafter still runs (its cost is paid) but each draft is then replaced by the target's own next
-// greedy token with probability P, else by another token: the speed curve against acceptance
+// the same machine load: plain greedy decoding against drafting (adaptive) from the same prompt,
+// both on the engine, with the drafter's acceptance. Each --draft-agree fraction P adds a row where
+// the drafter still runs (its cost is paid) but each draft is then replaced by the target's own
+// next greedy token with probability P, else by another token: the speed curve against acceptance
 // that a real drafter on real text lands somewhere on. Either way the speculative output must
 // equal the plain greedy output, which is checked.
 void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
                    const std::vector<int32_t>& prompt, const std::vector<int64_t>& gens,
                    std::ostream& out) {
-  const auto drafter = open_drafter(a.model_draft);
+  const std::shared_ptr<const AssistantModel> drafter = open_drafter(a.model_draft);
   check_assistant_matches(drafter->config(), p.config(), a.model_draft, a.model);
   std::vector<double> agree = {-1};  // the drafter's own drafts first
   agree.insert(agree.end(), a.draft_agree.begin(), a.draft_agree.end());
@@ -61,53 +62,62 @@ void bench_drafter(const BenchArgs& a, ThreadPool& pool, const Sequence& p,
   out << "| drafter | test | k max | drafts agree | plain t/s | drafter t/s | ratio | acceptance "
          "| plain step ms | draft step ms | verify ms (rows) |\n"
          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n";
-  const auto argmax = [](const FloatTensor& l) {
-    const float* row = l.row(0);
-    return static_cast<int32_t>(std::max_element(row, row + l.dim(1)) - row);
-  };
   for (int64_t ng : gens) {
     if (ng <= 1) continue;
     for (double P : agree) {
       double plain_s = 0, spec_s = 0;
       SpeculativeStats st;
       for (int rep = 0; rep < a.reps; ++rep) {
-        const int64_t ctx = static_cast<int64_t>(prompt.size()) + ng + a.draft_max + 2;
-        Sequence plain(p.shared_model(), ctx, p.kv_type());
-        FloatTensor l = plain.forward(pool, prompt, nullptr, false, nullptr);
-        const int64_t vocab = l.dim(1);
-        std::vector<int32_t> plain_ids;
-        double t0 = now_seconds();
-        for (int64_t i = 1; i < ng; ++i) {
-          const int32_t next = argmax(l);
-          plain_ids.push_back(next);
-          l = plain.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
-        }
-        plain_s += now_seconds() - t0;
-        plain_ids.push_back(argmax(l));
-        Sequence spec(p.shared_model(), ctx, p.kv_type());
+        // Both decodes run on the engine serve runs, one slot each, greedy without stop ids:
+        // ng tokens, the first from the prompt's logits, so ng - 1 timed decode steps.
+        EngineOptions eo;
+        eo.kv_budget = static_cast<int64_t>(prompt.size()) + ng + a.draft_max + 2;
+        eo.kv_type = p.kv_type();
+        auto decode = [&](const std::shared_ptr<const AssistantModel>& d,
+                          std::optional<SpeculativeOptions> so) {
+          eo.drafter = d;
+          Engine engine(p.shared_model(), nullptr, pool, eo);
+          EngineRequest q;
+          q.ids = prompt;
+          q.gen.max_tokens = static_cast<int>(ng);
+          q.gen.sampling = SamplingParams::greedy();
+          q.draft = std::move(so);
+          const std::shared_ptr<Generation> g = engine.submit(std::move(q));
+          engine.run_until_idle();
+          Generation::Result res = g->result();
+          if (res.error) fail("bench: ", res.error->message);
+          return res;
+        };
+        const Generation::Result plain = decode(nullptr, std::nullopt);
+        plain_s += plain.decode_seconds;
+        const std::vector<int32_t>& plain_ids = plain.generation.tokens;
         SpeculativeOptions opt;
         opt.draft_max = a.draft_max;
+        const int64_t vocab = p.config().text.vocab_size;
         std::mt19937_64 rng(static_cast<uint64_t>(rep) * 1000003u +
                             static_cast<uint64_t>(std::max(0.0, P) * 1e6));
         if (P >= 0)
           opt.replace_drafts = [&](int64_t emitted, std::span<int32_t> drafts) {
             std::uniform_real_distribution<double> u(0.0, 1.0);
             for (size_t i = 0; i < drafts.size(); ++i) {
-              const int32_t right = plain_ids[static_cast<size_t>(emitted) + i];
+              const size_t at = static_cast<size_t>(emitted) + i;
+              const int32_t right = at < plain_ids.size() ? plain_ids[at] : 0;
               drafts[i] = u(rng) < P ? right : static_cast<int32_t>((right + 1) % vocab);
             }
           };
-        bool first = true;
-        const std::vector<int32_t> ids = speculative_generate(
-            pool, spec, *drafter, prompt, ng, nullptr, opt, &st, nullptr, [&](int32_t) {
-              if (first) t0 = now_seconds();  // after the prefill, as above
-              first = false;
-              return true;
-            });
-        spec_s += now_seconds() - t0;
-        if (ids != plain_ids)
+        const Generation::Result spec = decode(drafter, opt);
+        spec_s += spec.decode_seconds;
+        st.rounds += spec.draft.rounds;
+        st.drafted += spec.draft.drafted;
+        st.accepted += spec.draft.accepted;
+        st.plain_steps += spec.draft.plain_steps;
+        st.draft_steps += spec.draft.draft_steps;
+        st.verify_rows += spec.draft.verify_rows;
+        st.draft_seconds += spec.draft.draft_seconds;
+        st.verify_seconds += spec.draft.verify_seconds;
+        if (spec.generation.tokens != plain_ids)
           fail("bench: the speculative decode's output differs from plain greedy decoding (",
-               ids.size(), " against ", plain_ids.size(),
+               spec.generation.tokens.size(), " against ", plain_ids.size(),
                " tokens); this is a bug, please report it");
       }
       const double n = static_cast<double>((ng - 1) * a.reps);
@@ -189,7 +199,7 @@ double measure_read_gbs(ThreadPool& pool) {
   pool.parallel_for(
       buf.size(), [&](size_t b, size_t e) { std::fill(buf.data() + b, buf.data() + e, 1.0f); },
       4096);
-  const VecKernels* k = vec_kernels();  // null on the scalar tier
+  const VecKernels* k = vec_kernels(pool.tier());  // null on the scalar tier
   double best = 0;
   for (int rep = 0; rep < 3; ++rep) {
     std::vector<double> partial(static_cast<size_t>(pool.size()), 0.0);
@@ -234,14 +244,16 @@ double bytes_per_token(const Sequence& p) {
   return b + p.decode_weight_bytes();
 }
 
-int run_bench(const BenchArgs& a) {
-  if (!a.isa.empty()) set_cpu_tier(a.isa, "bench --isa");
-  const std::string tier = cpu_tier_name(cpu_tier());
+int run_bench(const BenchArgs& a, const RunContext& cx) {
+  const CpuTier isa =
+      a.isa.empty() ? cpu_tier_from_environment() : checked_cpu_tier(a.isa, "bench --isa");
+  const std::string tier = cpu_tier_name(isa);
   const double t0 = now_seconds();
-  auto p = Sequence::open(a.model);
+  auto p = std::make_unique<Sequence>(cx.models.open(a.model));
   apply_cache_type(*p, a.cache_type);
   const double t_load = now_seconds() - t0;
-  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count(), isa);
+  OpProfile profile;
   const auto prompts = int_list(a.prompts, "-p"), gens = int_list(a.gens, "-n"),
              depths = int_list(a.depths, "-d"), sequences = int_list(a.sequences, "--parallel");
   for (int64_t ns : sequences)
@@ -275,12 +287,12 @@ int run_bench(const BenchArgs& a) {
   };
   // --profile: the op timers run only inside the timed part of a repetition.
   auto timing_starts = [&] {
-    op_profile_enable(a.profile);
+    if (a.profile) pool.set_profile(&profile);
     return now_seconds();
   };
   auto timing_ends = [&](Row& r, double t_start) {
     const double dt = now_seconds() - t_start;
-    op_profile_enable(false);
+    pool.set_profile(nullptr);
     r.timed_s += dt;
     return dt;
   };
@@ -307,101 +319,85 @@ int run_bench(const BenchArgs& a) {
       fail("bench: depth ", r.n_depth, " + ", r.n_prompt + r.n_gen, " tokens needs a context of ",
            r.n_depth + r.n_prompt + r.n_gen, ", but this model's is ", model_ctx,
            " (a bundle's is its export --max-context; re-export with a larger one or lower -d)");
+  // Every row runs through the engine serve runs (runtime/engine.h), greedy and without stop ids
+  // on random ids, so bench measures what serve does: one slot per sequence, the depth prefilled
+  // untimed as a first request each slot's caches keep, then the timed requests reusing it.
+  auto greedy = [](int max_tokens) {
+    GenerationOptions g;
+    g.max_tokens = max_tokens;
+    g.sampling = SamplingParams::greedy();
+    return g;
+  };
   for (Row& r : rows) {
-    p->reset(std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8));
+    const int64_t per_seq = std::min<int64_t>(model_ctx, r.n_depth + r.n_prompt + r.n_gen + 8);
+    EngineOptions eo;
+    eo.slots = static_cast<int>(r.n_seq);
+    eo.kv_budget = per_seq * r.n_seq;
+    // As llama-batched-bench's S_PP: one batched call takes up to 512 prompt rows of each.
+    eo.batch_rows = eo.ubatch_rows = static_cast<int>(512 * r.n_seq);
+    eo.kv_type = p->kv_type();
+    eo.pipeline_depth = cx.pipeline_depth;
+    Engine engine(p->shared_model(), nullptr, pool, eo);
+    // Runs `requests` together; returns each one's result and the wall time of the run.
+    auto run_all = [&](std::vector<EngineRequest> requests, bool timed) {
+      std::vector<std::shared_ptr<Generation>> gens_out;
+      for (EngineRequest& q : requests) gens_out.push_back(engine.submit(std::move(q)));
+      const double t_start = timed ? timing_starts() : now_seconds();
+      engine.run_until_idle();
+      const double dt = timed ? timing_ends(r, t_start) : now_seconds() - t_start;
+      std::vector<Generation::Result> results;
+      for (const auto& g : gens_out) {
+        results.push_back(g->result());
+        if (results.back().error) fail("bench: ", results.back().error->message);
+      }
+      return std::pair{std::move(results), dt};
+    };
     const std::vector<RemoteStageStats> hops_before = hop_stats();
-    op_profile_reset();
+    profile.reset();
     if (a.warmup) {
       // As llama-bench: one untimed pass (the prompt, or one decoded token) so the first
       // repetition does not pay the page faults of the mmapped weights and scratch buffers.
-      p->reset();
-      if (r.n_prompt > 0)
-        p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
-      else
-        p->forward(pool, random_ids(1), nullptr, false, nullptr);
+      EngineRequest w;
+      w.ids = random_ids(std::max<int64_t>(1, r.n_prompt) + 1);
+      w.gen = greedy(1);
+      run_all({std::move(w)}, false);
     }
     for (int rep = 0; rep < a.reps; ++rep) {
-      p->reset();
-      if (r.n_depth > 0 && r.n_seq == 1)
-        p->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
-      // Batched rows set their sequences up first and start their own clocks.
-      const double ts = r.n_seq == 1 ? timing_starts() : 0.0;
-      if (r.n_prompt > 0 && r.n_seq == 1) {
-        p->prefill(pool, random_ids(r.n_prompt), nullptr, 512, false, nullptr);
-      } else if (r.n_prompt > 0) {
-        // n_seq prompts of n_prompt rows prefilled together, chunk by chunk: one batched call
-        // takes 512 rows of each (llama-batched-bench's S_PP: all prompt tokens / time).
-        std::vector<std::unique_ptr<Sequence>> seqs;
-        std::vector<std::vector<int32_t>> ids;
-        for (int64_t k = 0; k < r.n_seq; ++k) {
-          seqs.push_back(
-              std::make_unique<Sequence>(p->shared_model(), p->max_context(), p->kv_type()));
-          if (r.n_depth > 0)
-            seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
-          ids.push_back(random_ids(r.n_prompt));
+      // The depth: each slot's first request, untimed; a request's first sampled token is not
+      // fed back, so the slot's caches then hold exactly the depth's rows.
+      std::vector<std::vector<int32_t>> depth(static_cast<size_t>(r.n_seq));
+      if (r.n_depth > 0) {
+        std::vector<EngineRequest> setup;
+        for (auto& d : depth) {
+          d = random_ids(r.n_depth);
+          EngineRequest q;
+          q.ids = d;
+          q.gen = greedy(1);
+          setup.push_back(std::move(q));
         }
-        const double t_start = timing_starts();
-        std::vector<BatchEntry> batch;
-        for (int64_t at = 0; at < r.n_prompt; at += 512) {
-          batch.clear();
-          const auto n = static_cast<size_t>(std::min<int64_t>(512, r.n_prompt - at));
-          for (int64_t k = 0; k < r.n_seq; ++k)
-            batch.push_back({seqs[static_cast<size_t>(k)].get(),
-                             std::span<const int32_t>(ids[static_cast<size_t>(k)])
-                                 .subspan(static_cast<size_t>(at), n),
-                             nullptr, false});
-          Sequence::forward_batch(pool, batch);
-        }
-        r.ts.push_back(static_cast<double>(r.n_prompt * r.n_seq) / timing_ends(r, t_start));
-        continue;
-      } else if (r.n_seq == 1) {
-        for (int64_t i = 0; i < r.n_gen; ++i) {
-          const std::vector<int32_t> one = random_ids(1);
-          p->forward(pool, one, nullptr, false, nullptr);
-        }
-      } else {
-        // n_seq sequences of one model, each at the depth, decoding together: one batched call
-        // a step, so the weights are read once for all of them. With stages on other processes
-        // (MPI ranks), as the server does: the sequences split over one call per process, kept in
-        // flight together, each group's next step starting as soon as its last one finished.
-        std::vector<std::unique_ptr<Sequence>> seqs;
-        for (int64_t k = 0; k < r.n_seq; ++k) {
-          seqs.push_back(
-              std::make_unique<Sequence>(p->shared_model(), p->max_context(), p->kv_type()));
-          if (r.n_depth > 0)
-            seqs.back()->prefill(pool, random_ids(r.n_depth), nullptr, 512, false, nullptr);
-        }
-        const int64_t groups = std::min<int64_t>(r.n_seq, CallPipeline::depth(p->model()));
-        CallPipeline pipeline(pool);
-        std::vector<int32_t> next(static_cast<size_t>(r.n_seq));
-        std::vector<int64_t> steps(static_cast<size_t>(groups), 0);
-        std::map<uint64_t, int64_t> group_of;
-        auto start_group = [&](int64_t g) {
-          std::vector<BatchEntry> batch;
-          for (int64_t k = g; k < r.n_seq; k += groups) {
-            next[static_cast<size_t>(k)] = random_ids(1)[0];
-            batch.push_back({seqs[static_cast<size_t>(k)].get(),
-                             std::span<const int32_t>(&next[static_cast<size_t>(k)], 1), nullptr,
-                             false});
-          }
-          group_of[pipeline.start(batch)] = g;
-        };
-        const double t_start = timing_starts();
-        for (int64_t g = 0; g < groups; ++g) start_group(g);
-        while (pipeline.in_flight() > 0) {
-          CallPipeline::Finished f = pipeline.next();
-          if (f.error) std::rethrow_exception(f.error);
-          const int64_t g = group_of.at(f.call);
-          group_of.erase(f.call);
-          if (++steps[static_cast<size_t>(g)] < r.n_gen) start_group(g);
-        }
-        r.ts.push_back(static_cast<double>(r.n_gen * r.n_seq) / timing_ends(r, t_start));
-        continue;
+        run_all(std::move(setup), false);
       }
-      const double dt = timing_ends(r, ts);
-      r.ts.push_back(static_cast<double>(r.n_prompt + r.n_gen) / dt);
+      // The timed requests: the depth (found in the caches) plus the prompt, then n_gen decode
+      // steps after the first token (which the prompt's own logits give).
+      std::vector<EngineRequest> timed;
+      for (const auto& d : depth) {
+        EngineRequest q;
+        q.ids = d;
+        const std::vector<int32_t> fresh = random_ids(std::max<int64_t>(1, r.n_prompt));
+        q.ids.insert(q.ids.end(), fresh.begin(), fresh.end());
+        q.gen = greedy(r.n_prompt > 0 ? 1 : static_cast<int>(r.n_gen) + 1);
+        timed.push_back(std::move(q));
+      }
+      const auto [results, dt] = run_all(std::move(timed), true);
+      double span = 0;  // the slowest request's prefill (pp) or decode (tg)
+      for (const Generation::Result& res : results)
+        span = std::max(span, r.n_prompt > 0 ? res.prefill_seconds : res.decode_seconds);
+      // One sequence: its own prefill or decode time, as llama-bench times a test. Several: all
+      // their tokens over the wall time of the batch (llama-batched-bench's S_PP / S_TG).
+      const double secs = r.n_seq == 1 ? span : (r.n_prompt > 0 ? dt : span);
+      r.ts.push_back(static_cast<double>((r.n_prompt + r.n_gen) * r.n_seq) / secs);
     }
-    r.op_s = op_profile_seconds();
+    r.op_s = profile.seconds();
     r.hops = hop_stats();
     for (size_t i = 0; i < r.hops.size(); ++i) {
       RemoteStageStats& h = r.hops[i];
@@ -565,7 +561,7 @@ void add_bench_command(CLI::App& app, Registry& reg) {
                 "projections, attention, MLP projections, experts, per-layer input, head, other)");
   sub->add_flag("--json", a->json,
                 "print a JSON array (n_prompt, n_gen, n_depth, avg_ts, stddev_ts, ...)");
-  reg.add(sub, [a] { return run_bench(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_bench(*a, cx); });
 }
 
 }  // namespace gemstage::cli

@@ -171,9 +171,9 @@ std::vector<std::string> split_list(const std::string& s) {
   return out;
 }
 
-int run_dump(const DumpArgs& a) {
+int run_dump(const DumpArgs& a, const RunContext& cx) {
   const double t0 = now_seconds();
-  auto model = Sequence::open(a.model, a.ctx);
+  auto model = std::make_unique<Sequence>(cx.models.open(a.model), a.ctx);
   apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   const TextConfig& tc = model->config().text;
@@ -367,7 +367,7 @@ void add_dump_command(CLI::App& app, Registry& reg) {
       "audio_waveform, audio_features, audio_subsample_out, audio_encoder_out, "
       "audio_tower_out, audio_embedder_out, ...)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
-  reg.add(sub, [a] { return run_dump(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_dump(*a, cx); });
 }
 
 }  // namespace gemstage::cli

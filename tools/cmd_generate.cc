@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "io/mapped_file.h"
 #include "runtime/assistant.h"
+#include "runtime/engine.h"
 #include "runtime/generation.h"
 #include "runtime/speculative.h"
 #include "stage/bundle.h"
@@ -87,75 +88,60 @@ std::shared_ptr<const JsonGrammar> output_grammar(const GenerateArgs& a) {
   }
 }
 
-// generate with a drafter: the target verifies the drafter's proposals; the ids are the ones
-// plain decoding gives (greedy) or are distributed as its samples are (sampling).
-int run_generate_speculative(const GenerateArgs& a, Assistant& as, ThreadPool& pool,
-                             const PreparedPrompt& p, const AssistantModel* drafter) {
-  if (output_grammar(a))
-    fail("--model-draft cannot be combined with --json-schema yet (drafts are not constrained)");
-  check_assistant_matches(drafter->config(), as.model().config(), drafter->path(), a.model);
-  auto sequence = as.new_sequence();
-  const GenerationOptions opt = generation_options(a, as);
-  SpeculativeOptions so;
-  so.draft_max = a.draft_max;
-  so.draft_min = a.draft_min;
-  so.adaptive = !a.no_draft_adapt;
-  const int64_t room =
-      sequence->max_context() - static_cast<int64_t>(p.ids.size()) - a.draft_max - 1;
-  if (room <= 0) fail("the prompt leaves no room in the context (raise --ctx-size / -c)");
-  const int64_t n_new = std::min<int64_t>(opt.max_tokens, room);
-  std::optional<Sampler> sampler;
-  if (opt.sampling.temperature > 0) sampler.emplace(opt.sampling);
-  StreamDecoder decoder(as.tokenizer(), /*skip_special=*/!opt.keep_special_text);
-  GenerationResult r;
-  r.prompt_tokens = static_cast<int64_t>(p.ids.size());
-  r.finish_reason = "length";
-  const double t0 = now_seconds();
-  double t_first = 0;
-  SpeculativeStats stats;
-  speculative_generate(
-      pool, *sequence, *drafter, p.ids, p.soft(), opt.chunk, n_new, sampler ? &*sampler : nullptr,
-      so, &stats, nullptr, [&](int32_t id) {
-        if (r.tokens.empty()) t_first = now_seconds();
-        if (std::find(opt.stop_ids.begin(), opt.stop_ids.end(), id) != opt.stop_ids.end()) {
-          r.finish_reason = "stop";
-          return false;
-        }
-        r.tokens.push_back(id);
-        // Ids the tokenizer does not name (padding rows of a larger vocabulary) decode to
-        // nothing, as in plain generation.
-        const std::string piece = as.tokenizer().has_id(id) ? decoder.push(id) : std::string();
-        r.text += piece;
-        if (!a.json) std::cout << piece << std::flush;
-        for (const std::string& stop : opt.stop_strings)
-          if (!stop.empty() && r.text.find(stop) != std::string::npos) {
-            r.text.resize(r.text.find(stop));
-            r.finish_reason = "stop";
-            return false;
-          }
-        return true;
-      });
-  if (r.finish_reason == "length") {
-    const std::string rest = decoder.flush();
-    r.text += rest;
-    if (!a.json) std::cout << rest;
+// The drafter generate decodes with: -md DIR (or a bundle's drafter stage), else the bundle's own
+// drafter stage unless --no-bundle-drafter or an output constraint (drafts are not constrained).
+std::shared_ptr<const AssistantModel> choose_drafter(const GenerateArgs& a, const Assistant& as) {
+  if (!a.model_draft.empty()) {
+    if (output_grammar(a))
+      fail("--model-draft cannot be combined with --json-schema yet (drafts are not constrained)");
+    std::shared_ptr<const AssistantModel> d = open_drafter(a.model_draft);
+    check_assistant_matches(d->config(), as.model().config(), d->path(), a.model);
+    return d;
   }
-  const double t1 = now_seconds();
-  r.prefill_seconds = t_first > 0 ? t_first - t0 : t1 - t0;
-  r.decode_seconds = t_first > 0 ? t1 - t_first : 0;
-  print_result(a, r, p,
-               {{"draft_rounds", stats.rounds},
-                {"drafted", stats.drafted},
-                {"draft_accepted", stats.accepted}});
-  print_stats(r);
-  std::cerr << "drafter: " << stats.rounds << " rounds, " << stats.accepted << " of "
-            << stats.drafted << " drafts accepted (" << 100.0 * stats.acceptance() << "%), "
-            << stats.plain_steps << " plain steps\n";
-  return 0;
+  if (a.no_bundle_drafter || !is_bundle_dir(a.model) || output_grammar(a)) return nullptr;
+  return open_bundle_drafter(a.model, read_bundle_manifest(a.model));
 }
 
-int run_generate(const GenerateArgs& a) {
-  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
+// The engine generate and chat run their one conversation on: one slot, prompts prefilled in
+// chunks of -b rows.
+EngineOptions engine_options(const CommonArgs& a, const Assistant& as) {
+  EngineOptions eo;
+  eo.slots = 1;
+  eo.kv_budget = as.max_context();
+  eo.batch_rows = eo.ubatch_rows = static_cast<int>(std::clamp<int64_t>(a.chunk, 1, 1 << 20));
+  eo.kv_type = cache_type_of(a.cache_type);
+  return eo;
+}
+
+// Runs one request on the engine, streaming its text to `out` (null: none) as each step makes it;
+// the result in the shape the stats printer takes.
+GenerationResult run_request(Engine& engine, EngineRequest request, std::ostream* out,
+                             Generation::Result* full = nullptr) {
+  std::shared_ptr<Generation> g;
+  try {
+    g = engine.submit(std::move(request));
+  } catch (const RequestRejected& e) {
+    if (e.reason() != RequestRejected::Reason::kPromptTooLong) throw;
+    fail(e.what(), "; shorten the prompt or raise --ctx-size / -c");
+  }
+  engine.run_until_idle([&] {
+    const Generation::Progress p = g->take(std::chrono::milliseconds(0));
+    if (out && !p.text.empty()) *out << p.text << std::flush;
+  });
+  if (out) *out << g->take(std::chrono::milliseconds(0)).text << std::flush;
+  Generation::Result r = g->result();
+  if (r.error) fail(r.error->message);
+  GenerationResult res = r.generation;
+  res.prompt_tokens = r.prompt_tokens;
+  res.reused_tokens = r.cached_tokens;
+  res.prefill_seconds = r.prefill_seconds;
+  res.decode_seconds = r.decode_seconds;
+  if (full) *full = std::move(r);
+  return res;
+}
+
+int run_generate(const GenerateArgs& a, const RunContext& cx) {
+  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type), cx.models);
   print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   PreparedPrompt p;
@@ -174,37 +160,46 @@ int run_generate(const GenerateArgs& a) {
     msgs.push_back(std::move(user));
     p = as->prepare_chat(pool, msgs, {true, a.think});
   }
-  if (!a.model_draft.empty()) {
-    const auto drafter = open_drafter(a.model_draft);
-    return run_generate_speculative(a, *as, pool, p, drafter.get());
+  EngineOptions eo = engine_options(a, *as);
+  eo.pipeline_depth = cx.pipeline_depth;
+  eo.drafter = choose_drafter(a, *as);
+  std::unique_ptr<Engine> engine;
+  try {
+    engine = std::make_unique<Engine>(as->shared_model(), &as->tokenizer(), pool, eo);
+  } catch (const Error& e) {
+    // A bundle's own drafter stage reads the caches of the stage it is placed with; where that
+    // stage runs in another process, decode without it (an explicit -md is an error).
+    if (!eo.drafter || !a.model_draft.empty()) throw;
+    std::cerr << "note: decoding without the bundle's drafter stage: " << e.what() << "\n";
+    eo.drafter = nullptr;
+    engine = std::make_unique<Engine>(as->shared_model(), &as->tokenizer(), pool, eo);
   }
-  // A bundle's drafter stage drafts unless --no-bundle-drafter; --json-schema decodes plainly.
-  if (!a.no_bundle_drafter && is_bundle_dir(a.model) && !output_grammar(a)) {
-    const BundleManifest m = read_bundle_manifest(a.model);
-    if (const auto drafter = open_bundle_drafter(a.model, m)) {
-      // It reads the caches of the stage it is placed with, which must run in this process.
-      const AssistantDonors donors = assistant_donor_layers(as->model().config().text);
-      const auto probe = as->new_sequence();
-      bool local = true;
-      for (const int layer : {donors.sliding, donors.full})
-        local = local && (layer < 0 || probe->layer_cache(layer));
-      if (local) return run_generate_speculative(a, *as, pool, p, drafter.get());
-      std::cerr << "note: decoding without the bundle's drafter stage: the stage it is placed "
-                   "with ("
-                << m.drafter->placed_with << ") runs in another process\n";
-    }
+  EngineRequest request;
+  request.ids = p.ids;
+  request.soft_tokens = p.soft_tokens;
+  request.gen = generation_options(a, *as);
+  request.gen.json_grammar = output_grammar(a);
+  if (engine->drafting()) {
+    SpeculativeOptions so;
+    so.draft_max = a.draft_max;
+    so.draft_min = a.draft_min;
+    so.adaptive = !a.no_draft_adapt;
+    request.draft = so;
   }
-  auto sequence = as->new_sequence();
-  GenerationSession session(*sequence, as->tokenizer());
-  GenerationOptions opt = generation_options(a, *as);
-  opt.json_grammar = output_grammar(a);
+  Generation::Result full;
   const GenerationResult r =
-      session.generate(pool, p.ids, p.soft(), opt, [&](std::string_view piece) {
-        if (!a.json) std::cout << piece << std::flush;
-        return true;
-      });
-  print_result(a, r, p);
+      run_request(*engine, std::move(request), a.json ? nullptr : &std::cout, &full);
+  nlohmann::json extra = nlohmann::json::object();
+  if (engine->drafting())
+    extra = {{"draft_rounds", full.draft.rounds},
+             {"drafted", full.draft.drafted},
+             {"draft_accepted", full.draft.accepted}};
+  print_result(a, r, p, extra);
   print_stats(r);
+  if (engine->drafting())
+    std::cerr << "drafter: " << full.draft.rounds << " rounds, " << full.draft.accepted << " of "
+              << full.draft.drafted << " drafts accepted (" << 100.0 * full.draft.acceptance()
+              << "%), " << full.draft.plain_steps << " plain steps\n";
   return 0;
 }
 
@@ -212,12 +207,15 @@ struct ChatArgs : CommonArgs {
   std::vector<std::string> audios;  // attached to the first message
 };
 
-int run_chat(const ChatArgs& a) {
-  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type));
+int run_chat(const ChatArgs& a, const RunContext& cx) {
+  auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type), cx.models);
   print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
-  auto sequence = as->new_sequence();
-  GenerationSession session(*sequence, as->tokenizer());
+  EngineOptions eo = engine_options(a, *as);
+  eo.pipeline_depth = cx.pipeline_depth;
+  // Each turn is the whole conversation so far; the slot's caches hold the earlier turns, so
+  // only the new suffix is prefilled.
+  Engine engine(as->shared_model(), &as->tokenizer(), pool, eo);
   const GenerationOptions opt = generation_options(a, *as);
   const bool tty = isatty(0);
   std::vector<ChatInput> history;
@@ -238,7 +236,6 @@ int run_chat(const ChatArgs& a) {
       if (line == "/exit" || line == "/quit") break;
       if (line == "/reset") {
         history.clear();
-        session.reset();
         std::cerr << "(conversation reset)\n";
         continue;
       }
@@ -269,11 +266,11 @@ int run_chat(const ChatArgs& a) {
       user.parts.push_back({line, std::nullopt});
       history.push_back(std::move(user));
       const PreparedPrompt p = as->prepare_chat(pool, history, {true, a.think});
-      const GenerationResult r =
-          session.generate(pool, p.ids, p.soft(), opt, [](std::string_view piece) {
-            std::cout << piece << std::flush;
-            return true;
-          });
+      EngineRequest request;
+      request.ids = p.ids;
+      request.soft_tokens = p.soft_tokens;
+      request.gen = opt;
+      const GenerationResult r = run_request(engine, std::move(request), &std::cout);
       std::cout << "\n" << std::flush;
       print_stats(r);
       history.push_back({"model", {{strip_thinking(r.text), std::nullopt}}});
@@ -320,7 +317,7 @@ void add_generate_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
                 "keep the draft length fixed (default: adapt it to the acceptance and stop "
                 "drafting while it does not pay)");
-  reg.add(sub, [a] { return run_generate(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_generate(*a, cx); });
 }
 
 void add_chat_command(CLI::App& app, Registry& reg) {
@@ -330,7 +327,7 @@ void add_chat_command(CLI::App& app, Registry& reg) {
   add_common(sub, *a);
   sub->add_option("--audio", a->audios,
                   "audio file attached to the first message (as /audio FILE; repeatable)");
-  reg.add(sub, [a] { return run_chat(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_chat(*a, cx); });
 }
 
 }  // namespace gemstage::cli

@@ -32,14 +32,14 @@ void write_text(const std::string& path, const std::string& text) {
   if (!f) fail(path, ": write failed");
 }
 
-int run_parity_cmd(const ParityArgs& a) {
+int run_parity_cmd(const ParityArgs& a, const RunContext& cx) {
   // Parse the gates first: a typo should not cost a model run.
   std::vector<Gate> gates;
   for (const std::string& g : a.gates) gates.push_back(parse_gate(g));
   if (a.tie_tol < 0) fail("--tie-tol must be >= 0");
 
   const ReferenceDump ref = load_reference(a.reference);
-  auto model = Sequence::open(a.model);
+  auto model = std::make_unique<Sequence>(cx.models.open(a.model));
   apply_cache_type(*model, a.cache_type);
   print_model_notes(model->notes(), a.verbose);
   ParityOptions opt;
@@ -135,7 +135,7 @@ void add_parity_command(CLI::App& app, Registry& reg) {
   add_cache_type(sub, a->cache_type);
   sub->add_flag("-q,--quiet", a->quiet, "no table (gate lines only)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
-  reg.add(sub, [a] { return run_parity_cmd(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_parity_cmd(*a, cx); });
 }
 
 }  // namespace gemstage::cli

@@ -40,7 +40,7 @@ int wait_signal(const sigset_t& sigs, std::chrono::milliseconds wait) {
   return s > 0 ? s : 0;
 }
 
-int run_serve(const ServeArgs& a) {
+int run_serve(const ServeArgs& a, const RunContext& cx) {
   // SIGINT/SIGTERM are blocked in every thread (the server's threads inherit this mask) and taken
   // synchronously below, so a signal never lands inside a worker mid-token.
   sigset_t sigs;
@@ -53,6 +53,8 @@ int run_serve(const ServeArgs& a) {
 
   server::ServerOptions o;
   o.model_path = a.model;
+  o.models = cx.models;
+  o.pipeline_depth = cx.pipeline_depth;
   o.host = a.host;
   o.port = a.port;
   o.parallel = a.parallel;
@@ -187,7 +189,7 @@ void add_serve_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
                 "keep every round's draft length at the request's maximum instead of adapting it "
                 "to the measured acceptance");
-  reg.add(sub, [a] { return run_serve(*a); });
+  reg.add(sub, [a, &cx = reg.context] { return run_serve(*a, cx); });
 }
 
 }  // namespace gemstage::cli

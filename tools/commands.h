@@ -6,10 +6,20 @@
 #include <memory>
 #include <vector>
 
+#include "stage/model.h"
+
 namespace gemstage::cli {
 
 // A registered subcommand runs this after parsing; it returns the process exit code.
 using Action = std::function<int()>;
+
+// What main decides before a command runs and hands to it (never process state): how it opens
+// its models (under mpirun, rank 0 opens the job's bundle across the ranks) and how many calls
+// it keeps in flight over stages in other processes.
+struct RunContext {
+  ModelOpener models;
+  int pipeline_depth = 0;  // --pipeline-depth; 0: automatic (CallPipeline::depth)
+};
 
 // The registry owns every subcommand's option storage (args<T>()), so what CLI11 writes while
 // parsing lives as long as the actions that read it. Storage owned by an action's captures is a
@@ -18,6 +28,7 @@ using Action = std::function<int()>;
 struct Registry {
   std::vector<std::pair<CLI::App*, Action>> commands;
   std::vector<std::shared_ptr<void>> storage;
+  RunContext context;  // filled in by main after parsing, before the action runs
 
   void add(CLI::App* sub, Action a) { commands.emplace_back(sub, std::move(a)); }
   // A default-constructed T that lives as long as the registry; bind options to its fields.

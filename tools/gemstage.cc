@@ -11,8 +11,8 @@
 #ifdef GEMSTAGE_HAVE_MPI
 #include "distributed/mpi_launch.h"
 #endif
+#include "core/cpu_features.h"
 #include "io/mapped_file.h"
-#include "kernels/cpu_features.h"
 #include "stage/call_pipeline.h"
 #include "tools/commands.h"
 
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
 #endif
   try {
     // A bad GEMSTAGE_ISA fails here, before any work, not inside the first kernel call.
-    gemstage::cpu_tier();
+    gemstage::cpu_tier_from_environment();
     if (gemstage::launched_as_mpi_ranks() || !placement.empty()) {
 #ifdef GEMSTAGE_HAVE_MPI
       CLI::App* sub = nullptr;
@@ -109,15 +109,16 @@ int main(int argc, char** argv) {
       d.threads = sub->get_option("--threads")->as<int>();
       d.placement = placement;
       d.stage_timeout_seconds = stage_timeout;
-      gemstage::CallPipeline::set_depth_override(pipeline_depth);
       distributed = gemstage::DistributedSession::start(d);
       if (distributed->is_worker()) return distributed->run_worker();
+      reg.context.models = distributed->models();
 #else
       gemstage::fail(
           "this gemstage was built without MPI (apt-get install libopenmpi-dev "
           "openmpi-bin, then rebuild) and cannot run stages on several ranks");
 #endif
     }
+    reg.context.pipeline_depth = pipeline_depth;
     for (auto& [sub, action] : reg.commands)
       if (sub->parsed()) return action();
   } catch (const gemstage::Error& e) {

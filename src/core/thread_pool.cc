@@ -77,9 +77,12 @@ int default_thread_count() {
   return cores;
 }
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(std::max(1, n_threads)) {
+ThreadPool::ThreadPool(int n_threads, CpuTier tier)
+    : n_threads_(std::max(1, n_threads)), tier_(checked_cpu_tier(tier, "ThreadPool")) {
   for (int i = 1; i < n_threads_; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
 }
+
+ThreadPool::ThreadPool(int n_threads) : ThreadPool(n_threads, cpu_tier_from_environment()) {}
 
 ThreadPool::~ThreadPool() {
   stop_.store(true);

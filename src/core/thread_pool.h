@@ -1,4 +1,9 @@
-// One pool, created once per process by the CLI or server and passed down by reference.
+// One pool, created by the CLI, the server or a test and passed down by reference: the compute
+// context of everything run on it. Besides its threads it carries the CPU tier whose kernels its
+// computations run (core/cpu_features.h) and, optionally, the OpProfile their timers add to, so
+// nothing about how a computation runs is process state: two pools in one process may run two
+// models at two tiers side by side.
+//
 // parallel_for splits [0, n) into contiguous ranges, one per worker, and runs them to completion.
 //
 // Decode issues a few hundred parallel_for calls per token, each only 2-100 us of work, so the
@@ -21,16 +26,26 @@
 #include <thread>
 #include <vector>
 
+#include "core/cpu_features.h"
+#include "core/op_profile.h"
+
 namespace gemstage {
 
 class ThreadPool {
  public:
+  // Runs the kernels of `tier` (which this CPU must support; see checked_cpu_tier).
+  ThreadPool(int n_threads, CpuTier tier);
+  // Runs cpu_tier_from_environment(): GEMSTAGE_ISA, else the best tier of this CPU.
   explicit ThreadPool(int n_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int size() const { return n_threads_; }
+  CpuTier tier() const { return tier_; }
+  // The profile computations on this pool add their OpTimers to; null (the default): none.
+  OpProfile* profile() const { return profile_; }
+  void set_profile(OpProfile* profile) { profile_ = profile; }
 
   // fn(begin, end) over disjoint ranges covering [0, n). Ranges are aligned to `grain`. An
   // exception thrown by fn on any thread is rethrown here once every range has finished.
@@ -55,6 +70,8 @@ class ThreadPool {
   void run_share(int index) noexcept;
 
   int n_threads_;
+  CpuTier tier_;
+  OpProfile* profile_ = nullptr;
   std::vector<std::thread> workers_;
   // The job being run; written by parallel_for before it bumps generation_.
   const std::function<void(size_t, size_t)>* job_ = nullptr;

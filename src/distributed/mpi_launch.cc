@@ -440,6 +440,7 @@ struct DistributedSession::Impl {
   DistributedOptions options;
   std::shared_ptr<MpiTransport> transport;  // rank 0
   std::shared_ptr<const Model> model;       // a worker's own stages
+  ModelOpener models;                       // rank 0: the bundle with the job's placement
   std::string where;
   bool finalized = false;
 
@@ -456,6 +457,9 @@ int DistributedSession::rank() const {
 }
 int DistributedSession::ranks() const {
   return impl_->ranks;
+}
+const ModelOpener& DistributedSession::models() const {
+  return impl_->models;
 }
 
 std::unique_ptr<DistributedSession> DistributedSession::start(const DistributedOptions& o) {
@@ -588,7 +592,7 @@ std::unique_ptr<DistributedSession> DistributedSession::start(const DistributedO
       return std::make_unique<RemoteStageClient>(d, r, transport,
                                                  it == bytes.end() ? 0.0 : it->second);
     };
-    set_process_stage_placement(o.bundle, std::move(local));
+    s.models = ModelOpener(o.bundle, std::move(local));
     std::cerr << "gemstage: " << ranks << " ranks; " << placement_spec(placement) << "\n";
   }
   return session;

@@ -18,6 +18,8 @@
 #include <memory>
 #include <string>
 
+#include "stage/model.h"
+
 namespace gemstage {
 
 // Whether this process was started by an MPI launcher as one of several ranks (read from the
@@ -34,8 +36,8 @@ struct DistributedOptions {
 class DistributedSession {
  public:
   // Initializes MPI and runs the start-up handshake on every rank; throws (on every rank, each
-  // with the reason) if it fails. On rank 0 it also sets the process stage placement
-  // (stage/model.h), so the command's Model::open(bundle) finds the remote stages.
+  // with the reason) if it fails. On rank 0, models() then opens the bundle with the other ranks'
+  // stages as remote clients.
   static std::unique_ptr<DistributedSession> start(const DistributedOptions& o);
   // Rank 0: tells every worker to leave its loop, then finalizes MPI. After a rank failed, the
   // job is aborted instead (a dead rank cannot take part in an orderly finalize).
@@ -44,6 +46,8 @@ class DistributedSession {
   int rank() const;
   int ranks() const;
   bool is_worker() const { return rank() != 0; }
+  // Rank 0: what the command opens its models with (stage/model.h ModelOpener).
+  const ModelOpener& models() const;
   // A worker's loop: serves its stages until rank 0 ends the job. Returns the exit code.
   int run_worker();
 

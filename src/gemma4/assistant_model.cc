@@ -263,8 +263,8 @@ std::unique_ptr<AssistantModel> AssistantModel::open_from(
   return m;
 }
 
-void AssistantModel::attend(const LayerSpec& ls, const LayerKvCache& cache, int64_t position,
-                            const float* q, float* out) const {
+void AssistantModel::attend(CpuTier tier, const LayerSpec& ls, const LayerKvCache& cache,
+                            int64_t position, const float* q, float* out) const {
   const int64_t H = cfg_.text.num_attention_heads, hd = ls.head_dim, Hkv = ls.num_kv_heads;
   if (cache.width() != Hkv * hd)
     fail("drafter: the target's donor cache holds rows of ", cache.width(),
@@ -298,7 +298,7 @@ void AssistantModel::attend(const LayerSpec& ls, const LayerKvCache& cache, int6
     const float* qh = q + h * hd;
     for (int64_t j = 0; j < n; ++j)
       scores[static_cast<size_t>(j)] = dot(qh, row(true, first + j, kvh), hd);  // scale 1.0
-    softmax_inplace(scores.data(), n);
+    softmax_inplace(tier, scores.data(), n);
     float* oh = out + h * hd;
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = row(false, first + j, kvh);
@@ -339,29 +339,31 @@ int32_t AssistantModel::step(ThreadPool& pool, const DraftContext& ctx, int32_t 
     const int64_t hd = ls.head_dim, I = ls.mlp_width;
     const LayerKvCache* cache = ls.type == LayerType::Full ? ctx.full : ctx.sliding;
     if (!cache) fail("drafter layer ", li, ": no target donor cache of its type was given");
-    rmsnorm_rows(x.data(), 1, Ha, L.input_layernorm.data(), eps, a.data());
+    rmsnorm_rows(pool.tier(), x.data(), 1, Ha, L.input_layernorm.data(), eps, a.data());
     std::vector<float> q(static_cast<size_t>(H * hd)), o(static_cast<size_t>(H * hd));
     matmul(pool, a.data(), 1, L.q_proj, q.data());
-    rmsnorm_rows(q.data(), H, hd, L.q_norm.data(), eps, q.data());
+    rmsnorm_rows(pool.tier(), q.data(), H, hd, L.q_norm.data(), eps, q.data());
     apply_rope(ls.type == LayerType::Full ? rope_full_ : rope_sliding_, ctx.position, q.data(),
                static_cast<int>(H));
-    attend(ls, *cache, ctx.position, q.data(), o.data());
+    attend(pool.tier(), ls, *cache, ctx.position, q.data(), o.data());
     matmul(pool, o.data(), 1, L.o_proj, branch.data());
-    rmsnorm_rows(branch.data(), 1, Ha, L.post_attention_layernorm.data(), eps, branch.data());
+    rmsnorm_rows(pool.tier(), branch.data(), 1, Ha, L.post_attention_layernorm.data(), eps,
+                 branch.data());
     for (int64_t i = 0; i < Ha; ++i) x[static_cast<size_t>(i)] += branch[static_cast<size_t>(i)];
-    rmsnorm_rows(x.data(), 1, Ha, L.pre_feedforward_layernorm.data(), eps, a.data());
+    rmsnorm_rows(pool.tier(), x.data(), 1, Ha, L.pre_feedforward_layernorm.data(), eps, a.data());
     std::vector<float> gate(static_cast<size_t>(I)), up(static_cast<size_t>(I));
     matmul_many(pool, a.data(), 1, {{L.gate_proj, gate.data()}, {L.up_proj, up.data()}});
-    gelu_tanh_mul(gate.data(), up.data(), I, gate.data());
+    gelu_tanh_mul(pool.tier(), gate.data(), up.data(), I, gate.data());
     matmul(pool, gate.data(), 1, L.down_proj, branch.data());
-    rmsnorm_rows(branch.data(), 1, Ha, L.post_feedforward_layernorm.data(), eps, branch.data());
+    rmsnorm_rows(pool.tier(), branch.data(), 1, Ha, L.post_feedforward_layernorm.data(), eps,
+                 branch.data());
     for (int64_t i = 0; i < Ha; ++i)
       x[static_cast<size_t>(i)] =
           (x[static_cast<size_t>(i)] + branch[static_cast<size_t>(i)]) * L.layer_scalar;
     if (rec) rec->layer_out.insert(rec->layer_out.end(), x.begin(), x.end());
   }
   std::vector<float> hn(static_cast<size_t>(Ha));
-  rmsnorm_rows(x.data(), 1, Ha, final_norm_.data(), eps, hn.data());
+  rmsnorm_rows(pool.tier(), x.data(), 1, Ha, final_norm_.data(), eps, hn.data());
   if (rec) rec->final_hidden = hn;
   matmul(pool, hn.data(), 1, post_projection_, h.data());
   if (rec) rec->hidden_out = h;

@@ -99,8 +99,8 @@ class AssistantModel {
   };
   AssistantModel() = default;
   // attention of q ([H, hd], normed + roped) over the donor cache's visible positions.
-  void attend(const LayerSpec& ls, const LayerKvCache& cache, int64_t position, const float* q,
-              float* out) const;
+  void attend(CpuTier tier, const LayerSpec& ls, const LayerKvCache& cache, int64_t position,
+              const float* q, float* out) const;
 
   std::string path_;
   AssistantConfig cfg_;

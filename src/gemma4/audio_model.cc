@@ -138,13 +138,13 @@ void AudioTower::ffn(ThreadPool& pool, const AudioFfnWeights& w, FloatTensor& x)
   const float gc = static_cast<float>(std::min(cfg_.gradient_clipping, 3.4e38));
   std::vector<float> h = x.data;
   clamp_inplace(h, gc);
-  rmsnorm_rows(h.data(), T, H, w.pre_layer_norm.data(), kDefaultEps, h.data());
+  rmsnorm_rows(pool.tier(), h.data(), T, H, w.pre_layer_norm.data(), kDefaultEps, h.data());
   std::vector<float> mid(static_cast<size_t>(T * I));
   clippable_linear(pool, w.ffw_layer_1, h.data(), T, mid.data());
   for (float& v : mid) v = silu(v);
   clippable_linear(pool, w.ffw_layer_2, mid.data(), T, h.data());
   clamp_inplace(h, gc);
-  rmsnorm_rows(h.data(), T, H, w.post_layer_norm.data(), kDefaultEps, h.data());
+  rmsnorm_rows(pool.tier(), h.data(), T, H, w.post_layer_norm.data(), kDefaultEps, h.data());
   const float rw = static_cast<float>(cfg_.residual_weight);
   for (size_t i = 0; i < h.size(); ++i) x.data[i] += h[i] * rw;
 }
@@ -200,7 +200,7 @@ void AudioTower::attention(ThreadPool& pool, const AudioLayerWeights& w, const F
         any = true;
       }
       if (!any) continue;  // an invalid query row with no valid key: never read by valid rows
-      softmax_inplace(logits.data(), n);
+      softmax_inplace(pool.tier(), logits.data(), n);
       float* o = ctx.data() + t * H + h * hd;
       for (int64_t dist = 0; dist < n; ++dist) {
         const int64_t s = t - dist;
@@ -220,7 +220,7 @@ void AudioTower::light_conv(ThreadPool& pool, const AudioLayerWeights& w, FloatT
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
   const float gc = static_cast<float>(std::min(cfg_.gradient_clipping, 3.4e38));
   std::vector<float> h(x.data.size());
-  rmsnorm_rows(x.data.data(), T, H, w.lconv_pre_norm.data(), eps, h.data());
+  rmsnorm_rows(pool.tier(), x.data.data(), T, H, w.lconv_pre_norm.data(), eps, h.data());
   std::vector<float> wide(static_cast<size_t>(T * 2 * H));
   clippable_linear(pool, w.linear_start, h.data(), T, wide.data());
   for (int64_t t = 0; t < T; ++t)  // GLU: first half × sigmoid(second half)
@@ -240,7 +240,7 @@ void AudioTower::light_conv(ThreadPool& pool, const AudioLayerWeights& w, FloatT
             w.depthwise_conv[static_cast<size_t>(c * K + j)] * h[static_cast<size_t>(src * H + c)];
     }
   clamp_inplace(y, gc);
-  rmsnorm_rows(y.data(), T, H, w.conv_norm.data(), eps, y.data());
+  rmsnorm_rows(pool.tier(), y.data(), T, H, w.conv_norm.data(), eps, y.data());
   for (float& v : y) v = silu(v);
   clippable_linear(pool, w.linear_end, y.data(), T, h.data());
   for (size_t i = 0; i < h.size(); ++i) x.data[i] += h[i];
@@ -254,16 +254,18 @@ void AudioTower::layer_forward(ThreadPool& pool, int li, FloatTensor& x,
   ffn(pool, w.feed_forward1, x);
   FloatTensor normed = x;
   clamp_inplace(normed.data, gc);
-  rmsnorm_rows(normed.data.data(), T, H, w.norm_pre_attn.data(), kDefaultEps, normed.data.data());
+  rmsnorm_rows(pool.tier(), normed.data.data(), T, H, w.norm_pre_attn.data(), kDefaultEps,
+               normed.data.data());
   FloatTensor att;
   attention(pool, w, normed, valid, att);
   clamp_inplace(att.data, gc);
-  rmsnorm_rows(att.data.data(), T, H, w.norm_post_attn.data(), kDefaultEps, att.data.data());
+  rmsnorm_rows(pool.tier(), att.data.data(), T, H, w.norm_post_attn.data(), kDefaultEps,
+               att.data.data());
   for (size_t i = 0; i < x.data.size(); ++i) x.data[i] += att.data[i];
   light_conv(pool, w, x);
   ffn(pool, w.feed_forward2, x);
   clamp_inplace(x.data, gc);
-  rmsnorm_rows(x.data.data(), T, H, w.norm_out.data(), kDefaultEps, x.data.data());
+  rmsnorm_rows(pool.tier(), x.data.data(), T, H, w.norm_out.data(), kDefaultEps, x.data.data());
 }
 
 FloatTensor AudioTower::encode(ThreadPool& pool, const AudioInput& clip, TapRecorder* taps) const {
@@ -313,7 +315,7 @@ FloatTensor AudioTower::encode(ThreadPool& pool, const AudioInput& clip, TapReco
   if (taps) taps->append("audio_tower_out", {P}, out.data.data(), T);
   // The embedder sees only the valid rows (a prefix): the ones spliced into the prompt.
   FloatTensor normed({n_soft, P});
-  rmsnorm_rows(out.data.data(), n_soft, P, nullptr, eps, normed.data.data());
+  rmsnorm_rows(pool.tier(), out.data.data(), n_soft, P, nullptr, eps, normed.data.data());
   FloatTensor soft({n_soft, text_hidden_});
   matmul(pool, normed.data.data(), n_soft, w_.embedding_projection, soft.data.data());
   if (taps) taps->append("audio_embedder_out", {text_hidden_}, soft.data.data(), n_soft);

@@ -7,11 +7,11 @@
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/op_profile.h"
 #include "kernels/attention_layer.h"
 #include "kernels/experts.h"
 #include "kernels/matmul.h"
 #include "kernels/weight_rows.h"
-#include "trace/op_profile.h"
 
 namespace gemstage {
 
@@ -82,7 +82,7 @@ TextModel::TextModel(const ModelConfig& config, TextWeights weights)
 EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> input_ids,
                                   const FloatTensor* soft_tokens, const TextRunOptions& opt,
                                   TapRecorder* taps) const {
-  const OpTimer timer(OpKind::Embeddings);
+  const OpTimer timer(pool.profile(), OpKind::Embeddings);
   const int64_t S = static_cast<int64_t>(input_ids.size());
   const int64_t D = cfg_.hidden_size, L = cfg_.num_hidden_layers, P = cfg_.ple_dim();
   const std::vector<int> placeholders = model_cfg_.placeholder_token_ids();
@@ -157,7 +157,7 @@ EmbeddingsOutput TextModel::embed(ThreadPool& pool, std::span<const int32_t> inp
   matmul(pool, out.hidden_states.data.data(), S, w_.per_layer_model_projection, pli.data.data());
   const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
   for (float& v : pli.data) v *= inv_sqrt_d;
-  rmsnorm_rows(pli.data.data(), S * L, P, w_.per_layer_projection_norm.data(),
+  rmsnorm_rows(pool.tier(), pli.data.data(), S * L, P, w_.per_layer_projection_norm.data(),
                static_cast<float>(cfg_.rms_norm_eps), pli.data.data());
   const float inv_sqrt2 = static_cast<float>(1.0 / std::sqrt(2.0));
   for (size_t i = 0; i < pli.data.size(); ++i)
@@ -215,9 +215,9 @@ void to_bf16_rows(const float* x, int64_t n, uint16_t* out) {
 }
 
 // hidden += rmsnorm(branch) * w for rows [r0, r1) of width D.
-void add_normed(float* hidden, float* branch, int64_t r0, int64_t r1, int64_t D, const float* w,
-                float eps) {
-  rmsnorm_rows(branch + r0 * D, r1 - r0, D, w, eps, branch + r0 * D);
+void add_normed(CpuTier tier, float* hidden, float* branch, int64_t r0, int64_t r1, int64_t D,
+                const float* w, float eps) {
+  rmsnorm_rows(tier, branch + r0 * D, r1 - r0, D, w, eps, branch + r0 * D);
   for (int64_t i = r0 * D; i < r1 * D; ++i) hidden[i] += branch[i];
 }
 
@@ -262,7 +262,8 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& q = pass.q;
   sized(x, S * D);
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.input_layernorm.data(), eps, x.data() + r0 * D);
+    rmsnorm_rows(pool.tier(), h + r0 * D, r1 - r0, D, lw.input_layernorm.data(), eps,
+                 x.data() + r0 * D);
   });
   sized(q, S * H * hd);
   // A KV-shared layer reads its donor's K/V and computes none of its own.
@@ -270,7 +271,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   float* k = nullptr;
   float* v = nullptr;
   if (ls.kv_shared) {
-    const OpTimer timer(OpKind::AttentionProjections);
+    const OpTimer timer(pool.profile(), OpKind::AttentionProjections);
     matmul(pool, x.data(), S, lw.q_proj, q.data());
   } else {
     auto& kbuf = pass.k[static_cast<size_t>(li)];
@@ -283,7 +284,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
       sized(pass.k16[static_cast<size_t>(li)], S * kvw);
       sized(pass.v16[static_cast<size_t>(li)], S * kvw);
     }
-    const OpTimer timer(OpKind::AttentionProjections);
+    const OpTimer timer(pool.profile(), OpKind::AttentionProjections);
     if (ls.k_eq_v) {
       // attention_k_eq_v: V is the raw key projection (v_norm below), taken before k_norm/RoPE.
       matmul_many(pool, x.data(), S, {{lw.q_proj, q.data()}, {lw.k_proj, k}});
@@ -294,13 +295,14 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     float* qr = q.data() + r0 * H * hd;
-    rmsnorm_rows(qr, (r1 - r0) * H, hd, lw.q_norm.data(), eps, qr);
+    rmsnorm_rows(pool.tier(), qr, (r1 - r0) * H, hd, lw.q_norm.data(), eps, qr);
     for (int64_t r = r0; r < r1; ++r)
       apply_rope(rope, r, q.data() + r * H * hd, static_cast<int>(H));
     if (!k) return;
-    rmsnorm_rows(k + r0 * kvw, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps, k + r0 * kvw);
+    rmsnorm_rows(pool.tier(), k + r0 * kvw, (r1 - r0) * Hkv, hd, lw.k_norm.data(), eps,
+                 k + r0 * kvw);
     for (int64_t r = r0; r < r1; ++r) apply_rope(rope, r, k + r * kvw, static_cast<int>(Hkv));
-    rmsnorm_rows(v + r0 * kvw, (r1 - r0) * Hkv, hd, nullptr, eps, v + r0 * kvw);
+    rmsnorm_rows(pool.tier(), v + r0 * kvw, (r1 - r0) * Hkv, hd, nullptr, eps, v + r0 * kvw);
     if (!bf16_kv) return;
     auto& k16 = pass.k16[static_cast<size_t>(li)];
     auto& v16 = pass.v16[static_cast<size_t>(li)];
@@ -318,7 +320,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& attn = pass.attn;  // every element is written by attend_layer
   sized(attn, S * H * hd);
   // Each sequence's rows attend to its own cache and its own fresh rows.
-  std::optional<OpTimer> attention_timer(std::in_place, OpKind::Attention);
+  std::optional<OpTimer> attention_timer(std::in_place, pool.profile(), OpKind::Attention);
   for (size_t si = 0; si < pass.segments.size(); ++si) {
     const RowSegment& seg = pass.segments[si];
     // The image block: on sliding layers only; full layers stay plainly causal.
@@ -344,11 +346,11 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   auto& branch = pass.branch;
   sized(branch, S * D);
   {
-    const OpTimer timer(OpKind::AttentionProjections);
+    const OpTimer timer(pool.profile(), OpKind::AttentionProjections);
     matmul(pool, attn.data(), S, lw.o_proj, branch.data());
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    add_normed(h, branch.data(), r0, r1, D, lw.post_attention_layernorm.data(), eps);
+    add_normed(pool.tier(), h, branch.data(), r0, r1, D, lw.post_attention_layernorm.data(), eps);
   });
 }
 
@@ -366,39 +368,40 @@ void TextModel::mlp_block(ThreadPool& pool, int li, FloatTensor& hidden, LayerPa
   auto& x = pass.x;
   sized(x, S * D);
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm.data(), eps,
+    rmsnorm_rows(pool.tier(), h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm.data(), eps,
                  x.data() + r0 * D);
   });
   auto& gate = pass.gate;
   auto& up = pass.up;
   sized(gate, S * I);
   sized(up, S * I);
-  std::optional<OpTimer> timer(std::in_place, OpKind::MlpProjections);
+  std::optional<OpTimer> timer(std::in_place, pool.profile(), OpKind::MlpProjections);
   matmul_many(pool, x.data(), S, {{lw.gate_proj, gate.data()}, {lw.up_proj, up.data()}});
   timer.reset();
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    gelu_tanh_mul(gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I, gate.data() + r0 * I);
+    gelu_tanh_mul(pool.tier(), gate.data() + r0 * I, up.data() + r0 * I, (r1 - r0) * I,
+                  gate.data() + r0 * I);
   });
   auto& branch = pass.branch;
   sized(branch, S * D);
-  timer.emplace(OpKind::MlpProjections);
+  timer.emplace(pool.profile(), OpKind::MlpProjections);
   matmul(pool, gate.data(), S, lw.down_proj, branch.data());
   timer.reset();
   if (ls.moe) {
     // h1 + h2: the dense MLP after post_feedforward_layernorm_1, plus the experts' branch (both
     // computed from the residual stream before this block adds to it).
-    timer.emplace(OpKind::Experts);
+    timer.emplace(pool.profile(), OpKind::Experts);
     moe_experts(pool, li, hidden, pass, taps);
     timer.reset();
     const float* moe = pass.moe_out.data();
     for_rows(pool, S, [&](int64_t r0, int64_t r1) {
       float* b = branch.data() + r0 * D;
-      rmsnorm_rows(b, r1 - r0, D, lw.post_feedforward_layernorm_1.data(), eps, b);
+      rmsnorm_rows(pool.tier(), b, r1 - r0, D, lw.post_feedforward_layernorm_1.data(), eps, b);
       for (int64_t i = r0 * D; i < r1 * D; ++i) branch[static_cast<size_t>(i)] += moe[i];
     });
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    add_normed(h, branch.data(), r0, r1, D, lw.post_feedforward_layernorm.data(), eps);
+    add_normed(pool.tier(), h, branch.data(), r0, r1, D, lw.post_feedforward_layernorm.data(), eps);
   });
 }
 
@@ -418,7 +421,7 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
   auto& xr = pass.moe_x;
   sized(xr, S * D);
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    rmsnorm_rows(h + r0 * D, r1 - r0, D, nullptr, eps, xr.data() + r0 * D);
+    rmsnorm_rows(pool.tier(), h + r0 * D, r1 - r0, D, nullptr, eps, xr.data() + r0 * D);
     for (int64_t r = r0; r < r1; ++r) {
       float* xrow = xr.data() + r * D;
       for (int64_t d = 0; d < D; ++d)
@@ -436,7 +439,7 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
     std::vector<int32_t> order(static_cast<size_t>(E));
     for (int64_t r = r0; r < r1; ++r) {
       float* p = probs.data() + r * E;
-      softmax_inplace(p, E);
+      softmax_inplace(pool.tier(), p, E);
       for (int64_t e = 0; e < E; ++e) order[static_cast<size_t>(e)] = static_cast<int32_t>(e);
       std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int32_t a, int32_t b) {
         return p[a] > p[b] || (p[a] == p[b] && a < b);
@@ -460,7 +463,7 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
     }
   }
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    rmsnorm_rows(h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm_2.data(), eps,
+    rmsnorm_rows(pool.tier(), h + r0 * D, r1 - r0, D, lw.pre_feedforward_layernorm_2.data(), eps,
                  xr.data() + r0 * D);
   });
   auto& out = pass.moe_out;
@@ -468,8 +471,8 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
   experts_forward(pool, xr.data(), S, lw.experts_gate_up, lw.experts_down, ids.data(), wts.data(),
                   K, out.data(), pass.experts);
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    rmsnorm_rows(out.data() + r0 * D, r1 - r0, D, lw.post_feedforward_layernorm_2.data(), eps,
-                 out.data() + r0 * D);
+    rmsnorm_rows(pool.tier(), out.data() + r0 * D, r1 - r0, D,
+                 lw.post_feedforward_layernorm_2.data(), eps, out.data() + r0 * D);
   });
 }
 
@@ -477,7 +480,7 @@ void TextModel::moe_experts(ThreadPool& pool, int li, const FloatTensor& hidden,
 // back, post-normed and added; layer_scalar then scales the whole residual stream.
 void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const PerLayerInputs& pli,
                           LayerPass& pass) const {
-  const OpTimer timer(OpKind::PerLayerInput);
+  const OpTimer timer(pool.profile(), OpKind::PerLayerInput);
   const TextLayerWeights& lw = w_.layers[static_cast<size_t>(li)];
   const int64_t S = hidden.dim(0), D = cfg_.hidden_size;
   const float eps = static_cast<float>(cfg_.rms_norm_eps);
@@ -495,7 +498,7 @@ void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const P
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* gr = g.data() + r * P;
-      gelu_tanh_mul(gr, pli.at(r, li), P, gr);
+      gelu_tanh_mul(pool.tier(), gr, pli.at(r, li), P, gr);
     }
   });
   auto& branch = pass.branch;
@@ -503,7 +506,7 @@ void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const P
   matmul(pool, g.data(), S, lw.per_layer_projection, branch.data());
   // layer_scalar scales the whole residual stream, as the layer's last op.
   for_rows(pool, S, [&](int64_t r0, int64_t r1) {
-    add_normed(h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
+    add_normed(pool.tier(), h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
     for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
   });
 }
@@ -595,19 +598,20 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end,
 
 FloatTensor TextModel::head(ThreadPool& pool, const FloatTensor& hidden, int64_t first_row,
                             int64_t n_rows, TapRecorder* taps) const {
-  const OpTimer timer(OpKind::Head);
+  const OpTimer timer(pool.profile(), OpKind::Head);
   const int64_t D = cfg_.hidden_size, V = cfg_.vocab_size;
   if (w_.final_norm.empty()) fail("the final norm and LM head are not held by this stage");
   if (first_row < 0 || n_rows < 0 || first_row + n_rows > hidden.dim(0))
     fail("head: row range out of bounds");
   std::vector<float> normed(static_cast<size_t>(n_rows * D));
-  rmsnorm_rows(hidden.row(first_row), n_rows, D, w_.final_norm.data(),
+  rmsnorm_rows(pool.tier(), hidden.row(first_row), n_rows, D, w_.final_norm.data(),
                static_cast<float>(cfg_.rms_norm_eps), normed.data());
   if (taps) taps->append("final_hidden", {D}, normed.data(), n_rows);
   FloatTensor logits({n_rows, V});
   matmul(pool, normed.data(), n_rows, w_.embed_tokens, logits.data.data());
   if (cfg_.final_logit_softcapping > 0)
-    softcap(logits.data.data(), logits.numel(), static_cast<float>(cfg_.final_logit_softcapping));
+    softcap(pool.tier(), logits.data.data(), logits.numel(),
+            static_cast<float>(cfg_.final_logit_softcapping));
   if (taps) taps->append("logits", {V}, logits.data.data(), n_rows);
   return logits;
 }

@@ -154,7 +154,8 @@ FloatTensor UnifiedEmbedder::encode_images(ThreadPool& pool,
     layer_norm_rows(h.data.data(), n, E, vw_.pos_norm_weight, vw_.pos_norm_bias, kLayerNormEps,
                     h.data.data());
     if (taps) taps->append("image_pos_norm", {E}, h.data.data(), n);
-    rmsnorm_rows(h.data.data(), n, E, nullptr, static_cast<float>(v.rms_norm_eps), h.data.data());
+    rmsnorm_rows(pool.tier(), h.data.data(), n, E, nullptr, static_cast<float>(v.rms_norm_eps),
+                 h.data.data());
     matmul(pool, h.data.data(), n, vw_.embedding_projection, out.row(done));
     if (taps) taps->append("image_embedder_out", {D}, out.row(done), n);
     done += n;
@@ -194,7 +195,8 @@ FloatTensor UnifiedEmbedder::encode_audio(ThreadPool& pool,
     if (taps) taps->append("audio_frames", {F}, c.samples.data(), c.frames);
     if (n == 0) continue;
     std::vector<float> x(c.samples.begin(), c.samples.begin() + n * F);
-    rmsnorm_rows(x.data(), n, F, nullptr, static_cast<float>(a.rms_norm_eps), x.data());
+    rmsnorm_rows(pool.tier(), x.data(), n, F, nullptr, static_cast<float>(a.rms_norm_eps),
+                 x.data());
     matmul(pool, x.data(), n, aw_.embedding_projection, out.row(done));
     if (taps) taps->append("audio_embedder_out", {D}, out.row(done), n);
     done += n;

@@ -230,15 +230,15 @@ void VisionTower::layer_forward(ThreadPool& pool, int li, FloatTensor& h,
 
   // ---- attention (bidirectional over the real patches) ----
   std::vector<float> x(static_cast<size_t>(n * Dv));
-  rmsnorm_rows(h.data.data(), n, Dv, lw.input_layernorm.data(), eps, x.data());
+  rmsnorm_rows(pool.tier(), h.data.data(), n, Dv, lw.input_layernorm.data(), eps, x.data());
   std::vector<float> q(static_cast<size_t>(n * H * hd)), k(static_cast<size_t>(n * kvw)),
       v(static_cast<size_t>(n * kvw));
   clippable_linear(pool, lw.q_proj, x.data(), n, q.data());
   clippable_linear(pool, lw.k_proj, x.data(), n, k.data());
   clippable_linear(pool, lw.v_proj, x.data(), n, v.data());
-  rmsnorm_rows(q.data(), n * H, hd, lw.q_norm.data(), eps, q.data());
-  rmsnorm_rows(k.data(), n * Hkv, hd, lw.k_norm.data(), eps, k.data());
-  rmsnorm_rows(v.data(), n * Hkv, hd, nullptr, eps, v.data());
+  rmsnorm_rows(pool.tier(), q.data(), n * H, hd, lw.q_norm.data(), eps, q.data());
+  rmsnorm_rows(pool.tier(), k.data(), n * Hkv, hd, lw.k_norm.data(), eps, k.data());
+  rmsnorm_rows(pool.tier(), v.data(), n * Hkv, hd, nullptr, eps, v.data());
   pool.parallel_for(static_cast<size_t>(n), [&](size_t b, size_t e) {
     for (size_t r = b; r < e; ++r) {
       const int64_t px = xy[2 * r], py = xy[2 * r + 1];
@@ -277,7 +277,8 @@ void VisionTower::layer_forward(ThreadPool& pool, int li, FloatTensor& h,
     }
     matmul_tiled(pool, qh.data(), n, as_weight(kh, n, hd), scores.data());
     pool.parallel_for(static_cast<size_t>(n), [&](size_t b, size_t e) {
-      for (size_t r = b; r < e; ++r) softmax_inplace(scores.data() + r * static_cast<size_t>(n), n);
+      for (size_t r = b; r < e; ++r)
+        softmax_inplace(pool.tier(), scores.data() + r * static_cast<size_t>(n), n);
     });
     matmul_tiled(pool, scores.data(), n, as_weight(vt, hd, n), oh.data());
     for (int64_t r = 0; r < n; ++r)
@@ -286,18 +287,21 @@ void VisionTower::layer_forward(ThreadPool& pool, int li, FloatTensor& h,
   }
   std::vector<float> branch(static_cast<size_t>(n * Dv));
   clippable_linear(pool, lw.o_proj, attn.data(), n, branch.data());
-  rmsnorm_rows(branch.data(), n, Dv, lw.post_attention_layernorm.data(), eps, branch.data());
+  rmsnorm_rows(pool.tier(), branch.data(), n, Dv, lw.post_attention_layernorm.data(), eps,
+               branch.data());
   for (size_t i = 0; i < branch.size(); ++i) h.data[i] += branch[i];
 
   // ---- MLP ----
   const int64_t I = cfg_.intermediate_size;
-  rmsnorm_rows(h.data.data(), n, Dv, lw.pre_feedforward_layernorm.data(), eps, x.data());
+  rmsnorm_rows(pool.tier(), h.data.data(), n, Dv, lw.pre_feedforward_layernorm.data(), eps,
+               x.data());
   std::vector<float> gate(static_cast<size_t>(n * I)), up(static_cast<size_t>(n * I));
   clippable_linear(pool, lw.gate_proj, x.data(), n, gate.data());
   clippable_linear(pool, lw.up_proj, x.data(), n, up.data());
-  gelu_tanh_mul(gate.data(), up.data(), n * I, gate.data());
+  gelu_tanh_mul(pool.tier(), gate.data(), up.data(), n * I, gate.data());
   clippable_linear(pool, lw.down_proj, gate.data(), n, branch.data());
-  rmsnorm_rows(branch.data(), n, Dv, lw.post_feedforward_layernorm.data(), eps, branch.data());
+  rmsnorm_rows(pool.tier(), branch.data(), n, Dv, lw.post_feedforward_layernorm.data(), eps,
+               branch.data());
   for (size_t i = 0; i < branch.size(); ++i) h.data[i] += branch[i];
 }
 
@@ -366,8 +370,8 @@ FloatTensor VisionTower::encode(ThreadPool& pool, const float* pixel_values,
 
   // ---- embed_vision: weightless RMSNorm (vision eps), then Linear to the text width ----
   std::vector<float> normed(static_cast<size_t>(S * Dv));
-  rmsnorm_rows(pooled.data.data(), S, Dv, nullptr, static_cast<float>(cfg_.rms_norm_eps),
-               normed.data());
+  rmsnorm_rows(pool.tier(), pooled.data.data(), S, Dv, nullptr,
+               static_cast<float>(cfg_.rms_norm_eps), normed.data());
   FloatTensor soft({S, D});
   matmul(pool, normed.data(), S, w_.embedding_projection, soft.data.data());
   if (taps) taps->append("vision_embedder_out", {D}, soft.data.data(), S);

@@ -10,8 +10,8 @@
 
 namespace gemstage {
 
-float dot_f32(const float* a, const float* b, int64_t n) {
-  if (const VecKernels* k = vec_kernels()) return k->dot(a, b, n);
+float dot_f32(CpuTier tier, const float* a, const float* b, int64_t n) {
+  if (const VecKernels* k = vec_kernels(tier)) return k->dot(a, b, n);
   // Four partial sums let the compiler vectorize without -ffast-math.
   float s0 = 0, s1 = 0, s2 = 0, s3 = 0;
   int64_t i = 0;
@@ -25,8 +25,8 @@ float dot_f32(const float* a, const float* b, int64_t n) {
   return (s0 + s1) + (s2 + s3);
 }
 
-void axpy_f32(float a, const float* x, float* y, int64_t n) {
-  if (const VecKernels* k = vec_kernels()) return k->axpy(a, x, y, n);
+void axpy_f32(CpuTier tier, float a, const float* x, float* y, int64_t n) {
+  if (const VecKernels* k = vec_kernels(tier)) return k->axpy(a, x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
@@ -75,12 +75,12 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
   }
 }
 
-// One dispatch for both row types: the twin of the tier in force, else the portable loops.
+// One dispatch for both row types: the twin of the queries' tier, else the portable loops.
 template <typename T>
 void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<T>& rows,
                         int64_t nk, const KeyBlockRows<T>& next, int64_t next_nk, int64_t first,
                         AttentionScratch& s) {
-  if (const VecKernels* kt = vec_kernels()) {
+  if (const VecKernels* kt = vec_kernels(qb.tier)) {
     AttendKeyBlockFn<T> fn;
     if constexpr (std::is_same_v<T, float>)
       fn = kt->attend_key_block_f32;
@@ -107,8 +107,9 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows
   dispatch_key_block(qb, head_dim, rows, nk, next, next_nk, first, s);
 }
 
-void merge_partial_attention(const float* part_out, const float* max, const float* sum,
-                             int64_t n_parts, int64_t stride, int64_t head_dim, float* out) {
+void merge_partial_attention(CpuTier tier, const float* part_out, const float* max,
+                             const float* sum, int64_t n_parts, int64_t stride, int64_t head_dim,
+                             float* out) {
   float m = -INFINITY;
   for (int64_t i = 0; i < n_parts; ++i)
     if (sum[i * stride] > 0) m = std::max(m, max[i * stride]);
@@ -118,7 +119,7 @@ void merge_partial_attention(const float* part_out, const float* max, const floa
     if (!(sum[i * stride] > 0)) continue;  // its output was never written
     const float w = std::exp(max[i * stride] - m);
     total += w * sum[i * stride];
-    axpy_f32(w, part_out + i * stride * head_dim, out, head_dim);
+    axpy_f32(tier, w, part_out + i * stride * head_dim, out, head_dim);
   }
   const float inv = 1.0f / total;
   for (int64_t d = 0; d < head_dim; ++d) out[d] *= inv;

@@ -18,19 +18,22 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "kernels/ops.h"
 
 namespace gemstage {
 
-float dot_f32(const float* a, const float* b, int64_t n);
+float dot_f32(CpuTier tier, const float* a, const float* b, int64_t n);
 // y += a * x
-void axpy_f32(float a, const float* x, float* y, int64_t n);
+void axpy_f32(CpuTier tier, float a, const float* x, float* y, int64_t n);
 
 constexpr int64_t kKeyBlock = 32;
 
 // The queries of one call: query m reads q[m] (head_dim floats), writes out[m], and sees the keys
-// at absolute positions lo[m]..hi[m] (inclusive, lo <= hi).
+// at absolute positions lo[m]..hi[m] (inclusive, lo <= hi). `tier` picks the kernels that attend
+// them (the caller's ThreadPool::tier(); scalar is the portable reference).
 struct QueryBlock {
+  CpuTier tier = CpuTier::Scalar;
   std::vector<const float*> q;
   std::vector<float*> out;
   std::vector<int64_t> lo, hi;
@@ -158,8 +161,9 @@ void attend_contiguous(const QueryBlock& qb, int64_t head_dim, const T* k, const
 // out = the attention over the union of n_parts disjoint key ranges, from each range's
 // unnormalized output (head_dim floats at part_out + i * stride * head_dim), max[i * stride] and
 // sum[i * stride]; a part whose sum is 0 saw no key and its output is not read.
-void merge_partial_attention(const float* part_out, const float* max, const float* sum,
-                             int64_t n_parts, int64_t stride, int64_t head_dim, float* out);
+void merge_partial_attention(CpuTier tier, const float* part_out, const float* max,
+                             const float* sum, int64_t n_parts, int64_t stride, int64_t head_dim,
+                             float* out);
 
 // Double-precision reference over contiguous K/V [n_keys, head_dim].
 void attention_reference(const float* q, const float* k, const float* v, int64_t head_dim,

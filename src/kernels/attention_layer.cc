@@ -38,6 +38,7 @@ void attend_layer(ThreadPool& pool, const LayerAttention& a, AttentionWorkspace&
         const int64_t rb = row_blocks - 1 - t / (Hkv * key_parts), kvh = t / key_parts % Hkv;
         const int64_t part = t % key_parts;
         queries.clear();
+        queries.tier = pool.tier();
         for (int64_t r = rb * rows_per_task; r < std::min(S, (rb + 1) * rows_per_task); ++r) {
           const int64_t pos = start + r;
           // Sliding: keys in (pos - W, pos]; full: [0, pos]; an image row may see further.
@@ -86,7 +87,7 @@ void attend_layer(ThreadPool& pool, const LayerAttention& a, AttentionWorkspace&
     attend_tasks(static_cast<const float*>(a.fresh_k), static_cast<const float*>(a.fresh_v));
   if (key_parts > 1)
     for (int64_t i = 0; i < n_queries; ++i)
-      merge_partial_attention(ws.part_out.data() + i * hd, ws.part_max.data() + i,
+      merge_partial_attention(pool.tier(), ws.part_out.data() + i * hd, ws.part_max.data() + i,
                               ws.part_sum.data() + i, key_parts, n_queries, hd, a.out + i * hd);
 }
 

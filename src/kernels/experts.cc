@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
-#include "kernels/cpu_features.h"
 #include "kernels/matmul.h"
 #include "kernels/ops.h"
 #include "kernels/quant.h"
@@ -64,7 +64,7 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
   // 26B-A4B's shapes), so per-call hand-offs and the idle tail of each call were a visible share
   // of the step.
   const bool one_job = S == 1 && dtype_is_quantized(gate_up.dtype) &&
-                       dtype_is_quantized(down.dtype) && cpu_tier() != CpuTier::Scalar;
+                       dtype_is_quantized(down.dtype) && pool.tier() != CpuTier::Scalar;
   if (one_job) {
     std::vector<int64_t> chosen;
     for (int64_t e = 0; e < E; ++e)
@@ -90,7 +90,7 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
     run_chosen(gate_up, x, ws.gate_up.data(), 2 * I, nullptr, 0);
     for (int64_t j = 0; j < n_chosen; ++j) {
       const float* g = ws.gate_up.data() + j * 2 * I;
-      gelu_tanh_mul(g, g + I, I, ws.act.data() + j * I);
+      gelu_tanh_mul(pool.tier(), g, g + I, I, ws.act.data() + j * I);
     }
     run_chosen(down, nullptr, ws.y.data(), D, ws.act.data(), I);
     // Summed in ascending expert id, as the loop below (and transformers) does.
@@ -119,7 +119,7 @@ void experts_forward(ThreadPool& pool, const float* x, int64_t S, const WeightVi
     ws.act.resize(static_cast<size_t>(n * I));
     for (int64_t j = 0; j < n; ++j) {
       const float* g = ws.gate_up.data() + j * 2 * I;
-      gelu_tanh_mul(g, g + I, I, ws.act.data() + j * I);
+      gelu_tanh_mul(pool.tier(), g, g + I, I, ws.act.data() + j * I);
     }
     ws.y.resize(static_cast<size_t>(n * D));
     matmul(pool, ws.act.data(), n, expert_slice(down, e), ws.y.data());

@@ -4,9 +4,9 @@
 #include <cstring>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "kernels/arm/float_matmul.h"
-#include "kernels/cpu_features.h"
 #include "kernels/float_rows.h"
 #include "kernels/quant.h"
 #include "kernels/weight_rows.h"
@@ -31,26 +31,26 @@ void rows_scalar(const float* x, int64_t S, const WeightView& w, float* y, int64
   }
 }
 
-FloatRowsFn pick([[maybe_unused]] DType t) {
+FloatRowsFn pick([[maybe_unused]] CpuTier tier, [[maybe_unused]] DType t) {
   FloatRowsFn fn = nullptr;
 #if defined(__x86_64__) || defined(__i386__)
-  if (cpu_tier_at_least(CpuTier::Avx512))
+  if (cpu_tier_at_least(tier, CpuTier::Avx512))
     fn = avx512::float_rows(t);
-  else if (cpu_tier_at_least(CpuTier::Avx2))
+  else if (cpu_tier_at_least(tier, CpuTier::Avx2))
     fn = avx2::float_rows(t);
 #endif
 #if defined(__aarch64__)
-  if (cpu_tier() == CpuTier::Neon) fn = neon::float_rows(t);
+  if (tier == CpuTier::Neon) fn = neon::float_rows(t);
 #endif
   return fn ? fn : rows_scalar;
 }
 
 }  // namespace
 
-const char* matmul_isa() {
-  if (cpu_tier_at_least(CpuTier::Avx512)) return "avx512";
-  if (cpu_tier_at_least(CpuTier::Avx2)) return "avx2";
-  if (cpu_tier() == CpuTier::Neon) return "neon";
+const char* matmul_isa(CpuTier tier) {
+  if (cpu_tier_at_least(tier, CpuTier::Avx512)) return "avx512";
+  if (cpu_tier_at_least(tier, CpuTier::Avx2)) return "avx2";
+  if (tier == CpuTier::Neon) return "neon";
   return "scalar";
 }
 
@@ -63,7 +63,7 @@ void matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, fl
   }
   if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
     fail("matmul: weight ", w.name, " has dtype ", dtype_name(w.dtype), " with no kernel");
-  const FloatRowsFn fn = pick(w.dtype);
+  const FloatRowsFn fn = pick(pool.tier(), w.dtype);
   const int64_t N = w.rows();
   // Rows are split across threads in groups of 16 so every worker streams whole cache lines.
   pool.parallel_for(
@@ -76,7 +76,7 @@ void matmul_many(ThreadPool& pool, const float* x, int64_t S,
                  std::initializer_list<MatmulTarget> targets) {
   std::vector<QuantTarget> quantized;
   // The scalar tier keeps one call per matrix, the path the reference-checking tests pin down.
-  bool together = cpu_tier() != CpuTier::Scalar;
+  bool together = pool.tier() != CpuTier::Scalar;
   for (const MatmulTarget& t : targets) {
     together = together && t.w.shape.size() == 2 && dtype_is_quantized(t.w.dtype) &&
                t.w.dtype == targets.begin()->w.dtype && t.w.cols() == targets.begin()->w.cols();

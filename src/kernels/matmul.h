@@ -28,9 +28,8 @@ void matmul_many(ThreadPool& pool, const float* x, int64_t S,
 // Plain scalar reference (double accumulation); every optimized path is tested against it.
 void matmul_reference(const float* x, int64_t S, const WeightView& w, float* y);
 
-// Which implementation matmul() dispatches to under the tier in force (kernels/cpu_features.h:
-// "avx512", "avx2", "neon", "scalar") for the float weight dtypes; quant_isa() names the Q8_0/Q4_0
-// one.
-const char* matmul_isa();
+// Which implementation matmul() dispatches to under `tier` (core/cpu_features.h: "avx512",
+// "avx2", "neon", "scalar") for the float weight dtypes; quant_isa() names the Q8_0/Q4_0 one.
+const char* matmul_isa(CpuTier tier);
 
 }  // namespace gemstage

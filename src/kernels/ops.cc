@@ -3,24 +3,25 @@
 #include <algorithm>
 #include <cmath>
 
-#include "kernels/cpu_features.h"
+#include "core/cpu_features.h"
 #include "kernels/vec_kernels.h"
 
 namespace gemstage {
 
-VecPath vector_ops_path() {
+VecPath vector_ops_path([[maybe_unused]] CpuTier tier) {
 #if defined(__x86_64__) || defined(__i386__)
-  if (cpu_tier_at_least(CpuTier::Avx512)) return VecPath::Avx512;
-  if (cpu_tier_at_least(CpuTier::Avx2)) return VecPath::Avx2;
+  if (cpu_tier_at_least(tier, CpuTier::Avx512)) return VecPath::Avx512;
+  if (cpu_tier_at_least(tier, CpuTier::Avx2)) return VecPath::Avx2;
 #endif
 #if defined(__aarch64__)
-  if (cpu_tier() == CpuTier::Neon) return VecPath::Neon;
+  if (tier == CpuTier::Neon) return VecPath::Neon;
 #endif
   return VecPath::Scalar;
 }
 
-void rmsnorm_rows(const float* x, int64_t rows, int64_t n, const float* w, float eps, float* y) {
-  const VecKernels* k = vec_kernels();
+void rmsnorm_rows(CpuTier tier, const float* x, int64_t rows, int64_t n, const float* w, float eps,
+                  float* y) {
+  const VecKernels* k = vec_kernels(tier);
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * n;
     float* yr = y + r * n;
@@ -47,13 +48,13 @@ float gelu_tanh(float x) {
   return 0.5f * x * (1.0f + std::tanh(kSqrt2OverPi * (x + 0.044715f * x * x * x)));
 }
 
-void gelu_tanh_mul(const float* gate, const float* up, int64_t n, float* out) {
-  if (const VecKernels* k = vec_kernels()) return k->gelu_tanh_mul(gate, up, n, out);
+void gelu_tanh_mul(CpuTier tier, const float* gate, const float* up, int64_t n, float* out) {
+  if (const VecKernels* k = vec_kernels(tier)) return k->gelu_tanh_mul(gate, up, n, out);
   for (int64_t i = 0; i < n; ++i) out[i] = gelu_tanh(gate[i]) * up[i];
 }
 
-void softcap(float* x, int64_t n, float cap) {
-  if (const VecKernels* k = vec_kernels()) return k->softcap(x, n, cap);
+void softcap(CpuTier tier, float* x, int64_t n, float cap) {
+  if (const VecKernels* k = vec_kernels(tier)) return k->softcap(x, n, cap);
   for (int64_t i = 0; i < n; ++i) x[i] = cap * std::tanh(x[i] / cap);
 }
 
@@ -116,8 +117,8 @@ void apply_rope(const RopeTable& table, int64_t pos, float* v, int n_heads) {
   apply_rope(RopeAngles::at(table, pos, 1), 0, v, n_heads);
 }
 
-void softmax_inplace(float* s, int64_t n) {
-  if (const VecKernels* k = vec_kernels()) return k->softmax_inplace(s, n);
+void softmax_inplace(CpuTier tier, float* s, int64_t n) {
+  if (const VecKernels* k = vec_kernels(tier)) return k->softmax_inplace(s, n);
   float m = -INFINITY;
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
   float sum = 0.0f;

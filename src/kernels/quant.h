@@ -92,13 +92,13 @@ std::vector<uint8_t> quantize_matrix(DType t, const float* src, int64_t rows, in
 // 32 rows 483 vs 574).
 inline constexpr int64_t kAmxMinRows = 32;
 
-// The kernels follow the tier in force (kernels/cpu_features.h): amx runs prefill-sized calls
-// (S >= kAmxMinRows) on AMX tiles and the rest as avx512; avx512 uses AVX-512 VNNI
-// when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; neon the NEON kernels (SDOT
-// with the dot-product extension, else SMULL); scalar the portable integer kernels.
+// The kernels follow the tier of the caller's pool (ThreadPool::tier(), core/cpu_features.h): amx
+// runs prefill-sized calls (S >= kAmxMinRows) on AMX tiles and the rest as avx512; avx512 uses
+// AVX-512 VNNI when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; neon the NEON
+// kernels (SDOT with the dot-product extension, else SMULL); scalar the portable integer kernels.
 // The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2",
 // "neon-dotprod", "neon", "scalar".
-const char* quant_isa(int64_t S);
+const char* quant_isa(CpuTier tier, int64_t S);
 // y[S, out] = x[S, in] * W^T for a Q8_0/Q4_0 view (validated by the caller's shape checks;
 // this checks in % 32 and nbytes).
 void quant_matmul(ThreadPool& pool, const float* x, int64_t S, const WeightView& w, float* y);

@@ -16,9 +16,9 @@
 #include <cstring>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "kernels/arm/quant_neon.h"
-#include "kernels/cpu_features.h"
 #include "kernels/quant.h"
 #include "kernels/x86/amx.h"
 #include "kernels/x86/quant_avx2.h"
@@ -102,14 +102,13 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
   }
 }
 
-// The kernel family for S rows under the tier in force.
+// The kernel family for S rows under `tier`.
 enum class Kernel { Scalar, Avx2, Vnni, Amx, Neon, NeonDot };
-Kernel kernel_for(int64_t S) {
-  const CpuTier tier = cpu_tier();
+Kernel kernel_for(CpuTier tier, int64_t S) {
   const CpuFeatures& f = cpu_features();
   if (tier == CpuTier::Amx && S >= kAmxMinRows) return Kernel::Amx;
   if ((tier == CpuTier::Amx || tier == CpuTier::Avx512) && f.avx512vnni) return Kernel::Vnni;
-  if (cpu_tier_at_least(CpuTier::Avx2)) return Kernel::Avx2;
+  if (cpu_tier_at_least(tier, CpuTier::Avx2)) return Kernel::Avx2;
   if (tier == CpuTier::Neon) return f.neon_dotprod ? Kernel::NeonDot : Kernel::Neon;
   return Kernel::Scalar;
 }
@@ -119,7 +118,7 @@ Kernel kernel_for(int64_t S) {
 void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z, bool interleave,
                    [[maybe_unused]] bool use_avx512, ActQ* a) {
 #if defined(__x86_64__) || defined(__i386__)
-  const bool use_avx2 = interleave && !use_avx512 && cpu_tier_at_least(CpuTier::Avx2);
+  const bool use_avx2 = interleave && !use_avx512 && cpu_tier_at_least(pool.tier(), CpuTier::Avx2);
 #endif
   a->K = K;
   a->nb = K / kQB;
@@ -151,8 +150,8 @@ void quantize_acts(ThreadPool& pool, const float* x, int64_t S, int64_t K, int z
     pool.parallel_for(static_cast<size_t>(S), run, 4);
 }
 
-const char* quant_isa(int64_t S) {
-  switch (kernel_for(S)) {
+const char* quant_isa(CpuTier tier, int64_t S) {
+  switch (kernel_for(tier, S)) {
     case Kernel::Amx:
       return "amx-bf16";
     case Kernel::Vnni:
@@ -198,7 +197,7 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
     total_rows += N;
   }
   if (S <= 0 || total_rows == 0) return;
-  const Kernel kernel = kernel_for(S);
+  const Kernel kernel = kernel_for(pool.tier(), S);
 #if defined(__x86_64__) || defined(__i386__)
   if (kernel == Kernel::Amx) {
     for (const QuantTarget& tg : targets)

@@ -49,8 +49,8 @@ constexpr VecKernels kNeon{neon::scale_row,
 
 }  // namespace
 
-const VecKernels* vec_kernels() {
-  switch (vector_ops_path()) {
+const VecKernels* vec_kernels(CpuTier tier) {
+  switch (vector_ops_path(tier)) {
 #if defined(__x86_64__) || defined(__i386__)
     case VecPath::Avx512:
       return &kAvx512;

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "core/cpu_features.h"
+
 namespace gemstage {
 
 // attention.h's attend_key_block on raw pointers (see x86/vec_avx512.h); next_k / next_v / next_n
@@ -29,8 +31,8 @@ struct VecKernels {
   AttendKeyBlockFn<uint16_t> attend_key_block_bf16;  // bf16 bit patterns
 };
 
-// The table of the tier in force (ops.h's vector_ops_path()); nullptr on the scalar path, where
-// the callers run their portable reference loops.
-const VecKernels* vec_kernels();
+// The table of `tier` (ops.h's vector_ops_path()); nullptr on the scalar path, where the callers
+// run their portable reference loops.
+const VecKernels* vec_kernels(CpuTier tier);
 
 }  // namespace gemstage

@@ -16,8 +16,9 @@ Assistant::Assistant(std::shared_ptr<const Model> m, Tokenizer t)
     : model_(std::move(m)), tok_(std::move(t)) {}
 
 std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_context,
-                                           std::optional<KvType> kv_type) {
-  auto model = Model::open(path);
+                                           std::optional<KvType> kv_type,
+                                           const ModelOpener& models) {
+  auto model = models.open(path);
   // A sequence checks the context against the model's limits; make one now so a bad -c fails
   // at start rather than at the first request.
   const int64_t ctx = Sequence(model, max_context, kv_type).max_context();

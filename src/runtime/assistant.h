@@ -47,10 +47,13 @@ class Assistant {
  public:
   // path: HF checkpoint dir or bundle; max_context 0: the model's maximum.
   // kv_type: the KV cache's row type of every sequence; nullopt keeps the model's default.
+  // models: how the front end opens models (a bundle spread over MPI ranks; else whole).
   static std::unique_ptr<Assistant> open(const std::string& path, int64_t max_context = 0,
-                                         std::optional<KvType> kv_type = std::nullopt);
+                                         std::optional<KvType> kv_type = std::nullopt,
+                                         const ModelOpener& models = {});
 
   const Model& model() const { return *model_; }
+  const std::shared_ptr<const Model>& shared_model() const { return model_; }
   // A new, empty conversation on this model (its own KV caches), sized for max_context().
   std::unique_ptr<Sequence> new_sequence() const;
   int64_t max_context() const { return max_context_; }

@@ -12,9 +12,6 @@
 namespace gemstage {
 
 namespace {
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // Bytes at the end of `text` that could still grow into a stop string.
 size_t held_back(const std::string& text, const std::vector<std::string>& stops) {
@@ -29,22 +26,21 @@ size_t held_back(const std::string& text, const std::vector<std::string>& stops)
 }
 }  // namespace
 
-TokenStream::TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+TokenStream::TokenStream(const Tokenizer* tokenizer, const std::vector<int32_t>& prompt,
                          const GenerationOptions& opt)
-    : tok_(tokenizer),
-      opt_(opt),
-      sampler_(opt.sampling),
-      decoder_(tokenizer, /*skip_special=*/!opt.keep_special_text),
-      history_(prompt) {
+    : tok_(tokenizer), opt_(opt), sampler_(opt.sampling), history_(prompt) {
+  if (tok_) decoder_.emplace(*tok_, /*skip_special=*/!opt.keep_special_text);
   for (const std::string& s : opt_.stop_strings)
     if (s.empty()) fail("stop strings must not be empty");
+  if (!tok_ && (!opt_.stop_strings.empty() || opt_.json_grammar || opt_.tool_call_grammar))
+    fail("stop strings and output constraints need the model's tokenizer");
   res_.finish_reason = "length";
   if (opt_.json_grammar && opt_.tool_call_grammar)
     fail("a JSON output format and forced tool calls cannot be combined");
   if (opt_.json_grammar)
-    constraint_.emplace(opt_.json_grammar, ConstraintVocabulary::of(tokenizer), opt_.stop_ids);
+    constraint_.emplace(opt_.json_grammar, ConstraintVocabulary::of(*tok_), opt_.stop_ids);
   if (opt_.tool_call_grammar)
-    constraint_.emplace(opt_.tool_call_grammar, ConstraintVocabulary::of(tokenizer), opt_.stop_ids);
+    constraint_.emplace(opt_.tool_call_grammar, ConstraintVocabulary::of(*tok_), opt_.stop_ids);
   if (opt_.max_tokens <= 0) finish("length", true, {});
 }
 
@@ -61,7 +57,7 @@ void TokenStream::finish(const std::string& reason, bool flush, const TextCallba
   done_ = true;
   // Text held back as a possible stop-string prefix is released once generation is over.
   if (flush) {
-    res_.text += decoder_.flush();
+    if (decoder_) res_.text += decoder_->flush();
     emit_until(res_.text.size(), on_text);
   }
 }
@@ -152,7 +148,7 @@ std::optional<int32_t> TokenStream::take(int32_t id, const float* raw_logits, in
   std::string& text = res_.text;
   // Ids the tokenizer does not name (padding rows of a larger model vocabulary) decode to
   // nothing, as HF's decode skips them.
-  if (tok_.has_id(id)) text += decoder_.push(id);
+  if (tok_ && tok_->has_id(id)) text += decoder_->push(id);
   size_t cut = std::string::npos;
   for (const std::string& s : opt_.stop_strings) {
     const size_t at = text.find(s);
@@ -200,75 +196,6 @@ TokenLogprob token_logprob(const float* logits, int64_t vocab, int32_t id, int t
   for (size_t j = 0; j < k; ++j)
     out.top.emplace_back(idx[j], static_cast<float>(logits[idx[j]] - log_z));
   return out;
-}
-
-GenerationSession::GenerationSession(Sequence& sequence, const Tokenizer& tokenizer)
-    : seq_(sequence), tok_(tokenizer) {}
-
-void GenerationSession::reset() {
-  seq_.reset();
-}
-
-GenerationResult GenerationSession::generate(ThreadPool& pool, const std::vector<int32_t>& prompt,
-                                             const FloatTensor* soft_tokens,
-                                             const GenerationOptions& opt,
-                                             const TextCallback& on_text) {
-  GenerationResult res;
-  res.prompt_tokens = static_cast<int64_t>(prompt.size());
-  if (prompt.empty()) fail("the prompt is empty");
-  if (static_cast<int64_t>(prompt.size()) >= seq_.max_context())
-    fail("the prompt has ", prompt.size(), " tokens but the context holds ", seq_.max_context(),
-         "; shorten the prompt or raise --ctx-size / -c");
-  for (const std::string& s : opt.stop_strings)
-    if (s.empty()) fail("stop strings must not be empty");
-
-  // Reuse the cached prefix only if the caches hold exactly a prefix of this prompt (and leave at
-  // least one new token to produce logits from).
-  const std::vector<int32_t>& held = seq_.tokens();
-  size_t common = 0;
-  while (common < held.size() && common + 1 < prompt.size() && held[common] == prompt[common])
-    ++common;
-  // On the large models an image's rows see each other: the new part must not start inside one.
-  const auto keep = static_cast<size_t>(
-      chunk_end_keeping_images_whole(seq_.config(), prompt, 0, static_cast<int64_t>(common)));
-  common = keep <= common ? keep : 0;
-  if (common < held.size()) {
-    // The new prompt diverges inside what is cached (e.g. a reply re-tokenized differently):
-    // roll the caches back to the common prefix, or start over if they cannot go that far.
-    if (common == 0 || !seq_.truncate(static_cast<int64_t>(common))) {
-      reset();
-      common = 0;
-    }
-  }
-  res.reused_tokens = static_cast<int64_t>(common);
-  const std::span<const int32_t> rest(prompt.data() + common, prompt.size() - common);
-  FloatTensor soft_rest;
-  const FloatTensor* soft = nullptr;
-  if (soft_tokens && soft_tokens->numel() > 0) {
-    const int64_t skip =
-        count_placeholders(seq_.config(), std::span<const int32_t>(prompt.data(), common));
-    const int64_t n = soft_tokens->dim(0) - skip;
-    if (n > 0) {
-      soft_rest = slice_rows(*soft_tokens, skip, n);
-      soft = &soft_rest;
-    }
-  }
-  const double t0 = now();
-  FloatTensor logits = seq_.prefill(pool, rest, soft, opt.chunk, false, nullptr);
-  res.prefill_seconds = now() - t0;
-
-  const int64_t V = seq_.config().text.vocab_size;
-  TokenStream stream(tok_, prompt, opt);
-  const double t1 = now();
-  while (const std::optional<int32_t> id = stream.next(
-             logits.row(logits.dim(0) - 1), V, seq_.n_past() + 1 <= seq_.max_context(), on_text))
-    logits = seq_.forward(pool, std::span<const int32_t>(&*id, 1), nullptr, false, nullptr);
-  res.tokens = stream.result().tokens;
-  res.logprobs = stream.result().logprobs;
-  res.text = stream.result().text;
-  res.finish_reason = stream.result().finish_reason;
-  res.decode_seconds = now() - t1;
-  return res;
 }
 
 }  // namespace gemstage

@@ -1,6 +1,7 @@
-// Tokens in, tokens out: a generation session over a Sequence. It remembers what the caches
-// already hold, so a multi-turn chat only prefills the new suffix of each prompt; it stops on
-// stop ids, stop strings, max_tokens and the context limit, and streams UTF-8-complete text.
+// The per-token half of generation: what to generate (GenerationOptions), how each next id is
+// chosen from the logits and when generation ends (TokenStream: stop ids, stop strings,
+// max_tokens, the context limit, cancellation), and the streamed UTF-8-complete text. The engine
+// (runtime/engine.h) runs the model and drives one TokenStream per request.
 #pragma once
 
 #include <atomic>
@@ -71,11 +72,13 @@ using TextCallback = std::function<bool(std::string_view piece)>;
 // The per-token half of a generation, for a caller that runs the model itself (a server that
 // steps many sequences in one batched call): samples each next id from logits, ends on stop ids,
 // stop strings, max_tokens, the context limit or cancellation, and streams UTF-8-complete text.
-// GenerationSession::generate drives one of these, so both produce the same ids and text.
+// The engine (runtime/engine.h) drives one of these per request, for every front end.
 class TokenStream {
  public:
   // prompt: the ids the sequence holds before the first generated token (the sampler's history).
-  TokenStream(const Tokenizer& tokenizer, const std::vector<int32_t>& prompt,
+  // tokenizer null: ids only (no text, no stop strings or constraints), e.g. `bench` on a
+  // checkpoint that ships no tokenizer.
+  TokenStream(const Tokenizer* tokenizer, const std::vector<int32_t>& prompt,
               const GenerationOptions& opt);
   // Samples from `logits` (vocab values). Returns the id the caller feeds next, or nullopt when
   // the generation ended (see result()). has_room: the sequence can take one more row.
@@ -114,33 +117,17 @@ class TokenStream {
   const float* without_banned(const float* raw_logits, int64_t rows, int64_t vocab);
   void finish(const std::string& reason, bool flush, const TextCallback& on_text);
 
-  const Tokenizer& tok_;
+  const Tokenizer* tok_;
   GenerationOptions opt_;
   Sampler sampler_;
   std::optional<TokenConstraint> constraint_;
   std::vector<float> masked_;  // the logits with the constraint applied
-  StreamDecoder decoder_;
+  std::optional<StreamDecoder> decoder_;
   std::vector<int32_t> history_;
   GenerationResult res_;
   size_t emitted_ = 0;
   int step_ = 0;
   bool done_ = false;
-};
-
-class GenerationSession {
- public:
-  GenerationSession(Sequence& sequence, const Tokenizer& tokenizer);
-
-  // prompt: the whole conversation so far as ids; soft_tokens fill all of its placeholder rows.
-  // When the prompt starts with what the caches hold, only the rest is prefilled.
-  GenerationResult generate(ThreadPool& pool, const std::vector<int32_t>& prompt,
-                            const FloatTensor* soft_tokens, const GenerationOptions& opt,
-                            const TextCallback& on_text = {});
-  void reset();
-
- private:
-  Sequence& seq_;  // holds exactly the ids its caches hold
-  const Tokenizer& tok_;
 };
 
 }  // namespace gemstage

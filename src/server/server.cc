@@ -25,6 +25,7 @@
 
 #include "gemma4/multimodal.h"
 #include "io/mapped_file.h"
+#include "runtime/engine.h"
 #include "runtime/speculative.h"
 #include "server/chat_page.h"
 #include "server/messages_api.h"
@@ -114,93 +115,25 @@ class ClientSocket {
   int fd_ = -1;
 };
 
-enum class CancelReason : int { kNone = 0, kClientGone, kShutdown };
-
 // Which API a generation request came in through; it decides the reply's shape.
 enum class Route { kChat, kCompletion, kMessages, kResponses };
 
-// One request on its way through the queue and a slot. The engine fills in the progress fields
-// under `mu`; the request's HTTP thread drains them. Neither holds `mu` while doing real work.
+// One request on its way: what its API asked for, the prompt and options it was prepared into,
+// and, once submitted, the engine's handle of its generation (runtime/engine.h).
 struct Job {
   bool chat = true;
   std::vector<ChatInput> messages;          // chat
   std::optional<ToolRequest> tool_request;  // chat with tools / tool history (api.h)
-  std::string generation_prefix;            // tool path: what the prompt's model turn began with
   nlohmann::json response_echo;             // /v1/responses: request fields the reply repeats
   std::string prompt_text;                  // completion
   std::optional<std::vector<int32_t>> prompt_ids;  // completion sent as token ids
   SamplingOverrides sampling;
 
-  std::atomic<bool> cancel{false};
-  std::atomic<int> cancel_reason{static_cast<int>(CancelReason::kNone)};
-  void request_cancel(CancelReason r) {
-    int none = static_cast<int>(CancelReason::kNone);
-    cancel_reason.compare_exchange_strong(none, static_cast<int>(r));
-    cancel.store(true);
-  }
-  CancelReason reason() const { return static_cast<CancelReason>(cancel_reason.load()); }
-
-  std::mutex mu;
-  std::condition_variable cv;
-  bool started = false;  // the prompt is prepared and fits: the reply is a 200 from here on
-  bool done = false;
-  std::optional<ApiError> error;
-  std::string pending;                 // generated text the HTTP thread has not taken yet
-  std::vector<TokenLogprob> logprobs;  // every generated token's, when the request asked
-  std::string text;                    // the whole reply, once done
-  int64_t prompt_tokens = 0, completion_tokens = 0;
-  std::string finish_reason;
-  std::string stop_sequence;  // the stop string that ended the reply, if one did
-
   // Rendered before the request queues (Impl::prepare).
   PreparedPrompt prompt;
   GenerationOptions gen;
-  int64_t capacity = 0;  // KV rows it may need: prompt + max_tokens, at most a sequence's context
-  // Speculative decoding for this request (Impl::prepare): drafts per round at most (0: plain
-  // decoding) and at least.
-  int draft_max = 0, draft_min = 0;
-};
-
-// What a slot is doing, as /health reports it.
-enum class SlotState { kIdle, kPrefill, kDecode };
-
-const char* slot_state_name(SlotState s) {
-  switch (s) {
-    case SlotState::kPrefill:
-      return "prefill";
-    case SlotState::kDecode:
-      return "decode";
-    default:
-      return "idle";
-  }
-}
-
-// A slot is one conversation at a time on the shared model: its own sequence (KV caches). All
-// slots step together in the engine's batched calls. Only the engine thread touches a slot's
-// sequence and generation state; `job` changes under Impl::q_mu, and `state`, `rows` and
-// `reserved` are copies kept under Impl::q_mu for /health, /metrics and the KV budget.
-struct Slot {
-  int id = 0;
-  std::unique_ptr<Sequence> sequence;
-  std::shared_ptr<Job> job;  // the running request; null when idle
-  std::vector<int32_t> prompt;
-  FloatTensor soft;      // soft tokens of the prompt rows not yet in the caches, in order
-  int64_t soft_at = 0;   // of those, how many earlier steps consumed
-  int64_t capacity = 0;  // rows this request may hold (its share of the KV budget)
-  std::unique_ptr<TokenStream> stream;
-  std::optional<int32_t> next_id;  // decoding: the id the next step feeds
-  uint64_t admitted = 0;           // admission order: prompts are prefilled oldest first
-  uint64_t last_used = 0;          // when it last ran, to evict the stalest held prefix first
-  SlotState state = SlotState::kIdle;
-  int64_t rows = 0;        // KV rows the sequence holds
-  int64_t reserved = 0;    // budget rows counted for it: capacity while running, rows when idle
-  bool in_flight = false;  // in a call the pipeline has not finished (engine thread only)
-  // Speculative decoding (engine thread only): the request's draft control, the target's
-  // post-final-norm hidden of the row before next_id (the drafter's h; empty when not known),
-  // and this step's verify rows [next_id, d_1..d_k] (empty: a plain decode row).
-  std::optional<DraftControl> draft;
-  std::vector<float> draft_h;
-  std::vector<int32_t> verify_ids;
+  std::optional<SpeculativeOptions> draft;  // this request's drafting; nullopt: plain decoding
+  std::shared_ptr<Generation> generation;   // the engine's handle, once submitted
 };
 
 // The Messages routes answer in Anthropic's error shape, every other route in OpenAI's.
@@ -245,52 +178,19 @@ struct Server::Impl {
   bool load_finished = false;
   std::string load_error;
   std::string model_name;
-  int64_t max_context = 0;  // one sequence's context: the budget, or the model's maximum if less
-  int64_t kv_budget = 0;    // KV rows all sequences hold together (-c)
-  int batch_rows = 0, ubatch_rows = 0;  // rows per step (-b) and per batched call (-ub)
-  std::vector<int> placeholders;        // the model's image/audio/video placeholder ids
-  int64_t created = 0;                  // when the model was loaded, for /v1/models
+  int64_t created = 0;  // when the model was loaded, for /v1/models
   GenerationOptions defaults;
 
-  std::unique_ptr<Assistant> assistant;     // the model and tokenizer every slot shares
-  std::unique_ptr<AssistantModel> drafter;  // -md: the MTP drafter every drafting slot runs
-  AssistantDonors draft_donors;             // the target layers whose K/V the drafter reads
-  std::string drafter_name;                 // -md DIR, or the bundle and its drafter stage
-  std::atomic<int64_t> draft_rounds_total{0}, drafted_total{0}, draft_accepted_total{0};
-  std::unique_ptr<ThreadPool> pool;  // all compute threads, the engine's alone
+  std::unique_ptr<Assistant> assistant;  // the model and tokenizer every request shares
+  std::string drafter_name;              // -md DIR, or the bundle and its drafter stage
+  std::unique_ptr<ThreadPool> pool;      // all compute threads, the engine's alone
   // Renders chat prompts (the vision tower for their images) beside the engine.
   std::mutex prepare_mu;
   std::unique_ptr<ThreadPool> prepare_pool;
-  std::vector<std::unique_ptr<Slot>> slots;
-  // The engine's calls in flight. With stages on other processes (MPI ranks) several are, each
-  // over its own slots, so every process computes at once (stage/call_pipeline.h).
-  struct CallInFlight {
-    std::vector<Slot*> owners;
-    std::vector<int64_t> soft_rows;  // soft tokens each entry consumed
-    int64_t rows = 0;
-    // With a drafter: the post-final-norm hidden of every head row (the drafter's h), each
-    // entry's rows in turn (all of a verify's rows, the last row of any other entry).
-    std::unique_ptr<TapRecorder> hidden;
-  };
-  int pipeline_depth = 1;
-  std::unique_ptr<CallPipeline> pipeline;
-  std::map<uint64_t, CallInFlight> calls_in_flight;
+  // The scheduler every request goes through (runtime/engine.h), and the thread that steps it.
+  std::unique_ptr<Engine> engine;
   std::thread engine_thread;
-  mutable std::mutex q_mu;
-  std::condition_variable q_cv, idle_cv;
-  std::deque<std::shared_ptr<Job>> queue;  // FIFO: the engine admits from the front only
-  bool queue_changed = false;
-  int busy = 0;  // slots running a request
-  bool engine_stop = false;
-  uint64_t steps = 0, admissions = 0;  // engine thread only
-  std::atomic<int64_t> completed{0}, cancelled{0}, failed{0}, refused{0};
-  std::atomic<int64_t> prompt_tokens_total{0}, reused_tokens_total{0}, generated_tokens_total{0};
-  // Step latency as a Prometheus histogram (upper bounds in seconds), under q_mu.
-  static constexpr std::array<double, 10> kStepBuckets = {0.005, 0.01, 0.025, 0.05, 0.1,
-                                                          0.25,  0.5,  1,     2.5,  10};
-  std::array<int64_t, kStepBuckets.size() + 1> step_counts{};
-  double step_seconds_sum = 0;
-  int64_t step_rows_total = 0;
+  std::atomic<int64_t> refused{0};  // requests whose prompt could not start
 
   // Streamed replies not yet fully written; the listener stays open until they are.
   std::mutex streams_mu;
@@ -340,18 +240,10 @@ struct Server::Impl {
 
   void setup_routes();
   void load();
-  void open_drafter();
-  void engine();
+  std::shared_ptr<const AssistantModel> open_drafter();
   void prepare(Job& job);
-  void admit();
-  void start_job(Slot& s, const std::shared_ptr<Job>& job);
-  bool draft(Slot& s);
-  void step();
-  int64_t finish_call();
-  void drop_calls_in_flight();
-  void end_job(Slot& s, const std::string& reason, const std::optional<ApiError>& error = {});
   std::string metrics_text();
-  void submit(const std::shared_ptr<Job>& job);
+  void submit(Job& job);
   void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
   void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
   std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
@@ -367,35 +259,30 @@ void Server::Impl::load() {
   try {
     if (opt.before_load) opt.before_load();
     const int total = opt.threads > 0 ? opt.threads : default_thread_count();
-    // -c is the KV budget of all sequences together, and also bounds a single one.
-    assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type);
+    assistant = Assistant::open(opt.model_path, opt.ctx, opt.kv_type, opt.models);
     const Assistant& a = *assistant;
-    kv_budget = opt.ctx > 0 ? opt.ctx : a.max_context();
-    max_context = std::min(kv_budget, a.max_context());
-    batch_rows = std::max(1, opt.batch);
-    ubatch_rows = std::max(1, std::min(opt.ubatch, batch_rows));
-    placeholders = a.model().config().placeholder_token_ids();
     pool = std::make_unique<ThreadPool>(total);
-    pipeline = std::make_unique<CallPipeline>(*pool);
-    pipeline_depth = CallPipeline::depth(a.model());
     prepare_pool = std::make_unique<ThreadPool>(std::max(1, total / 2));
-    for (int i = 0; i < opt.parallel; ++i) {
-      auto s = std::make_unique<Slot>();
-      s->id = i;
-      s->sequence = assistant->new_sequence();
-      slots.push_back(std::move(s));
-    }
-    open_drafter();
+    EngineOptions eo;
+    eo.slots = opt.parallel;
+    eo.kv_budget = opt.ctx;
+    eo.batch_rows = opt.batch;
+    eo.ubatch_rows = opt.ubatch;
+    eo.pipeline_depth = opt.pipeline_depth;
+    eo.kv_type = opt.kv_type;
+    eo.before_step = opt.before_step;
+    eo.drafter = open_drafter();
+    engine = std::make_unique<Engine>(assistant->shared_model(), &a.tokenizer(), *pool, eo);
     model_name = a.model_name();
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
     defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
     defaults.sampling.suppress_tokens = a.suppress_tokens();
     defaults.cancel = nullptr;
-    engine_thread = std::thread([this] { engine(); });
+    engine_thread = std::thread([this] { engine->run(); });
     ready.store(true);
   } catch (const std::exception& e) {
-    slots.clear();
+    engine.reset();
     std::lock_guard<std::mutex> lk(load_mu);
     load_error = e.what();
   }
@@ -406,14 +293,15 @@ void Server::Impl::load() {
   load_cv.notify_all();
 }
 
-// -md: the drafter, checked against the target. It reads the target's donor caches through each
-// slot's own sequence, so those layers must run in this process.
-void Server::Impl::open_drafter() {
+// -md: the drafter, checked against the target. It reads the target's donor caches, so those
+// layers must run in this process; a bundle's own drafter stage that cannot is left out with a
+// note, an explicit -md is an error.
+std::shared_ptr<const AssistantModel> Server::Impl::open_drafter() {
   if (opt.draft_max < 0 || opt.draft_max > kMaxDraftsPerRound || opt.draft_min < 0)
     fail("--draft-max must be 0-", kMaxDraftsPerRound, " and --draft-min at least 0");
   // -md DIR, else a bundle's drafter stage (export -md) unless turned off.
   const bool from_bundle = opt.model_draft.empty();
-  std::unique_ptr<AssistantModel> d;
+  std::shared_ptr<const AssistantModel> d;
   if (!from_bundle) {
     d = gemstage::open_drafter(opt.model_draft);
     drafter_name = opt.model_draft;
@@ -422,14 +310,14 @@ void Server::Impl::open_drafter() {
     d = open_bundle_drafter(opt.model_path, m);
     if (d) drafter_name = opt.model_path + " (stage " + m.drafter->id + ")";
   }
-  if (!d) return;
+  if (!d) return nullptr;
   const Model& target = assistant->model();
   check_assistant_matches(d->config(), target.config(), drafter_name, opt.model_path);
-  draft_donors = assistant_donor_layers(target.config().text);
   // What each round's draft_context needs: the embedding table and the donor caches here.
   std::string missing;
   try {
-    (void)draft_context(*slots.front()->sequence, draft_donors, 0);
+    Sequence probe(assistant->shared_model(), 1, opt.kv_type);
+    (void)draft_context(probe, assistant_donor_layers(target.config().text), 0);
   } catch (const Error& e) {
     missing = e.what();
   }
@@ -438,79 +326,31 @@ void Server::Impl::open_drafter() {
       fail("-md ", opt.model_draft, ": ", missing,
            "; serve without -md, or keep the last transformer stage in the server's process");
     std::cerr << "serve: decoding without the bundle's drafter stage: " << missing << "\n";
-    return;
+    drafter_name.clear();
+    return nullptr;
   }
-  drafter = std::move(d);
+  return d;
 }
 
 namespace {
-void fail_job(Job& job, const ApiError& e) {
-  {
-    std::lock_guard<std::mutex> lk(job.mu);
-    job.error = e;
-    job.done = true;
+// The API's error for a request the engine could not finish.
+ApiError api_error(const EngineError& e) {
+  switch (e.kind) {
+    case EngineError::Kind::kOutOfMemory:
+      return ApiError(503, "out of memory while serving this request", "server_error", {},
+                      "out_of_memory");
+    case EngineError::Kind::kStageFailed:
+      return ApiError(503, e.message, "server_error", {}, "stage_failed");
+    case EngineError::Kind::kCancelled:
+      return ApiError(499, "the client went away", "invalid_request_error");
+    case EngineError::Kind::kShuttingDown:
+      return shutting_down_error();
+    case EngineError::Kind::kInternal:
+      break;
   }
-  job.cv.notify_all();
-}
-
-// Rows `held` and `prompt` share, leaving at least one prompt row to produce logits from. The
-// shared run stops at the first image/audio placeholder: equal placeholder ids say nothing about
-// whether the soft tokens behind them (the pictures) are the same.
-size_t common_prefix(const std::vector<int32_t>& held, const std::vector<int32_t>& prompt,
-                     const std::vector<int>& placeholders) {
-  size_t n = 0;
-  while (n < held.size() && n + 1 < prompt.size() && held[n] == prompt[n] &&
-         std::find(placeholders.begin(), placeholders.end(), prompt[n]) == placeholders.end())
-    ++n;
-  return n;
+  return ApiError(500, e.message, "server_error");
 }
 }  // namespace
-
-// One thread runs the model for every request: each step it takes new requests off the queue
-// while slots and the KV budget allow, then runs one batched step over all running ones.
-void Server::Impl::engine() {
-  std::vector<std::shared_ptr<Job>> waiting;
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lk(q_mu);
-      if (busy == 0) {
-        // Idle: wake for a new request, or now and then to drop queued ones whose client left.
-        q_cv.wait_for(lk, kPollInterval, [&] { return engine_stop || queue_changed; });
-        if (engine_stop) return;
-      }
-      queue_changed = false;
-      waiting.assign(queue.begin(), queue.end());
-    }
-    std::vector<const Job*> dropped;
-    for (const auto& job : waiting) {
-      if (job->cancel.load()) {
-        // Its client left while it queued: nobody is waiting for the answer.
-        ++cancelled;
-        fail_job(*job, ApiError(499, "the client went away", "invalid_request_error"));
-        dropped.push_back(job.get());
-      }
-    }
-    waiting.clear();
-    {
-      std::lock_guard<std::mutex> lk(q_mu);
-      std::erase_if(queue, [&](const std::shared_ptr<Job>& j) {
-        return std::find(dropped.begin(), dropped.end(), j.get()) != dropped.end();
-      });
-      admit();
-      if (busy == 0) continue;
-    }
-    if (opt.before_step) opt.before_step();
-    try {
-      step();
-    } catch (const std::exception& e) {
-      // Not expected (a failed batched call already ends only its own requests); ending every
-      // running request keeps the engine serving the next ones.
-      drop_calls_in_flight();
-      for (auto& s : slots)
-        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
-    }
-  }
-}
 
 // The prompt as ids (and soft tokens), on the request's own HTTP thread, so neither a long
 // prompt's tokenization nor its images' vision tower pauses the engine's running streams; a prompt
@@ -530,8 +370,6 @@ void Server::Impl::prepare(Job& job) {
       job.prompt =
           assistant->prepare_conversation(t.messages, t.tools, conv, t.media, prepare_pool.get());
     }
-    std::lock_guard<std::mutex> lk(job.mu);
-    job.generation_prefix = job.prompt.generation_prefix;
   } else if (job.chat) {
     // One conversation at a time on the preparation pool (a pool runs one job at a time).
     std::lock_guard<std::mutex> lk(prepare_mu);
@@ -541,36 +379,26 @@ void Server::Impl::prepare(Job& job) {
   } else {
     job.prompt = assistant->prepare_raw(job.prompt_text);
   }
-  const auto n = static_cast<int64_t>(job.prompt.ids.size());
-  if (n >= max_context)
-    throw ApiError(400,
-                   "the prompt is " + std::to_string(n) + " tokens but the context holds " +
-                       std::to_string(max_context) +
-                       " (including room for at least one generated token); shorten the "
-                       "conversation or start the server with a larger -c / --ctx-size",
-                   "invalid_request_error", job.chat ? "messages" : "prompt",
-                   "context_length_exceeded");
-  // Each placeholder row takes an image's or clip's soft token. One the prompt brings by itself
-  // (the text "<|image|>", or its id in a token-id prompt) has none to take: the engine step that
-  // reached it would fail and end every running request.
-  const int64_t soft_rows = job.prompt.soft_tokens.numel() > 0 ? job.prompt.soft_tokens.dim(0) : 0;
-  const ModelConfig& config = assistant->model().config();
-  if (count_placeholders(config, job.prompt.ids) != soft_rows) {
-    const std::vector<int> ph = config.placeholder_token_ids();
-    const auto it =
-        std::find_first_of(job.prompt.ids.begin(), job.prompt.ids.end(), ph.begin(), ph.end());
-    const auto at = it - job.prompt.ids.begin();
+  // What the engine refuses at submit, refused here with the API's field and code, so a prompt
+  // that can never run is a 400 before it queues (and /v1/messages/count_tokens says so too).
+  try {
+    engine->validate(job.prompt.ids, job.prompt.soft_tokens);
+  } catch (const RequestRejected& e) {
+    const char* field = job.chat ? "messages" : "prompt";
+    if (e.reason() == RequestRejected::Reason::kPromptTooLong)
+      throw ApiError(400,
+                     std::string(e.what()) +
+                         "; shorten the conversation or start the server with a larger -c / "
+                         "--ctx-size",
+                     "invalid_request_error", field, "context_length_exceeded");
     throw ApiError(400,
                    job.chat
                        ? "the conversation holds an image / audio placeholder token in its "
                          "text, with no image or audio to fill it"
-                       : "the prompt's token " + std::to_string(at) + " is " + std::to_string(*it) +
-                             ", an image / audio placeholder, with no image or audio to "
-                             "fill it; send images and audio to /v1/chat/completions",
-                   "invalid_request_error", job.chat ? "messages" : "prompt", "invalid_value");
+                       : std::string(e.what()) + "; send images and audio to /v1/chat/completions",
+                   "invalid_request_error", field, "invalid_value");
   }
   job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
-  job.gen.cancel = &job.cancel;
   if (job.sampling.ignore_eos)
     job.gen.stop_ids = *job.sampling.ignore_eos ? std::vector<int32_t>{} : assistant->stop_ids();
   job.gen.keep_special_text = job.tool_request.has_value();
@@ -611,10 +439,9 @@ void Server::Impl::prepare(Job& job) {
   for (const std::string& stop : job.gen.stop_strings)
     if (stop.empty())
       throw ApiError(400, "stop strings must not be empty", "invalid_request_error", "stop");
-  job.capacity = std::min(max_context, n + std::max(0, job.gen.max_tokens));
   // Speculative decoding: the request's speculative.n_max / n_min, else the server's.
   const SamplingOverrides& so = job.sampling;
-  if (!drafter) {
+  if (!engine->drafting()) {
     if (so.draft_max.value_or(0) > 0)
       throw ApiError(400,
                      "'speculative.n_max' asks for drafting, but the server was started without "
@@ -622,489 +449,23 @@ void Server::Impl::prepare(Job& job) {
                      "invalid_request_error", "speculative.n_max", "invalid_value");
     return;
   }
-  job.draft_max = so.draft_max.value_or(opt.draft_max);
-  job.draft_min = so.draft_min.value_or(std::min(opt.draft_min, job.draft_max));
-  if (job.draft_max > 0 && job.draft_min > job.draft_max)
+  SpeculativeOptions draft;
+  draft.draft_max = so.draft_max.value_or(opt.draft_max);
+  draft.draft_min = so.draft_min.value_or(std::min(opt.draft_min, draft.draft_max));
+  draft.adaptive = opt.draft_adapt;
+  if (draft.draft_max > 0 && draft.draft_min > draft.draft_max)
     throw ApiError(400,
-                   "'speculative.n_min' (" + std::to_string(job.draft_min) +
+                   "'speculative.n_min' (" + std::to_string(draft.draft_min) +
                        ") must not exceed the drafts per round at most (" +
-                       std::to_string(job.draft_max) + ")",
+                       std::to_string(draft.draft_max) + ")",
                    "invalid_request_error", "speculative.n_min", "invalid_value");
-  // Constrained output decodes plainly (drafts are not constrained). Prompts with images or
-  // audio draft like text ones: the prompt's rows are prefilled as usual, and the drafter reads
-  // them through the target's caches.
-  if (job.gen.json_grammar || job.gen.tool_call_grammar) job.draft_max = 0;
-}
-
-// Under q_mu. Oldest first and nobody overtakes: the front request waits until a slot is free
-// and its rows fit the budget, evicting the prefixes idle slots hold (oldest first) if needed.
-void Server::Impl::admit() {
-  while (!queue.empty() && !draining.load()) {
-    const std::shared_ptr<Job> job = queue.front();
-    // The idle slot whose caches save the most prefill: the longest prefix of this prompt, counted
-    // only where it saves at least as many rows as reusing the slot throws away (so an unrelated
-    // prompt that shares just <bos> leaves a conversation's caches alone); then the slot holding
-    // the fewest rows, then the stalest.
-    Slot* best = nullptr;
-    size_t best_gain = 0;
-    for (auto& s : slots) {
-      if (s->job) continue;
-      const size_t held = s->sequence->tokens().size();
-      const size_t common = common_prefix(s->sequence->tokens(), job->prompt.ids, placeholders);
-      const size_t gain = common >= held - common ? common : 0;
-      if (!best || gain > best_gain ||
-          (gain == best_gain &&
-           (held < best->sequence->tokens().size() ||
-            (held == best->sequence->tokens().size() && s->last_used < best->last_used)))) {
-        best = s.get();
-        best_gain = gain;
-      }
-    }
-    if (!best) return;
-    int64_t others = 0, evictable = 0;
-    for (auto& s : slots)
-      if (s.get() != best) {
-        others += s->reserved;
-        if (!s->job) evictable += s->reserved;
-      }
-    if (others + job->capacity > kv_budget) {
-      if (others - evictable + job->capacity > kv_budget) return;  // waits for running ones
-      std::vector<Slot*> idle;
-      for (auto& s : slots)
-        if (s.get() != best && !s->job && s->reserved > 0) idle.push_back(s.get());
-      std::sort(idle.begin(), idle.end(),
-                [](const Slot* x, const Slot* y) { return x->last_used < y->last_used; });
-      for (Slot* s : idle) {
-        if (others + job->capacity <= kv_budget) break;
-        s->sequence->reset();
-        others -= s->reserved;
-        s->rows = s->reserved = 0;
-      }
-    }
-    queue.pop_front();
-    start_job(*best, job);
-  }
-}
-
-// Under q_mu: the request takes the slot, reusing the prefix its caches hold.
-void Server::Impl::start_job(Slot& s, const std::shared_ptr<Job>& job) {
-  Sequence& seq = *s.sequence;
-  const std::vector<int32_t>& ids = job->prompt.ids;
-  size_t common = common_prefix(seq.tokens(), ids, placeholders);
-  if (common < seq.tokens().size()) {
-    // The prompt diverges inside what is cached: roll back to the common prefix, or start over
-    // if the caches cannot go that far.
-    if (common == 0 || !seq.truncate(static_cast<int64_t>(common))) {
-      seq.reset();
-      common = 0;
-    }
-  }
-  s.prompt = ids;
-  s.soft = FloatTensor();
-  s.soft_at = 0;
-  const FloatTensor& soft = job->prompt.soft_tokens;
-  if (soft.numel() > 0) {  // image and audio soft tokens, in placeholder order
-    const int64_t skip =
-        count_placeholders(seq.config(), std::span<const int32_t>(ids.data(), common));
-    if (soft.dim(0) > skip) s.soft = slice_rows(soft, skip, soft.dim(0) - skip);
-  }
-  s.capacity = job->capacity;
-  s.stream = std::make_unique<TokenStream>(assistant->tokenizer(), ids, job->gen);
-  s.next_id.reset();
-  s.draft.reset();
-  s.draft_h.clear();
-  s.verify_ids.clear();
-  if (job->draft_max > 0) {
-    SpeculativeOptions so;
-    so.draft_max = job->draft_max;
-    so.draft_min = job->draft_min;
-    so.adaptive = opt.draft_adapt;
-    s.draft.emplace(so);
-  }
-  s.admitted = ++admissions;
-  s.job = job;
-  s.state = SlotState::kPrefill;
-  s.rows = seq.n_past();
-  s.reserved = s.capacity;
-  ++busy;
-  prompt_tokens_total += static_cast<int64_t>(ids.size());
-  reused_tokens_total += static_cast<int64_t>(common);
-  {
-    std::lock_guard<std::mutex> lk(job->mu);
-    job->started = true;
-    job->prompt_tokens = static_cast<int64_t>(ids.size());
-  }
-  job->cv.notify_all();
-}
-
-// The request on `s` is over: its reply (or error) goes to the job, the slot is free again. A
-// cancelled or failed request's rows are dropped at once; a finished one's stay for prefix reuse
-// until the budget needs them.
-void Server::Impl::end_job(Slot& s, const std::string& reason,
-                           const std::optional<ApiError>& error) {
-  const std::shared_ptr<Job> job = s.job;
-  if (!error) s.stream->end(reason);
-  const GenerationResult& r = s.stream->result();
-  const bool drop = error || r.finish_reason == "cancelled";
-  // The counters and the slot first, so a client that has its reply sees them updated.
-  if (error)
-    ++failed;
-  else if (r.finish_reason == "cancelled")
-    ++cancelled;
-  else
-    ++completed;
-  if (!error) generated_tokens_total += static_cast<int64_t>(r.tokens.size());
-  if (drop) s.sequence->reset();
-  s.last_used = steps;
-  {
-    std::lock_guard<std::mutex> lk(q_mu);
-    s.job.reset();
-    s.state = SlotState::kIdle;
-    s.rows = s.reserved = s.sequence->n_past();
-    --busy;
-  }
-  idle_cv.notify_all();
-  if (error) {
-    fail_job(*job, *error);
-  } else {
-    {
-      std::lock_guard<std::mutex> lk(job->mu);
-      job->done = true;
-      job->text = r.text;
-      job->completion_tokens = static_cast<int64_t>(r.tokens.size());
-      job->finish_reason = r.finish_reason;
-      job->stop_sequence = r.stop_string;
-    }
-    job->cv.notify_all();
-  }
-  s.stream.reset();
-  s.prompt.clear();
-  s.soft = FloatTensor();
-  s.draft.reset();
-  s.draft_h.clear();
-  s.verify_ids.clear();
-}
-
-// A drafting slot's round for this step: up to k drafts from next_id and the hidden state of the
-// row before it, at the constant position P, reading the slot's own committed caches (it is in
-// no call); verified in this step as the k+1 rows [next_id, d_1..d_k] of one sequence. Leaves
-// verify_ids empty for a plain decode row. False when the drafter failed (the request ended).
-bool Server::Impl::draft(Slot& s) {
-  s.verify_ids.clear();
-  if (!s.draft || s.draft_h.empty()) return true;
-  Sequence& seq = *s.sequence;
-  const int64_t P = seq.n_past();
-  // max_tokens leaves room for the drafts and the target's own token; the verify's rows fit the
-  // request's reservation; one call takes them whole.
-  const int64_t k =
-      s.draft->next_draft(std::min({int64_t{s.job->gen.max_tokens} - s.stream->steps() - 1,
-                                    s.capacity - P - 1, int64_t{ubatch_rows} - 1}));
-  if (k <= 0) return true;
-  try {
-    // A drafted image/audio placeholder would be a row without its soft token, which a call
-    // that also carries another request's image refuses: the round ends before it.
-    s.verify_ids = draft_round(*pool, *drafter, draft_context(seq, draft_donors, P), *s.next_id,
-                               s.draft_h, k, [&](int32_t tok) {
-                                 return std::find(placeholders.begin(), placeholders.end(), tok) !=
-                                        placeholders.end();
-                               });
-  } catch (const std::exception& e) {
-    s.verify_ids.clear();
-    end_job(s, "", ApiError(500, std::string("drafting failed: ") + e.what(), "server_error"));
-    return false;
-  }
-  if (s.verify_ids.size() == 1) s.verify_ids.clear();
-  return true;
-}
-
-// One batched step: a decode row for every sequence that is generating, then prompt rows of the
-// sequences being prefilled (oldest first) up to -b rows in all, run as calls of at most -ub rows.
-// With the model's stages in several processes, the running sequences are split over that many
-// calls kept in flight together, and a step ends once one of them finished (its sequences then
-// take part in the next step while the others still compute); otherwise every call finishes
-// within its step.
-void Server::Impl::step() {
-  ++steps;
-  const auto t0 = Clock::now();
-  for (auto& s : slots)
-    if (s->job && !s->in_flight && s->job->cancel.load()) end_job(*s, "cancelled");
-
-  struct Piece {
-    Slot* slot;
-    int64_t begin, n;  // prompt rows [begin, begin + n); decode rows have n == 0
-  };
-  std::vector<Piece> pieces;
-  int64_t room = batch_rows;
-  // Every generating sequence gets its row each step (none starves when --parallel exceeds -b).
-  for (auto& s : slots)
-    if (s->job && !s->in_flight && s->next_id) {
-      if (drafter && !draft(*s)) continue;
-      pieces.push_back({s.get(), 0, 0});
-      room -= std::max<int64_t>(1, static_cast<int64_t>(s->verify_ids.size()));
-    }
-  std::vector<Slot*> filling;
-  for (auto& s : slots)
-    if (s->job && !s->in_flight && s->state == SlotState::kPrefill) filling.push_back(s.get());
-  std::sort(filling.begin(), filling.end(),
-            [](const Slot* a, const Slot* b) { return a->admitted < b->admitted; });
-  // At least one prompt row a step, so a prompt advances even when decode rows fill -b.
-  room = std::max<int64_t>(room, 1);
-  for (Slot* s : filling) {
-    const int64_t at = s->sequence->n_past();
-    int64_t n = std::min(room, static_cast<int64_t>(s->prompt.size()) - at);
-    if (n <= 0) break;
-    // On the large models an image's rows attend to each other within one call: a piece never
-    // ends inside an image (it ends before it, or takes all of it when the image comes first).
-    n = chunk_end_keeping_images_whole(s->sequence->config(), s->prompt, at, at + n) - at;
-    pieces.push_back({s, at, n});
-    room -= n;
-  }
-  if (pieces.empty() && pipeline->in_flight() == 0) return;
-  // Pipelined, a call takes its share of the running sequences.
-  size_t max_entries = pieces.size() + 1;
-  if (pipeline_depth > 1) {
-    size_t running = 0;
-    for (auto& s : slots) running += s->job ? 1 : 0;
-    max_entries = std::max<size_t>(1, (running + pipeline_depth - 1) / pipeline_depth);
-  }
-
-  int64_t rows_run = 0;
-  size_t finished = 0;
-  size_t next_piece = 0;
-  int64_t piece_done = 0;  // rows of pieces[next_piece] already run
-  while (next_piece < pieces.size()) {
-    // One call: whole decode rows and prompt rows up to -ub, a piece split over calls if needed.
-    std::vector<BatchEntry> batch;
-    std::vector<Slot*> owners;
-    std::vector<int64_t> soft_rows;  // each entry's placeholder rows
-    int64_t call_rows = 0;
-    while (next_piece < pieces.size() && call_rows < ubatch_rows && batch.size() < max_entries) {
-      const Piece& p = pieces[next_piece];
-      Slot& s = *p.slot;
-      if (!s.job) {  // ended by a failed call earlier in this step
-        ++next_piece;
-        piece_done = 0;
-        continue;
-      }
-      if (std::find(owners.begin(), owners.end(), &s) != owners.end()) break;
-      BatchEntry e;
-      e.sequence = s.sequence.get();
-      if (p.n == 0 && !s.verify_ids.empty()) {  // a speculative round: every row's logits
-        e.ids = std::span<const int32_t>(s.verify_ids);
-        e.all_logits = true;
-        soft_rows.push_back(0);
-        ++next_piece;
-        call_rows += static_cast<int64_t>(s.verify_ids.size());
-      } else if (p.n == 0) {
-        e.ids = std::span<const int32_t>(&*s.next_id, 1);
-        soft_rows.push_back(0);
-        ++next_piece;
-        call_rows += 1;
-      } else {
-        const int64_t from = p.begin + piece_done;
-        const int64_t take = chunk_end_keeping_images_whole(
-                                 s.sequence->config(), s.prompt, from,
-                                 from + std::min(p.n - piece_done, ubatch_rows - call_rows)) -
-                             from;
-        e.ids = std::span<const int32_t>(s.prompt.data() + p.begin + piece_done,
-                                         static_cast<size_t>(take));
-        soft_rows.push_back(count_placeholders(s.sequence->config(), e.ids));
-        piece_done += take;
-        call_rows += take;
-        if (piece_done == p.n) {
-          ++next_piece;
-          piece_done = 0;
-        }
-      }
-      batch.push_back(e);
-      owners.push_back(&s);
-    }
-    if (batch.empty()) continue;
-    // A slot's rows go on from where its previous call left them: that call finishes first, as
-    // do calls beyond the pipeline's depth.
-    auto owner_in_flight = [&] {
-      for (Slot* s : owners)
-        if (s->in_flight) return true;
-      return false;
-    };
-    while (pipeline->in_flight() > 0 &&
-           (pipeline->in_flight() >= static_cast<size_t>(pipeline_depth) || owner_in_flight())) {
-      rows_run += finish_call();
-      ++finished;
-    }
-    // Each entry's soft tokens follow those its slot's earlier calls consumed; an entry whose
-    // request ended meanwhile leaves the call.
-    CallInFlight call;
-    std::vector<BatchEntry> live;
-    std::vector<FloatTensor> softs;
-    softs.reserve(batch.size());
-    for (size_t i = 0; i < batch.size(); ++i) {
-      Slot& s = *owners[i];
-      if (!s.job) continue;
-      BatchEntry e = batch[i];
-      if (soft_rows[i] > 0) {
-        softs.push_back(slice_rows(s.soft, s.soft_at, soft_rows[i]));
-        e.soft_tokens = &softs.back();
-      }
-      live.push_back(e);
-      call.owners.push_back(&s);
-      call.soft_rows.push_back(soft_rows[i]);
-    }
-    if (live.empty()) continue;
-    batch = std::move(live);
-    call.rows = call_rows;
-    if (drafter)
-      call.hidden = std::make_unique<TapRecorder>(std::vector<std::string>{"final_hidden"});
-    try {
-      const uint64_t id = pipeline->start(batch, call.hidden.get());
-      for (Slot* s : call.owners) s->in_flight = true;
-      calls_in_flight.emplace(id, std::move(call));
-    } catch (const std::exception& e) {
-      for (Slot* s : call.owners)
-        if (s->job) end_job(*s, "", ApiError(500, e.what(), "server_error"));
-    }
-  }
-  // Pipelined, the step ends once a call finished (the pipeline stays full); otherwise once all
-  // did.
-  while (pipeline->in_flight() > 0 &&
-         (pipeline_depth == 1 || finished == 0 ||
-          pipeline->in_flight() >= static_cast<size_t>(pipeline_depth))) {
-    rows_run += finish_call();
-    ++finished;
-  }
-  const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-  std::lock_guard<std::mutex> lk(q_mu);
-  for (auto& s : slots) s->rows = s->job ? s->sequence->n_past() : s->rows;
-  size_t b = 0;
-  while (b < kStepBuckets.size() && secs > kStepBuckets[b]) ++b;
-  ++step_counts[b];
-  step_seconds_sum += secs;
-  step_rows_total += rows_run;
-}
-
-// The next call of the pipeline to finish: its sequences sample their next ids (or their
-// requests end with the call's error). Returns the rows it ran.
-int64_t Server::Impl::finish_call() {
-  CallPipeline::Finished f = pipeline->next();
-  auto node = calls_in_flight.extract(f.call);
-  if (node.empty()) return 0;
-  CallInFlight& call = node.mapped();
-  for (Slot* s : call.owners) s->in_flight = false;
-  if (f.error) {
-    try {
-      std::rethrow_exception(f.error);
-    } catch (const std::bad_alloc&) {
-      for (Slot* s : call.owners)
-        if (s->job)
-          end_job(*s, "",
-                  ApiError(503, "out of memory while serving this request", "server_error", {},
-                           "out_of_memory"));
-    } catch (const std::exception& e) {
-      // A stage on a rank that stopped answering is the service's failure, not the request's.
-      const bool stage_down = !stage_failure().empty();
-      for (Slot* s : call.owners)
-        if (s->job)
-          end_job(*s, "",
-                  stage_down ? ApiError(503, e.what(), "server_error", {}, "stage_failed")
-                             : ApiError(500, e.what(), "server_error"));
-    }
-    return 0;
-  }
-  const int64_t V = assistant->model().config().text.vocab_size;
-  // The drafter's h: the post-final-norm hidden of each head row, entry after entry.
-  FloatTensor hidden;
-  if (call.hidden && call.hidden->has("final_hidden")) hidden = call.hidden->get("final_hidden");
-  int64_t head_row = 0;
-  for (size_t i = 0; i < call.owners.size(); ++i) {
-    Slot& s = *call.owners[i];
-    const FloatTensor& l = f.logits[i];
-    const int64_t row0 = head_row;
-    head_row += l.dim(0);
-    if (!s.job) continue;
-    s.soft_at += call.soft_rows[i];
-    const bool prompt_done = s.state == SlotState::kDecode ||
-                             s.sequence->n_past() == static_cast<int64_t>(s.prompt.size());
-    if (!prompt_done) continue;
-    const bool was_decoding = s.state == SlotState::kDecode;
-    if (s.state == SlotState::kPrefill) {
-      s.soft = FloatTensor();
-      std::lock_guard<std::mutex> lk(q_mu);
-      s.state = SlotState::kDecode;
-    }
-    Job& job = *s.job;
-    const TextCallback emit = [&job](std::string_view piece) {
-      {
-        std::lock_guard<std::mutex> lk(job.mu);
-        job.pending.append(piece);
-      }
-      job.cv.notify_all();
-      return !job.cancel.load();
-    };
-    // The hidden state of this entry's head row r becomes the drafter's h.
-    auto keep_hidden = [&](int64_t r) {
-      if (!s.draft || row0 + r >= hidden.dim(0) || hidden.numel() == 0) {
-        s.draft_h.clear();
-        return;
-      }
-      s.draft_h.assign(hidden.row(row0 + r), hidden.row(row0 + r) + hidden.dim(1));
-    };
-    if (!s.verify_ids.empty()) {
-      // A speculative round: the stream takes the accepted drafts and the target's own token
-      // (each as a plain step would, so stop strings, max_tokens and logprobs stay exact), and
-      // the sequence drops the rows past them.
-      const int64_t k = static_cast<int64_t>(s.verify_ids.size()) - 1;
-      const int64_t P = s.sequence->n_past() - k - 1;
-      int n = 0;
-      s.next_id = s.stream->next_verified(
-          l.row(0), V, std::span<const int32_t>(s.verify_ids).subspan(1),
-          [&](int64_t j) { return P + j + 2 <= s.capacity; }, emit, &n);
-      s.verify_ids.clear();
-      ++draft_rounds_total;
-      drafted_total += k;
-      draft_accepted_total += n;
-      s.draft->round(k, n, -1);
-      if (!s.sequence->truncate(P + n + 1)) {
-        if (s.next_id) {
-          end_job(s, "",
-                  ApiError(500,
-                           "speculative decoding: the KV cache cannot roll back to " +
-                               std::to_string(P + n + 1) + " rows",
-                           "server_error"));
-          continue;
-        }
-        s.sequence->reset();
-      }
-      keep_hidden(n);
-    } else {
-      s.next_id =
-          s.stream->next(l.row(l.dim(0) - 1), V, s.sequence->n_past() + 1 <= s.capacity, emit);
-      if (s.draft && was_decoding) s.draft->plain_step(-1);
-      keep_hidden(l.dim(0) - 1);
-    }
-    if (job.gen.top_logprobs >= 0) {
-      const std::vector<TokenLogprob>& all = s.stream->result().logprobs;
-      std::lock_guard<std::mutex> lk(job.mu);
-      job.logprobs.insert(job.logprobs.end(),
-                          all.begin() + static_cast<std::ptrdiff_t>(job.logprobs.size()),
-                          all.end());
-    }
-    if (!s.next_id) end_job(s, s.stream->result().finish_reason);
-  }
-  return call.rows;
-}
-
-// Abandons every call in flight: their sequences stay as they were before each call.
-void Server::Impl::drop_calls_in_flight() {
-  pipeline = std::make_unique<CallPipeline>(*pool);
-  calls_in_flight.clear();
-  for (auto& s : slots) {
-    s->in_flight = false;
-    s->verify_ids.clear();
-  }
+  // Constrained output decodes plainly (the engine drafts only for unconstrained streams).
+  if (draft.draft_max > 0) job.draft = draft;
 }
 
 // GET /metrics: Prometheus text exposition format, version 0.0.4.
 std::string Server::Impl::metrics_text() {
+  const Engine::Stats st = engine->stats();
   std::string out;
   auto metric = [&](const char* name, const char* type, const char* help) {
     out += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
@@ -1117,68 +478,68 @@ std::string Server::Impl::metrics_text() {
   metric("gemstage_requests_total", "counter",
          "Generation requests ended, by outcome (refused: the prompt could not start, e.g. too "
          "long; failed: an error while it ran).");
-  value("gemstage_requests_total{outcome=\"completed\"}", static_cast<double>(completed.load()));
-  value("gemstage_requests_total{outcome=\"cancelled\"}", static_cast<double>(cancelled.load()));
-  value("gemstage_requests_total{outcome=\"failed\"}", static_cast<double>(failed.load()));
+  value("gemstage_requests_total{outcome=\"completed\"}", static_cast<double>(st.completed));
+  value("gemstage_requests_total{outcome=\"cancelled\"}", static_cast<double>(st.cancelled));
+  value("gemstage_requests_total{outcome=\"failed\"}", static_cast<double>(st.failed));
   value("gemstage_requests_total{outcome=\"refused\"}", static_cast<double>(refused.load()));
   metric("gemstage_prompt_tokens_total", "counter", "Prompt tokens of requests that started.");
-  value("gemstage_prompt_tokens_total", static_cast<double>(prompt_tokens_total.load()));
+  value("gemstage_prompt_tokens_total", static_cast<double>(st.prompt_tokens));
   metric("gemstage_prompt_tokens_reused_total", "counter",
          "Prompt tokens found in a slot's caches and not prefilled again.");
-  value("gemstage_prompt_tokens_reused_total", static_cast<double>(reused_tokens_total.load()));
+  value("gemstage_prompt_tokens_reused_total", static_cast<double>(st.cached_tokens));
   metric("gemstage_generated_tokens_total", "counter", "Tokens generated.");
-  value("gemstage_generated_tokens_total", static_cast<double>(generated_tokens_total.load()));
+  value("gemstage_generated_tokens_total", static_cast<double>(st.generated_tokens));
   metric("gemstage_draft_rounds_total", "counter",
          "Speculative rounds: drafts verified in one step of their sequence (-md).");
-  value("gemstage_draft_rounds_total", static_cast<double>(draft_rounds_total.load()));
+  value("gemstage_draft_rounds_total", static_cast<double>(st.draft_rounds));
   metric("gemstage_draft_tokens_total", "counter", "Tokens the drafter proposed.");
-  value("gemstage_draft_tokens_total", static_cast<double>(drafted_total.load()));
+  value("gemstage_draft_tokens_total", static_cast<double>(st.drafted));
   metric("gemstage_draft_accepted_total", "counter", "Drafted tokens the target accepted.");
-  value("gemstage_draft_accepted_total", static_cast<double>(draft_accepted_total.load()));
-  std::lock_guard<std::mutex> lk(q_mu);
+  value("gemstage_draft_accepted_total", static_cast<double>(st.draft_accepted));
   metric("gemstage_step_seconds", "histogram", "Wall time of one engine step (all its calls).");
   int64_t cumulative = 0;
-  for (size_t b = 0; b < kStepBuckets.size(); ++b) {
-    cumulative += step_counts[b];
+  for (size_t b = 0; b < Engine::kStepBuckets.size(); ++b) {
+    cumulative += st.step_counts[b];
     std::ostringstream le;
-    le << kStepBuckets[b];
+    le << Engine::kStepBuckets[b];
     value("gemstage_step_seconds_bucket{le=\"" + le.str() + "\"}", static_cast<double>(cumulative));
   }
-  cumulative += step_counts.back();
+  cumulative += st.step_counts.back();
   value("gemstage_step_seconds_bucket{le=\"+Inf\"}", static_cast<double>(cumulative));
-  value("gemstage_step_seconds_sum", step_seconds_sum);
+  value("gemstage_step_seconds_sum", st.step_seconds_sum);
   value("gemstage_step_seconds_count", static_cast<double>(cumulative));
   metric("gemstage_step_rows_total", "counter", "Rows (decode and prompt) the engine ran.");
-  value("gemstage_step_rows_total", static_cast<double>(step_rows_total));
+  value("gemstage_step_rows_total", static_cast<double>(st.step_rows_total));
   metric("gemstage_queue_depth", "gauge", "Requests waiting for a slot or KV rows.");
-  value("gemstage_queue_depth", static_cast<double>(queue.size()));
+  value("gemstage_queue_depth", static_cast<double>(st.queued));
   metric("gemstage_slots", "gauge", "Slots (--parallel).");
-  value("gemstage_slots", static_cast<double>(slots.size()));
+  value("gemstage_slots", static_cast<double>(st.slots));
   metric("gemstage_slots_busy", "gauge", "Slots running a request.");
-  value("gemstage_slots_busy", busy);
-  int64_t used = 0, reserved = 0;
-  for (const auto& s : slots) {
-    used += s->rows;
-    reserved += s->reserved;
-  }
+  value("gemstage_slots_busy", st.busy);
   metric("gemstage_kv_rows_budget", "gauge", "KV rows all sequences share (-c).");
-  value("gemstage_kv_rows_budget", static_cast<double>(kv_budget));
+  value("gemstage_kv_rows_budget", static_cast<double>(st.kv_budget));
   metric("gemstage_kv_rows_used", "gauge", "KV rows the slots' caches hold.");
-  value("gemstage_kv_rows_used", static_cast<double>(used));
+  value("gemstage_kv_rows_used", static_cast<double>(st.kv_rows_used));
   metric("gemstage_kv_rows_free", "gauge",
          "KV rows of the budget not reserved by running requests or held by idle slots.");
-  value("gemstage_kv_rows_free", static_cast<double>(kv_budget - reserved));
+  value("gemstage_kv_rows_free", static_cast<double>(st.kv_budget - st.kv_rows_reserved));
   return out;
 }
 
-void Server::Impl::submit(const std::shared_ptr<Job>& job) {
-  {
-    std::lock_guard<std::mutex> lk(q_mu);
-    if (draining.load()) throw shutting_down_error();
-    queue.push_back(job);
-    queue_changed = true;
+// Hands the prepared request to the engine; the engine's refusals become the API's errors.
+void Server::Impl::submit(Job& job) {
+  if (draining.load()) throw shutting_down_error();
+  EngineRequest r;
+  r.ids = job.prompt.ids;
+  r.soft_tokens = job.prompt.soft_tokens;
+  r.gen = job.gen;
+  r.draft = job.draft;
+  try {
+    job.generation = engine->submit(std::move(r));
+  } catch (const RequestRejected& e) {
+    if (e.reason() == RequestRejected::Reason::kShuttingDown) throw shutting_down_error();
+    throw ApiError(400, e.what(), "invalid_request_error");
   }
-  q_cv.notify_one();
 }
 
 // ------------------------------------------------------------------------------------------
@@ -1186,19 +547,14 @@ void Server::Impl::submit(const std::shared_ptr<Job>& job) {
 
 namespace {
 
-// Waits for pred (checked under job.mu) while watching the client; false if it went away.
-template <typename Pred>
-bool wait_watching(Job& job, const ClientSocket& client, Pred pred) {
-  std::unique_lock<std::mutex> lk(job.mu);
-  while (!job.cv.wait_for(lk, kPollInterval, pred)) {
-    lk.unlock();
-    const bool alive = client.alive();
-    lk.lock();
-    if (!alive) {
-      job.request_cancel(CancelReason::kClientGone);
+// Waits until the generation started (or, with until_done, ended) while watching the client;
+// false (and the generation cancelled) if the client went away.
+bool wait_watching(Generation& g, const ClientSocket& client, bool until_done) {
+  while (!(until_done ? g.wait_done(kPollInterval) : g.wait_started(kPollInterval)))
+    if (!client.alive()) {
+      g.cancel();
       return false;
     }
-  }
   return true;
 }
 
@@ -1208,7 +564,6 @@ struct StreamState {
   ResponseMeta meta;
   bool chat = true, include_usage = false, sent_role = false;
   std::unique_ptr<ClientSocket> client;
-  size_t logprobs_sent = 0;                         // of job->logprobs
   const Tokenizer* tokenizer = nullptr;             // to name the logprobs' tokens
   std::function<void()> on_close;                   // the server's open-stream count
   std::unique_ptr<OutputStreamParser> tool_parser;  // tool path: raw text -> deltas
@@ -1238,26 +593,22 @@ struct StreamProgress {
   bool done = false;
   std::optional<ApiError> error;
   std::string finish, stop_sequence;
-  int64_t prompt_tokens = 0, completion_tokens = 0;
+  int64_t prompt_tokens = 0, cached_tokens = 0, completion_tokens = 0;
   std::vector<TokenLogprob> logprobs;  // of the tokens since the last look
 };
 
-StreamProgress take_progress(Job& j, size_t* logprobs_sent = nullptr) {
+StreamProgress take_progress(Job& j) {
+  Generation::Progress g = j.generation->take(kPollInterval);
   StreamProgress p;
-  std::unique_lock<std::mutex> lk(j.mu);
-  j.cv.wait_for(lk, kPollInterval, [&] { return !j.pending.empty() || j.done; });
-  p.piece.swap(j.pending);
-  if (logprobs_sent && *logprobs_sent < j.logprobs.size()) {
-    p.logprobs.assign(j.logprobs.begin() + static_cast<std::ptrdiff_t>(*logprobs_sent),
-                      j.logprobs.end());
-    *logprobs_sent = j.logprobs.size();
-  }
-  p.done = j.done;
-  p.error = j.error;
-  p.finish = j.finish_reason;
-  p.stop_sequence = j.stop_sequence;
-  p.prompt_tokens = j.prompt_tokens;
-  p.completion_tokens = j.completion_tokens;
+  p.piece = std::move(g.text);
+  p.logprobs = std::move(g.logprobs);
+  p.done = g.done;
+  if (g.error) p.error = api_error(*g.error);
+  p.finish = std::move(g.finish_reason);
+  p.stop_sequence = std::move(g.stop_string);
+  p.prompt_tokens = g.prompt_tokens;
+  p.cached_tokens = g.cached_tokens;
+  p.completion_tokens = g.completion_tokens;
   return p;
 }
 
@@ -1269,19 +620,15 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
     return events.empty() || sink.write(events.data(), events.size());
   };
   auto gone = [&] {
-    j.request_cancel(CancelReason::kClientGone);
+    j.generation->cancel();
     return false;
   };
   if (!st.sent_role) {
     st.sent_role = true;
-    int64_t prompt_tokens = 0;
-    {
-      std::lock_guard<std::mutex> lk(j.mu);
-      prompt_tokens = j.prompt_tokens;
-    }
-    if (!write(st.events->begin(prompt_tokens))) return gone();
+    if (!write(st.events->begin(j.generation->result().prompt_tokens))) return gone();
   }
-  StreamProgress p = take_progress(j, st.reply_tokens ? &st.logprobs_sent : nullptr);
+  StreamProgress p = take_progress(j);
+  if (!st.reply_tokens) p.logprobs.clear();
   if (st.reply_tokens)
     for (json& e : st.reply_tokens->take_logprobs(p.logprobs))
       st.pending_text_logprobs.push_back(std::move(e));
@@ -1326,7 +673,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     return sink.write(ev.data(), ev.size());
   };
   auto gone = [&] {
-    j.request_cancel(CancelReason::kClientGone);
+    j.generation->cancel();
     return false;
   };
   if (st.events) return event_stream_step(st, sink);
@@ -1337,7 +684,8 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
         !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
       return gone();
   }
-  StreamProgress p = take_progress(j, st.chat ? &st.logprobs_sent : nullptr);
+  StreamProgress p = take_progress(j);
+  if (!st.chat) p.logprobs.clear();
   const std::string& piece = p.piece;
   // The tokens' logprobs ride on this step's first chunk, or on an empty one of their own.
   std::optional<json> logprobs;
@@ -1416,8 +764,8 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
   const bool dialect = m || rs;
   const json& chat_body = m ? m->chat_body : rs ? rs->chat_body : body;
   if (route == Route::kCompletion) {
-    CompletionRequest r =
-        parse_completion_request(body, {assistant->model().config().text.vocab_size, max_context});
+    CompletionRequest r = parse_completion_request(
+        body, {assistant->model().config().text.vocab_size, engine->max_context()});
     job->prompt_text = std::move(r.prompt);
     job->prompt_ids = std::move(r.prompt_ids);
     common = std::move(r);
@@ -1457,62 +805,59 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     throw;
   }
   auto client = std::make_unique<ClientSocket>(req);
-  submit(job);
+  submit(*job);
+  Generation& gen = *job->generation;
   // Until the prompt is known to fit, the status is still open: a context overflow is a 400
   // even for a streamed request.
-  if (!wait_watching(*job, *client, [&] { return job->started || job->done; })) return;
-  {
-    std::lock_guard<std::mutex> lk(job->mu);
-    if (job->error && !job->started) throw *job->error;
-  }
+  if (!wait_watching(gen, *client, false)) return;
+  if (const Generation::Result r = gen.result(); r.error && !gen.started())
+    throw api_error(*r.error);
   const char* id_prefix = route == Route::kMessages    ? "msg_"
                           : route == Route::kResponses ? "resp_"
                           : chat                       ? "chatcmpl-"
                                                        : "cmpl-";
   const ResponseMeta meta{new_id(id_prefix), model_name, static_cast<int64_t>(std::time(nullptr))};
+  const std::string& prefix = job->prompt.generation_prefix;
   if (!stream) {
-    if (!wait_watching(*job, *client, [&] { return job->done; })) return;
-    std::lock_guard<std::mutex> lk(job->mu);
-    if (job->error) throw *job->error;
-    if (job->finish_reason == "cancelled") throw shutting_down_error();
-    const std::string fr = openai_finish_reason(job->finish_reason);
+    if (!wait_watching(gen, *client, true)) return;
+    const Generation::Result r = gen.result();
+    if (r.error) throw api_error(*r.error);
+    const GenerationResult& g = r.generation;
+    if (g.finish_reason == "cancelled") throw shutting_down_error();
+    const std::string fr = openai_finish_reason(g.finish_reason);
+    const auto completion_tokens = static_cast<int64_t>(g.tokens.size());
     auto ids = [this] { return new_id("call_"); };
     if (route == Route::kMessages || route == Route::kResponses) {
-      const std::string raw = job->generation_prefix + job->text;
+      const std::string raw = prefix + g.text;
       ParsedOutput parsed;
       std::string finish = fr;
       if (job->tool_request) {
         parsed = parse_model_output(raw);
-        finish = tool_finish_reason(parsed, raw, job->finish_reason == "stop");
-      } else if (!job->text.empty()) {
-        parsed.content = job->text;
+        finish = tool_finish_reason(parsed, raw, g.finish_reason == "stop");
+      } else if (!g.text.empty()) {
+        parsed.content = g.text;
       }
       const json out =
           route == Route::kMessages
               ? messages::message_json(
-                    meta, parsed, messages::stop_reason(finish, job->stop_sequence),
-                    job->prompt_tokens, job->completion_tokens, [this] { return new_id("toolu_"); },
-                    job->stop_sequence)
+                    meta, parsed, messages::stop_reason(finish, g.stop_string), r.prompt_tokens,
+                    completion_tokens, [this] { return new_id("toolu_"); }, g.stop_string)
               : responses::response_json(
-                    meta, job->response_echo, parsed, finish, job->prompt_tokens,
-                    job->completion_tokens, [this](const char* prefix) { return new_id(prefix); },
+                    meta, job->response_echo, parsed, finish, r.prompt_tokens, completion_tokens,
+                    [this](const char* p) { return new_id(p); },
                     job->gen.top_logprobs >= 0
-                        ? ReplyTextTokens(assistant->tokenizer(), job->generation_prefix)
-                              .take_logprobs(job->logprobs)
+                        ? ReplyTextTokens(assistant->tokenizer(), prefix).take_logprobs(g.logprobs)
                         : json::array());
       res.set_content(wire_json(out), "application/json");
       return;
     }
-    json out =
-        job->tool_request
-            ? chat_tool_completion_json(meta, job->generation_prefix + job->text,
-                                        job->finish_reason == "stop", job->prompt_tokens,
-                                        job->completion_tokens, ids)
-        : chat
-            ? chat_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens)
-            : text_completion_json(meta, job->text, fr, job->prompt_tokens, job->completion_tokens);
+    json out = job->tool_request
+                   ? chat_tool_completion_json(meta, prefix + g.text, g.finish_reason == "stop",
+                                               r.prompt_tokens, completion_tokens, ids)
+               : chat ? chat_completion_json(meta, g.text, fr, r.prompt_tokens, completion_tokens)
+                      : text_completion_json(meta, g.text, fr, r.prompt_tokens, completion_tokens);
     if (chat && job->gen.top_logprobs >= 0)
-      out["choices"][0]["logprobs"] = logprobs_json(assistant->tokenizer(), job->logprobs);
+      out["choices"][0]["logprobs"] = logprobs_json(assistant->tokenizer(), g.logprobs);
     res.set_content(wire_json(out), "application/json");
     return;
   }
@@ -1525,8 +870,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   st->tokenizer = &assistant->tokenizer();
   st->client = std::move(client);
   if (job->tool_request) {
-    std::lock_guard<std::mutex> lk(job->mu);
-    st->tool_parser = std::make_unique<OutputStreamParser>(job->generation_prefix);
+    st->tool_parser = std::make_unique<OutputStreamParser>(prefix);
     st->new_call_id = [this] { return new_id("call_"); };
   }
   if (route == Route::kMessages) {
@@ -1541,7 +885,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
         [](const ApiError& e) { return messages::EventStream::error(e); }};
   } else if (route == Route::kResponses) {
     auto es = std::make_shared<responses::EventStream>(
-        meta, job->response_echo, [this](const char* prefix) { return new_id(prefix); });
+        meta, job->response_echo, [this](const char* id_kind) { return new_id(id_kind); });
     st->events = StreamState::EventReply{
         [es](int64_t) { return es->begin(); },
         [es](const OutputDelta& d, const json& text_logprobs) {
@@ -1551,8 +895,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
           return es->end(finish, prompt, completion);
         },
         [es](const ApiError& e) { return es->error(e); }};
-    if (job->gen.top_logprobs >= 0)
-      st->reply_tokens.emplace(assistant->tokenizer(), job->generation_prefix);
+    if (job->gen.top_logprobs >= 0) st->reply_tokens.emplace(assistant->tokenizer(), prefix);
   }
   {
     std::lock_guard<std::mutex> lk(streams_mu);
@@ -1573,14 +916,14 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
         try {
           return stream_step(*st, sink);
         } catch (const std::exception&) {  // out of memory building a chunk: end this stream
-          st->job->request_cancel(CancelReason::kClientGone);
+          st->job->generation->cancel();
           return false;
         }
       },
       // Released with the response; success is false when the library gave up on the stream
       // (write error, or the server stopping), so the generation must not run on.
       [st](bool success) {
-        if (!success) st->job->request_cancel(CancelReason::kClientGone);
+        if (!success) st->job->generation->cancel();
       });
 }
 
@@ -1707,29 +1050,24 @@ void Server::Impl::setup_routes() {
       res.status = 503;
       j = {{"status", "stage_failed"}, {"error", down}};
     } else {
-      std::lock_guard<std::mutex> lk(q_mu);
+      const Engine::Stats st = engine->stats();
       json states = json::array();
-      int64_t reserved = 0;
-      for (const auto& s : slots) {
-        states.push_back({{"id", s->id}, {"state", slot_state_name(s->state)}, {"rows", s->rows}});
-        reserved += s->reserved;
-      }
+      for (const Engine::SlotInfo& s : st.slot_info)
+        states.push_back(
+            {{"id", s.id}, {"state", Engine::slot_state_name(s.state)}, {"rows", s.rows}});
       j = {{"status", "ok"},
-           {"slots", slots.size()},
-           {"slots_busy", busy},
-           {"queued", queue.size()},
-           {"kv_budget", kv_budget},
-           {"kv_rows_reserved", reserved},
-           {"pipeline_depth", pipeline_depth},
+           {"slots", st.slots},
+           {"slots_busy", st.busy},
+           {"queued", st.queued},
+           {"kv_budget", st.kv_budget},
+           {"kv_rows_reserved", st.kv_rows_reserved},
+           {"pipeline_depth", engine->pipeline_depth()},
            {"slot_states", std::move(states)}};
-      if (drafter)
-        j["speculative"] = {{"draft_model", drafter_name},
-                            {"draft_max", opt.draft_max},
-                            {"draft_min", opt.draft_min},
-                            {"draft_adapt", opt.draft_adapt},
-                            {"rounds", draft_rounds_total.load()},
-                            {"drafted", drafted_total.load()},
-                            {"accepted", draft_accepted_total.load()}};
+      if (engine->drafting())
+        j["speculative"] = {{"draft_model", drafter_name},  {"draft_max", opt.draft_max},
+                            {"draft_min", opt.draft_min},   {"draft_adapt", opt.draft_adapt},
+                            {"rounds", st.draft_rounds},    {"drafted", st.drafted},
+                            {"accepted", st.draft_accepted}};
     }
     res.set_content(wire_json(j), "application/json");
   });
@@ -1789,25 +1127,19 @@ void Server::Impl::end_idle_connections() {
 }
 
 void Server::Impl::shutdown() {
-  {
-    std::lock_guard<std::mutex> lk(q_mu);
-    draining.store(true);
-  }
+  draining.store(true);
   if (loader.joinable()) loader.join();
-  {
-    std::lock_guard<std::mutex> lk(q_mu);
-    for (const auto& job : queue) fail_job(*job, shutting_down_error());
-    queue.clear();
-  }
-  {
-    // Running generations may finish within the grace period; then they are cut short.
-    std::unique_lock<std::mutex> lk(q_mu);
-    const auto grace = std::chrono::duration_cast<Clock::duration>(
+  if (engine) {
+    // Queued requests fail at once; running generations may finish within the grace period,
+    // then they are cut short.
+    engine->close_queue();
+    const auto grace = std::chrono::duration_cast<std::chrono::milliseconds>(
         std::chrono::duration<double>(std::max(0.0, opt.shutdown_grace_seconds)));
-    idle_cv.wait_until(lk, Clock::now() + grace, [&] { return busy == 0; });
-    for (auto& s : slots)
-      if (s->job) s->job->request_cancel(CancelReason::kShutdown);
-    idle_cv.wait(lk, [&] { return busy == 0; });
+    if (!engine->wait_idle(grace)) {
+      engine->cancel_running();
+      while (!engine->wait_idle(std::chrono::seconds(1))) {
+      }
+    }
   }
   {
     // Let the HTTP threads write out the ends of their streams. A client that stopped reading
@@ -1818,11 +1150,7 @@ void Server::Impl::shutdown() {
   http.stop();
   end_idle_connections();
   if (listener.joinable()) listener.join();
-  {
-    std::lock_guard<std::mutex> lk(q_mu);
-    engine_stop = true;
-  }
-  q_cv.notify_all();
+  if (engine) engine->stop();
   if (engine_thread.joinable()) engine_thread.join();
 }
 
@@ -1904,22 +1232,17 @@ void Server::shutdown() {
 }
 
 Server::Stats Server::stats() const {
-  // The loader fills `slots` before it sets `ready`; before that there are none to count.
-  const int slots = impl_->ready.load() ? static_cast<int>(impl_->slots.size()) : 0;
-  std::lock_guard<std::mutex> lk(impl_->q_mu);
-  Stats st{slots, impl_->busy, static_cast<int>(impl_->queue.size()), impl_->completed.load(),
-           impl_->cancelled.load()};
-  st.draft_rounds = impl_->draft_rounds_total.load();
-  st.drafted = impl_->drafted_total.load();
-  st.draft_accepted = impl_->draft_accepted_total.load();
-  if (impl_->ready.load()) {
-    st.kv_budget = impl_->kv_budget;
-    st.max_context = impl_->max_context;
-    for (const auto& s : impl_->slots) {
-      st.kv_rows_used += s->rows;
-      st.kv_rows_reserved += s->reserved;
-    }
-  }
+  // The loader makes the engine before it sets `ready`; before that there is nothing to count.
+  if (!impl_->ready.load()) return Stats{};
+  const Engine::Stats e = impl_->engine->stats();
+  Stats st{e.slots, e.busy, e.queued, e.completed, e.cancelled};
+  st.draft_rounds = e.draft_rounds;
+  st.drafted = e.drafted;
+  st.draft_accepted = e.draft_accepted;
+  st.kv_budget = e.kv_budget;
+  st.max_context = e.max_context;
+  st.kv_rows_used = e.kv_rows_used;
+  st.kv_rows_reserved = e.kv_rows_reserved;
   return st;
 }
 

@@ -39,6 +39,8 @@ namespace gemstage::server {
 
 struct ServerOptions {
   std::string model_path;  // HF checkpoint directory or gemstage bundle
+  ModelOpener models;      // how model_path opens (under mpirun: across the ranks)
+  int pipeline_depth = 0;  // calls kept in flight over remote stages; 0: CallPipeline::depth
   std::string host = "127.0.0.1";
   int port = 8080;   // 0: any free port (port() says which)
   int parallel = 1;  // slots: requests generated at the same time

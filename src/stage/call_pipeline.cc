@@ -10,16 +10,8 @@
 
 namespace gemstage {
 
-namespace {
-std::atomic<int> depth_override{0};
-}  // namespace
-
-void CallPipeline::set_depth_override(int depth) {
-  depth_override.store(std::max(0, depth));
-}
-
-int CallPipeline::depth(const Model& model) {
-  if (const int d = depth_override.load(); d > 0) return d;
+int CallPipeline::depth(const Model& model, int requested) {
+  if (requested > 0) return requested;
   // Split over P calls, each process's time is shared out P ways, though each call batches
   // fewer rows. Measured on E2B (README "Pipelining") that gains 55% with the layers split
   // evenly and costs about 5% with rank 0 holding only the head, so every process that runs

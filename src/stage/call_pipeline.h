@@ -25,11 +25,10 @@ class CallPipeline {
   // Calls still in flight are dropped: their sequences stay as they were.
   ~CallPipeline() = default;
 
-  // How many calls in flight keep every process of `model` busy: one per process that runs
-  // stages of it (this one and each holding a remote stage).
-  static int depth(const Model& model);
-  // A depth for every model of this process (--pipeline-depth); 0 restores the automatic one.
-  static void set_depth_override(int depth);
+  // How many calls to keep in flight: `requested` when positive (--pipeline-depth), else enough
+  // to keep every process of `model` busy: one per process that runs stages of it (this one and
+  // each holding a remote stage).
+  static int depth(const Model& model, int requested = 0);
 
   // Starts a call (checked at once: a batch that cannot run throws here, changing nothing);
   // returns its number. Nothing computes until next().

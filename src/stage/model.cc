@@ -1,7 +1,6 @@
 #include "stage/model.h"
 
 #include <filesystem>
-#include <mutex>
 #include <optional>
 
 #include "core/error.h"
@@ -15,15 +14,6 @@ namespace gemstage {
 Model::~Model() = default;
 
 namespace {
-struct ProcessPlacement {
-  std::mutex mu;
-  std::string bundle;
-  std::optional<StagePlacementOptions> placement;
-};
-ProcessPlacement& process_placement() {
-  static ProcessPlacement p;
-  return p;
-}
 // Quantized (q8_0/q4_0) weights round far more than a bf16 cache does, and halve the cache
 // traffic at depth; f32 and bf16 weights compute in f32 as the reference does.
 KvType kv_type_for_weights(const std::string& weights_format) {
@@ -37,21 +27,16 @@ bool same_path(const std::string& a, const std::string& b) {
 }
 }  // namespace
 
-void set_process_stage_placement(const std::string& bundle, StagePlacementOptions placement) {
-  ProcessPlacement& p = process_placement();
-  std::lock_guard<std::mutex> lk(p.mu);
-  p.bundle = bundle;
-  p.placement = std::move(placement);
+ModelOpener::ModelOpener(std::string bundle, StagePlacementOptions placement)
+    : bundle_(std::move(bundle)), placement_(std::move(placement)) {}
+
+std::shared_ptr<const Model> ModelOpener::open(const std::string& path) const {
+  if (placement_ && same_path(path, bundle_)) return Model::open(path, *placement_);
+  return Model::open(path);
 }
 
 std::shared_ptr<const Model> Model::open(const std::string& path) {
-  ProcessPlacement& p = process_placement();
-  std::optional<StagePlacementOptions> placement;
-  {
-    std::lock_guard<std::mutex> lk(p.mu);
-    if (p.placement && same_path(path, p.bundle)) placement = p.placement;
-  }
-  return open(path, placement ? *placement : StagePlacementOptions{});
+  return open(path, StagePlacementOptions{});
 }
 
 std::shared_ptr<const Model> Model::open(const std::string& path,

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,9 +22,7 @@ namespace gemstage {
 
 class Model {
  public:
-  // path: an HF checkpoint directory or a gemstage bundle.
-  // Opens every stage here, unless the process placed this bundle's stages across processes
-  // (set_process_stage_placement).
+  // path: an HF checkpoint directory or a gemstage bundle. Opens every stage here.
   static std::shared_ptr<const Model> open(const std::string& path);
   // Opens a bundle's `placement.local` stages here and the others through placement.remote (or
   // not at all, without it: a worker process that runs only its own stages).
@@ -81,9 +80,22 @@ class Model {
   KvType default_kv_type_ = KvType::F32;
 };
 
-// The process's part in a run spread over processes (src/distributed sets it once, before any
-// command opens its model): Model::open(bundle) then opens the bundle as `placement` says. Other
-// paths (a drafter, a reference checkpoint) still open whole. One per process: one mpirun rank.
-void set_process_stage_placement(const std::string& bundle, StagePlacementOptions placement);
+// Opens a front end's models. In a run spread over MPI ranks, rank 0's opener holds the job's
+// bundle and its stage placement (src/distributed makes it), so opening that bundle opens this
+// process's stages here and the others as remote clients; every other path (a drafter, a
+// reference checkpoint) and every path of a one-process run opens whole. A value the front end
+// hands to what opens models (commands, the server), never process state.
+class ModelOpener {
+ public:
+  ModelOpener() = default;
+  ModelOpener(std::string bundle, StagePlacementOptions placement);
+  std::shared_ptr<const Model> open(const std::string& path) const;
+  // Whether this opener places a bundle across processes.
+  bool places_stages() const { return placement_.has_value(); }
+
+ private:
+  std::string bundle_;
+  std::optional<StagePlacementOptions> placement_;
+};
 
 }  // namespace gemstage

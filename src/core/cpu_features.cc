@@ -1,8 +1,6 @@
-#include "kernels/cpu_features.h"
+#include "core/cpu_features.h"
 
-#include <atomic>
 #include <cstdlib>
-#include <mutex>
 
 #include "core/error.h"
 
@@ -82,10 +80,6 @@ CpuTier parse_or_fail(std::string_view name, std::string_view source) {
   return *t;
 }
 
-// -1 until the first cpu_tier() call resolves GEMSTAGE_ISA or the best tier.
-std::atomic<int> g_tier{-1};
-std::mutex g_init;
-
 }  // namespace
 
 const CpuFeatures& cpu_features() {
@@ -162,29 +156,19 @@ CpuTier cpu_best_tier() {
   return cpu_supported_tiers().back();
 }
 
-CpuTier cpu_tier() {
-  const int t = g_tier.load(std::memory_order_relaxed);
-  if (t >= 0) return static_cast<CpuTier>(t);
-  std::lock_guard<std::mutex> lock(g_init);
-  if (g_tier.load() < 0) {
-    CpuTier chosen = cpu_best_tier();
-    if (const char* env = std::getenv("GEMSTAGE_ISA"); env && *env) {
-      chosen = parse_or_fail(env, "GEMSTAGE_ISA");
-      check_supported(chosen, "GEMSTAGE_ISA");
-    }
-    g_tier.store(static_cast<int>(chosen));
-  }
-  return static_cast<CpuTier>(g_tier.load());
+CpuTier cpu_tier_from_environment() {
+  if (const char* env = std::getenv("GEMSTAGE_ISA"); env && *env)
+    return checked_cpu_tier(std::string_view(env), "GEMSTAGE_ISA");
+  return cpu_best_tier();
 }
 
-void set_cpu_tier(CpuTier t, std::string_view source) {
+CpuTier checked_cpu_tier(CpuTier t, std::string_view source) {
   check_supported(t, source);
-  std::lock_guard<std::mutex> lock(g_init);
-  g_tier.store(static_cast<int>(t));
+  return t;
 }
 
-void set_cpu_tier(std::string_view name, std::string_view source) {
-  set_cpu_tier(parse_or_fail(name, source), source);
+CpuTier checked_cpu_tier(std::string_view name, std::string_view source) {
+  return checked_cpu_tier(parse_or_fail(name, source), source);
 }
 
 }  // namespace gemstage

@@ -1,14 +1,10 @@
-#include "trace/op_profile.h"
+#include "core/op_profile.h"
 
-#include <atomic>
 #include <chrono>
 
 namespace gemstage {
 
 namespace {
-
-std::atomic<bool> g_enabled{false};
-std::array<std::atomic<int64_t>, static_cast<size_t>(OpKind::kCount)> g_ns{};
 
 int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -40,30 +36,23 @@ const char* op_kind_name(OpKind k) {
   return "?";
 }
 
-void op_profile_enable(bool on) {
-  g_enabled.store(on, std::memory_order_relaxed);
+void OpProfile::reset() {
+  for (auto& ns : ns_) ns.store(0, std::memory_order_relaxed);
 }
 
-bool op_profile_enabled() {
-  return g_enabled.load(std::memory_order_relaxed);
-}
-
-void op_profile_reset() {
-  for (auto& ns : g_ns) ns.store(0, std::memory_order_relaxed);
-}
-
-OpSeconds op_profile_seconds() {
+OpSeconds OpProfile::seconds() const {
   OpSeconds s{};
   for (size_t i = 0; i < s.size(); ++i)
-    s[i] = static_cast<double>(g_ns[i].load(std::memory_order_relaxed)) * 1e-9;
+    s[i] = static_cast<double>(ns_[i].load(std::memory_order_relaxed)) * 1e-9;
   return s;
 }
 
-OpTimer::OpTimer(OpKind kind) : kind_(kind), start_ns_(op_profile_enabled() ? now_ns() : -1) {}
+OpTimer::OpTimer(OpProfile* profile, OpKind kind) : profile_(profile), kind_(kind) {
+  if (profile_) start_ns_ = now_ns();
+}
 
 OpTimer::~OpTimer() {
-  if (start_ns_ < 0) return;
-  g_ns[static_cast<size_t>(kind_)].fetch_add(now_ns() - start_ns_, std::memory_order_relaxed);
+  if (profile_) profile_->add(kind_, now_ns() - start_ns_);
 }
 
 }  // namespace gemstage

@@ -1,5 +1,6 @@
-// Where a forward pass spends its wall time, by kind of work: `bench --profile` switches it on
-// and prints each test's shares. Off (the default) a timer costs one relaxed atomic load.
+// Where a forward pass spends its wall time, by kind of work: `bench --profile` hands its thread
+// pool an OpProfile and prints each test's shares. Without one (the default) a timer costs a
+// null check.
 //
 // The model code calls the thread pool synchronously, so the caller's wall time around a call is
 // the time the whole pool spent on it. What no timer covers (norms, RoPE, activations, residual
@@ -8,6 +9,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -26,25 +28,35 @@ enum class OpKind : int {
 
 const char* op_kind_name(OpKind k);
 
-// Seconds per kind since the last reset.
+// Seconds per kind.
 using OpSeconds = std::array<double, static_cast<size_t>(OpKind::kCount)>;
 
-void op_profile_enable(bool on);
-bool op_profile_enabled();
-void op_profile_reset();
-OpSeconds op_profile_seconds();
+// Wall time per kind of work, added to by the OpTimers of every computation on a pool that
+// carries this profile (ThreadPool::set_profile). Thread-safe.
+class OpProfile {
+ public:
+  void add(OpKind kind, int64_t ns) {
+    ns_[static_cast<size_t>(kind)].fetch_add(ns, std::memory_order_relaxed);
+  }
+  void reset();
+  OpSeconds seconds() const;
 
-// Adds the wall time of its scope to `kind` while the profile is on.
+ private:
+  std::array<std::atomic<int64_t>, static_cast<size_t>(OpKind::kCount)> ns_{};
+};
+
+// Adds the wall time of its scope to `kind` in `profile`; does nothing when profile is null.
 class OpTimer {
  public:
-  explicit OpTimer(OpKind kind);
+  OpTimer(OpProfile* profile, OpKind kind);
   ~OpTimer();
   OpTimer(const OpTimer&) = delete;
   OpTimer& operator=(const OpTimer&) = delete;
 
  private:
+  OpProfile* profile_;
   OpKind kind_;
-  int64_t start_ns_;  // < 0: the profile was off when the scope began
+  int64_t start_ns_ = 0;
 };
 
 }  // namespace gemstage
