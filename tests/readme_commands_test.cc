@@ -6,7 +6,8 @@
 // and the end of the block stops it with SIGTERM, which must exit 0. The command reference
 // table must list every subcommand `gemstage --help` knows, and every flag it names must appear
 // in that subcommand's --help. A command line outside an `sh` block, or a line this test cannot
-// run, fails. The sanitizer build runs the same test on its own binary.
+// run, fails. Every link in the README, docs/ and bench/RESULTS.md must resolve inside the
+// repository. The sanitizer build runs the same tests on its own binary.
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -381,4 +382,31 @@ TEST(ReadmeCommands, ReferenceTableListsEverySubcommandAndOnlyRealFlags) {
                          << flag << ", which `gemstage " << name << " --help` does not list";
     }
   }
+}
+
+// The README and docs/ link only to files inside the repository, and every such link resolves.
+TEST(ReadmeCommands, EveryDocumentationLinkResolvesInsideTheRepository) {
+  const fs::path root = fs::weakly_canonical(fs::path(kFixtures) / ".." / "..");
+  std::vector<fs::path> pages = {root / "README.md", root / "bench" / "RESULTS.md"};
+  for (const auto& e : fs::directory_iterator(root / "docs"))
+    if (e.path().extension() == ".md") pages.push_back(e.path());
+  static const std::regex link(R"(\]\(([^)\s]+)\))");
+  int checked = 0;
+  for (const fs::path& page : pages) {
+    const std::string text = slurp(page.string());
+    ASSERT_FALSE(text.empty()) << page;
+    for (std::sregex_iterator it(text.begin(), text.end(), link), end; it != end; ++it) {
+      const std::string target = (*it)[1];
+      if (target.rfind("http://", 0) == 0 || target.rfind("https://", 0) == 0 || target[0] == '#')
+        continue;
+      const fs::path file =
+          fs::weakly_canonical(page.parent_path() / target.substr(0, target.find('#')));
+      const std::string rel = fs::relative(file, root).string();
+      EXPECT_FALSE(rel.rfind("..", 0) == 0 || fs::path(target).is_absolute())
+          << page.filename() << " links outside the repository: " << target;
+      EXPECT_TRUE(fs::exists(file)) << page.filename() << " links to a missing file: " << target;
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 20);
 }
