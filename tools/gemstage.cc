@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   double stage_timeout = 30;
   app.add_option("--placement", placement,
                  "under mpirun: which rank runs which stages, e.g. "
-                 "\"0=embeddings,final_norm_head 1=layers_0_13 2=layers_13_35\" (default: rank 0 "
+                 "\"0=embeddings,head 1=layers_0_13 2=layers_13_35\" (default: rank 0 "
                  "the embeddings and head, the other ranks the transformer stages in order)");
   app.add_option("--stage-timeout", stage_timeout,
                  "under mpirun: seconds a rank may stay silent (no answer, no heartbeat) before "
