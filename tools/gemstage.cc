@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
   // A weights file truncated under a running command ends it with a message naming the file
   // rather than a bare "Bus error" (io/mapped_file.h).
   gemstage::install_mapped_file_fault_handler();
-  CLI::App app{"gemstage: Gemma 4 E-series as a pipeline of checked stages"};
+  CLI::App app{"gemstage: the Gemma 4 family as a pipeline of checked stages"};
   app.require_subcommand(1);
   // Options of a run spread over the ranks of an MPI job (issue 22), taken after any subcommand.
   app.fallthrough();
@@ -36,7 +36,7 @@ int main(int argc, char** argv) {
   double stage_timeout = 30;
   app.add_option("--placement", placement,
                  "under mpirun: which rank runs which stages, e.g. "
-                 "\"0=embeddings,final_norm_head 1=layers_0_13 2=layers_13_35\" (default: rank 0 "
+                 "\"0=embeddings,head 1=layers_0_13 2=layers_13_35\" (default: rank 0 "
                  "the embeddings and head, the other ranks the transformer stages in order)");
   app.add_option("--stage-timeout", stage_timeout,
                  "under mpirun: seconds a rank may stay silent (no answer, no heartbeat) before "
@@ -44,9 +44,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1.0, 86400.0))
       ->capture_default_str();
   int pipeline_depth = 0;
-  app.add_option("--pipeline-depth", pipeline_depth,
-                 "under mpirun: calls serve and bench keep in flight at once, each over its share "
-                 "of the running sequences (0: auto, see README \"Pipelining\"; 1: none)")
+  app.add_option(
+         "--pipeline-depth", pipeline_depth,
+         "under mpirun: calls serve and bench keep in flight at once, each over its share "
+         "of the running sequences (0: auto, see docs/distributed.md \"Pipelining\"; 1: none)")
       ->check(CLI::Range(0, 64))
       ->capture_default_str();
   gemstage::cli::Registry reg;

@@ -18,7 +18,7 @@ using Placement = std::map<int, std::vector<std::string>>;
 Placement default_placement(const std::vector<std::string>& stage_ids,
                             const std::vector<bool>& is_transformer, int ranks);
 
-// Parses "--placement 0=embeddings,final_norm_head 1=layers_0_13 2=layers_13_35": every bundle
+// Parses "--placement 0=embeddings,head 1=layers_0_13 2=layers_13_35": every bundle
 // stage placed exactly once, every rank in [0, ranks) named, only known stage ids.
 Placement parse_placement(const std::string& spec, const std::vector<std::string>& stage_ids,
                           int ranks);

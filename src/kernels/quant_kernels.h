@@ -55,8 +55,8 @@ inline constexpr int64_t kActBlockBytes = int64_t{256} << 10;
 // On the VNNI kernels, calls of at most this many activation rows (a batched decode step) stream
 // the weights as decode does (x86/quant_avx512.cc, stream_rows_vnni) and are scheduled like it.
 // The AVX2 kernels keep their prefill tiles: streamed 1 x NX tiles measured no faster there (they
-// are bound by the maddubs arithmetic at every S from 1 to 16: 55-85 GFLOP/s on 2 Xeon cores in
-// the twelfth session, before the tile's rewrite in x86/quant_avx2.cc).
+// are bound by the maddubs arithmetic at every S from 1 to 16: 55-85 GFLOP/s on 2 Xeon cores,
+// bench/RESULTS.md 2026-12-06, before the tile's rewrite in x86/quant_avx2.cc).
 inline constexpr int64_t kStreamMaxRows = 8;
 
 // Whole 4-row tiles per block, at least one.
@@ -69,8 +69,8 @@ inline int64_t activation_block_rows(int64_t K) {
 // that stays in L2. A tile then reads its 4 x 256 activation bytes per half chunk from L1 and
 // only the weights' 2 x 128 from L2, where the first order reads the activations from L2. Used
 // while the four rows take at most kRowTileBytes of codes (K <= 4096: the attention and MLP
-// input projections); wider rows spill L1 and keep the first order. Measured on the Zen 3 VM's
-// AVX2 tile (bench/RESULTS.md, seventeenth session): K 1536-2048 +5-8%, K 6144 even, K 12288 -5%.
+// input projections); wider rows spill L1 and keep the first order. Measured on the AVX2 tile
+// (bench/RESULTS.md, 2026-12-07, AMD EPYC Zen 3): K 1536-2048 +5-8%, K 6144 even, K 12288 -5%.
 inline constexpr int64_t kRowTileBytes = int64_t{16} << 10;
 inline constexpr int64_t kWeightBlockBytes = int64_t{128} << 10;
 

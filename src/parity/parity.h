@@ -1,7 +1,7 @@
 // `gemstage parity`: run a model (HF checkpoint or bundle) on a reference dump's inputs, compare
 // every tap present in both, teacher-force the reference sequence, measure how much the image
 // matters, and locate the first divergence. The result is one JSON report (schema in
-// README.md, "Parity against a reference"); the table, the plot and the gates all read it.
+// docs/parity.md); the table, the plot and the gates all read it.
 #pragma once
 
 #include <cstdint>

@@ -75,7 +75,7 @@ DraftControl::DraftControl(const SpeculativeOptions& opt, bool timed)
   // The first rounds draft 2 (k grows by one per fully accepted round), so a drafter that never
   // agrees costs little before it is paused; a timed caller's first step is plain, so the first
   // round has a plain step to be compared with and such a drafter is paused after one round, not
-  // two. Measured on 26B-A4B with a never-agreeing drafter (bench/RESULTS.md, eleventh session).
+  // two. Measured on 26B-A4B with a never-agreeing drafter (bench/RESULTS.md, 2026-12-06).
   if (opt_.adaptive && timed) pause_ = 1;
 }
 

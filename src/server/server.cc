@@ -233,7 +233,7 @@ struct Server::Impl {
   }
   // A stage on another rank of an MPI job that stopped answering (stage/remote_stage.h): every
   // request is then refused with a 503 naming the stage, rank and host, and /health says so, so a
-  // supervisor restarts the job (README "Stages on several hosts").
+  // supervisor restarts the job (docs/distributed.md, "Faults").
   std::string stage_failure() const {
     return ready.load() && assistant ? assistant->model().stage_failure() : std::string();
   }

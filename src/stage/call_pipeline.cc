@@ -13,8 +13,8 @@ namespace gemstage {
 int CallPipeline::depth(const Model& model, int requested) {
   if (requested > 0) return requested;
   // Split over P calls, each process's time is shared out P ways, though each call batches
-  // fewer rows. Measured on E2B (README "Pipelining") that gains 55% with the layers split
-  // evenly and costs about 5% with rank 0 holding only the head, so every process that runs
+  // fewer rows. Measured on E2B (docs/distributed.md, "Pipelining") that gains 55% with the layers
+  // split evenly and costs about 5% with rank 0 holding only the head, so every process that runs
   // stages gets a call.
   std::set<int> processes;
   for (const auto& r : model.remote_stages())

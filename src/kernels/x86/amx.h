@@ -3,7 +3,7 @@
 //
 // Why bf16 and not int8 tiles: a Q4_0/Q8_0 block scale covers 32 weights, so int8 tiles have to
 // stop after every 32 input columns: store the int32 C tile and add it to f32 accumulators with
-// its two scales. Measured on the 2-core Xeon (bench/RESULTS.md, twelfth session), with one C
+// its two scales. Measured on the 2-core Xeon (bench/RESULTS.md, 2026-12-06), with one C
 // tile store and two tile loads per 32 columns: 0.35-0.85x these bf16 tiles at 128-512 rows
 // (0.6-1.0x, and 1.1-1.2x on the 12B's 64-row shapes, with the f32 accumulators kept in
 // registers, which gives up the VNNI kernels' exact summation order), and 0.2-0.6x the VNNI

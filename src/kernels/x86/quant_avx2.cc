@@ -9,7 +9,7 @@
 // 8 VPMADDUBSW and 8 int16 adds, 5 ops to widen, convert and scale, and 1.5 of the 4 x 2 tile's
 // shared nibble unpacking. Written so GCC keeps the accumulators in registers (whole chunks on
 // their own path, see fold_half; pin_in_registers), it measured 1.25-1.45x its first form on the
-// 2-core Xeon (bench/RESULTS.md, fourteenth session); AVX-VNNI's VPDPBUSD in place of the
+// 2-core Xeon (bench/RESULTS.md, 2026-12-07, Intel Xeon); AVX-VNNI's VPDPBUSD in place of the
 // multiply-add pairs measured no faster, its 5-cycle latency chaining the 8 accumulators.
 #include "kernels/x86/quant_avx2.h"
 

@@ -243,8 +243,8 @@ struct VnniTiles {
 // once, so each activation vector serves four weight rows. One weight row at a time re-read the
 // whole quantized activation block per row: at 31B's down projection (input 21504) four rows'
 // codes are 86 KB, past L1, and the call took 3.2x the one-row time; with four weight rows at a
-// time 1.9x. E2B's gate projection at S = 4: 414-519 -> 293 us (bench/RESULTS.md, tenth
-// session). Outputs are unchanged: each (row, weight row) pair sums exactly as before.
+// time 1.9x. E2B's gate projection at S = 4: 414-519 -> 293 us (bench/RESULTS.md,
+// 2026-12-06). Outputs are unchanged: each (row, weight row) pair sums exactly as before.
 template <DType T, int NX>
 GEMSTAGE_VNNI void stream_rows_vnni(const ActQ& A, const uint8_t* wdata, size_t row_bytes,
                                     int64_t N, float* y, int64_t r0, int64_t r1) {
