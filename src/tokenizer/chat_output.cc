@@ -323,10 +323,6 @@ ParsedOutput parse_model_output(std::string_view text) {
   return parse(text, false);
 }
 
-ParsedOutput parse_model_output_partial(std::string_view text) {
-  return parse(text, true);
-}
-
 std::string tool_finish_reason(const ParsedOutput& parsed, std::string_view text,
                                bool stopped_on_stop_token) {
   if (stopped_on_stop_token) return parsed.tool_calls.empty() ? "stop" : "tool_calls";
