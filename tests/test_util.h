@@ -127,21 +127,21 @@ inline double max_abs_diff(std::span<const double> a, std::span<const double> b)
 // max_abs_diff over the first n_rows rows of two tensors of one row width (all rows, and as many
 // of them, when n_rows < 0). A tensor without rows, unequal widths or too few rows fail the test.
 inline double max_abs_diff_rows(const FloatTensor& a, const FloatTensor& b, int64_t n_rows = -1) {
-  const auto fail = [&](const std::string& why) {
+  const auto refuse = [&](const std::string& why) {
     ADD_FAILURE() << "max_abs_diff_rows: " << shape_str(a.shape) << " vs " << shape_str(b.shape)
                   << ": " << why;
     return std::numeric_limits<double>::quiet_NaN();
   };
   if (a.shape.empty() || b.shape.empty() || a.dim(0) <= 0 || b.dim(0) <= 0)
-    return fail("a tensor has no rows");
+    return refuse("a tensor has no rows");
   const int64_t width = a.numel() / a.dim(0);
-  if (width != b.numel() / b.dim(0)) return fail("row widths differ");
+  if (width != b.numel() / b.dim(0)) return refuse("row widths differ");
   if (n_rows < 0) {
-    if (a.numel() != b.numel()) return fail("sizes differ");
+    if (a.numel() != b.numel()) return refuse("sizes differ");
     n_rows = a.dim(0);
   }
   if (n_rows > a.dim(0) || n_rows > b.dim(0))
-    return fail("fewer than the " + std::to_string(n_rows) + " rows compared");
+    return refuse("fewer than the " + std::to_string(n_rows) + " rows compared");
   const auto n = static_cast<size_t>(n_rows * width);
   return max_abs_diff(std::span<const float>(a.data).first(n),
                       std::span<const float>(b.data).first(n));

@@ -2429,10 +2429,10 @@ struct Interp {
         if (!numeric_like(x) || !numeric_like(total)) error(p, "sum needs numbers");
         if (x.kind == Value::Kind::kFloat || total.kind == Value::Kind::kFloat)
           total = Value::real(total.as_double() + x.as_double());
-        else if (Int v = 0; __builtin_add_overflow(int_of(total), int_of(x), &v))
+        else if (Int sum = 0; __builtin_add_overflow(int_of(total), int_of(x), &sum))
           error(p, "integer overflow in sum (integers are 128-bit here)");
         else
-          total = Value::integer(v);
+          total = Value::integer(sum);
       }
       return total;
     }
