@@ -58,19 +58,24 @@ TEST(CompareValues, NaNInfinityEmptyAndSizeMismatchAreProblems) {
 }
 
 TEST(MaxAbsDiff, RecordsAFailureAndReturnsNaNOnEveryProblem) {
+  const std::vector<float> zero = {0.0f}, a_nan = {kNaN}, an_inf = {kInf}, none;
   double d = 0;
-  EXPECT_EQ(failures_of([&] { d = max_abs_diff(std::vector<float>{kNaN}, {0.0f}); }), 1);
+  EXPECT_EQ(failures_of([&] { d = max_abs_diff(a_nan, zero); }), 1);
   EXPECT_TRUE(std::isnan(d));
-  EXPECT_EQ(failures_of([&] { d = max_abs_diff(std::vector<float>{}, {}); }), 1);
+  EXPECT_EQ(failures_of([&] { d = max_abs_diff(none, none); }), 1);
   EXPECT_TRUE(std::isnan(d));
-  EXPECT_EQ(failures_of([&] { d = max_abs_diff(std::vector<double>{1, 2}, {1}); }), 1);
+  EXPECT_EQ(failures_of([&] {
+              d = max_abs_diff(std::vector<double>{1, 2}, std::vector<double>{1});
+            }),
+            1);
   EXPECT_TRUE(std::isnan(d));
   // The NaN it returns fails the tolerance a caller puts on it, and a "must differ" check too.
-  EXPECT_EQ(failures_of([&] { EXPECT_LE(max_abs_diff(std::vector<float>{kNaN}, {0.0f}), 1.0); }),
-            2);
-  EXPECT_EQ(failures_of([&] { EXPECT_GT(max_abs_diff(std::vector<float>{kInf}, {0.0f}), 0.1); }),
-            2);
-  EXPECT_EQ(failures_of([&] { d = max_abs_diff(std::vector<float>{1, 2}, {1, 2.25f}); }), 0);
+  EXPECT_EQ(failures_of([&] { EXPECT_LE(max_abs_diff(a_nan, zero), 1.0); }), 2);
+  EXPECT_EQ(failures_of([&] { EXPECT_GT(max_abs_diff(an_inf, zero), 0.1); }), 2);
+  EXPECT_EQ(failures_of([&] {
+              d = max_abs_diff(std::vector<float>{1, 2}, std::vector<float>{1, 2.25f});
+            }),
+            0);
   EXPECT_EQ(d, 0.25);
 }
 
