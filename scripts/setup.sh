@@ -17,8 +17,9 @@ DEBIAN_PACKAGES=(
   # The aarch64 preset: cross compiler (with the arm64 libc/libstdc++) and qemu-aarch64 to run
   # the kernel tests it builds (scripts/test.sh).
   g++-aarch64-linux-gnu qemu-user
-  # Stages on separate processes / hosts (src/distributed, issue 22): Open MPI.
-  libopenmpi-dev openmpi-bin
+  # Stages on separate processes / hosts (src/distributed, issue 22): Open MPI, and iproute2's
+  # `ip netns` for the two-host test (two network namespaces joined by a veth pair).
+  libopenmpi-dev openmpi-bin iproute2
 )
 
 missing=()

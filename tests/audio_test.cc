@@ -31,6 +31,8 @@
 
 using namespace gemstage;
 using namespace gemstage::server;
+using gemstage::testing::max_abs_diff;
+using gemstage::testing::max_abs_diff_rows;
 
 namespace {
 
@@ -44,21 +46,6 @@ FloatTensor load_f32(const std::string& path) {
   t.shape = a.shape;
   t.data = a.to_f32();
   return t;
-}
-
-// Max |a − b| over the first `rows` rows (all when rows < 0); widths must agree.
-double max_abs_rows(const FloatTensor& a, const FloatTensor& b, int64_t rows = -1) {
-  EXPECT_EQ(a.numel() / a.dim(0), b.numel() / b.dim(0));
-  const int64_t width = a.numel() / a.dim(0);
-  if (rows < 0) {
-    EXPECT_EQ(a.numel(), b.numel());
-    rows = a.dim(0);
-  }
-  double m = 0;
-  for (int64_t i = 0; i < std::min({rows * width, a.numel(), b.numel()}); ++i)
-    m = std::max(m, std::abs(static_cast<double>(a.data[static_cast<size_t>(i)]) -
-                             b.data[static_cast<size_t>(i)]));
-  return m;
 }
 
 std::vector<int32_t> load_ids32(const std::string& path) {
@@ -184,10 +171,12 @@ TEST(AudioDecode, StereoIsTheMeanOfTheChannelsAndFormatsAgree) {
   write_sound(d + "/t.ogg", SF_FORMAT_OGG | SF_FORMAT_VORBIS, 16000, 2, t);
   const AudioClip ogg = decode_audio_file(d + "/t.ogg");
   ASSERT_EQ(ogg.samples.size(), 16000u);
-  double err = 0;
-  for (size_t i = 1000; i < 15000; ++i)
-    err = std::max(err, std::abs(ogg.samples[i] - (t[2 * i] + t[2 * i + 1]) / 2.0));
-  EXPECT_LT(err, 0.05);
+  std::vector<double> got, mono;
+  for (size_t i = 1000; i < 15000; ++i) {
+    got.push_back(ogg.samples[i]);
+    mono.push_back((t[2 * i] + t[2 * i + 1]) / 2.0);
+  }
+  EXPECT_LT(max_abs_diff(got, mono), 0.05);
 }
 
 TEST(AudioDecode, OtherRatesAreResampledTo16k) {
@@ -197,11 +186,12 @@ TEST(AudioDecode, OtherRatesAreResampledTo16k) {
   const AudioClip clip = decode_audio_file(d + "/t48.wav");
   EXPECT_EQ(clip.source_rate, 48000);
   ASSERT_NEAR(static_cast<double>(clip.samples.size()), 16000.0, 1.0);
-  double err = 0;
-  for (size_t i = 500; i < 15500; ++i)
-    err = std::max(err, std::abs(clip.samples[i] - 0.5 * std::sin(2 * std::numbers::pi * 1000 *
-                                                                  static_cast<double>(i) / 16000)));
-  EXPECT_LT(err, 2e-3);
+  std::vector<double> got, sine;
+  for (size_t i = 500; i < 15500; ++i) {
+    got.push_back(clip.samples[i]);
+    sine.push_back(0.5 * std::sin(2 * std::numbers::pi * 1000 * static_cast<double>(i) / 16000));
+  }
+  EXPECT_LT(max_abs_diff(got, sine), 2e-3);
 }
 
 TEST(AudioDecode, BadInputGetsClearErrors) {
@@ -241,9 +231,7 @@ TEST(AudioFeatures, FftMatchesADirectDft) {
   const std::vector<double> fast = fft_magnitude(frame, 512);
   ASSERT_EQ(direct.size(), 257u);
   ASSERT_EQ(fast.size(), 257u);
-  double err = 0;
-  for (size_t k = 0; k < 257; ++k) err = std::max(err, std::abs(direct[k] - fast[k]));
-  EXPECT_LT(err, 1e-10);
+  EXPECT_LT(max_abs_diff(direct, fast), 1e-10);
 }
 
 TEST(AudioFeatures, MelBankIsHtkWithAnEmptyFirstFilter) {
@@ -266,7 +254,7 @@ TEST(AudioFeatures, MatchTheFixtureWithinTolerance) {
   ASSERT_EQ(f.frames, want.dim(0));
   FloatTensor got({f.frames, 128});
   got.data = f.values;
-  const double e = max_abs_rows(got, want);
+  const double e = max_abs_diff_rows(got, want);
   std::cout << "audio_features max_abs " << e << " (tolerance 5e-4)\n";
   EXPECT_LE(e, 5e-4);
   const std::vector<int64_t> mask = load_npy(afx("audio/audio_features_mask.npy")).to_i64();
@@ -301,8 +289,8 @@ TEST(AudioTowerFixture, EveryTapWithinTheManifestTolerance) {
                 {"audio_tower_out", 1e-4},
                 {"audio_embedder_out", 2e-5}};
   for (const Tap& t : checks) {
-    const double e =
-        max_abs_rows(taps.get(t.name), load_f32(afx(std::string("audio/") + t.name + ".npy")), nv);
+    const double e = max_abs_diff_rows(taps.get(t.name),
+                                       load_f32(afx(std::string("audio/") + t.name + ".npy")), nv);
     std::cout << t.name << " max_abs (valid rows) " << e << " (tolerance " << t.tol << ")\n";
     EXPECT_LE(e, t.tol) << t.name;
   }
@@ -377,7 +365,7 @@ TEST(AudioStage, EmbeddingsStageNamesTheAudioInputsAndMasksAudioRows) {
     }
   }
   FloatTensor hs = out.at("hidden_states").take_float();
-  const double e = max_abs_rows(hs, load_f32(afx("audio/inputs_embeds.npy")));
+  const double e = max_abs_diff_rows(hs, load_f32(afx("audio/inputs_embeds.npy")));
   std::cout << "embeddings stage hidden_states vs inputs_embeds max_abs " << e
             << " (tolerance 2e-5)\n";
   EXPECT_LE(e, 2e-5);
@@ -425,11 +413,11 @@ TEST(AudioFixture, PrefillAndGreedyDecodeMatch) {
   const AudioRun r = run_audio(PleIdentity::Pad, 0, 8);
   const TapRecorder& t = *r.taps;
   const double e_ie =
-      max_abs_rows(t.get("inputs_embeds"), load_f32(afx("audio/inputs_embeds.npy")));
+      max_abs_diff_rows(t.get("inputs_embeds"), load_f32(afx("audio/inputs_embeds.npy")));
   const double e_pli =
-      max_abs_rows(t.get("per_layer_inputs"), load_f32(afx("audio/per_layer_inputs.npy")));
-  const double e_lg = max_abs_rows(t.get("logits"), load_f32(afx("audio/logits.npy")));
-  const double e_dl = max_abs_rows(r.decode_logits, load_f32(afx("audio/decode_logits.npy")));
+      max_abs_diff_rows(t.get("per_layer_inputs"), load_f32(afx("audio/per_layer_inputs.npy")));
+  const double e_lg = max_abs_diff_rows(t.get("logits"), load_f32(afx("audio/logits.npy")));
+  const double e_dl = max_abs_diff_rows(r.decode_logits, load_f32(afx("audio/decode_logits.npy")));
   std::cout << "audio prompt: max_abs inputs_embeds " << e_ie << " (2e-5), per_layer_inputs "
             << e_pli << " (1e-4), logits " << e_lg << " (2e-4), decode_logits " << e_dl
             << " (2e-4)\n";
@@ -446,9 +434,10 @@ TEST(AudioFixture, ChunkedPrefillSplicesEachChunksOwnRows) {
   const AudioRun whole = run_audio(PleIdentity::Pad, 0, 8);
   const AudioRun chunked = run_audio(PleIdentity::Pad, 5, 8);
   EXPECT_EQ(chunked.decode_ids, whole.decode_ids);
-  EXPECT_LE(max_abs_rows(chunked.taps->get("inputs_embeds"), whole.taps->get("inputs_embeds")),
+  EXPECT_LE(max_abs_diff_rows(chunked.taps->get("inputs_embeds"), whole.taps->get("inputs_embeds")),
             0.0);
-  EXPECT_LE(max_abs_rows(chunked.taps->get("logits"), load_f32(afx("audio/logits.npy"))), 2e-4);
+  EXPECT_LE(max_abs_diff_rows(chunked.taps->get("logits"), load_f32(afx("audio/logits.npy"))),
+            2e-4);
 }
 
 TEST(AudioFixture, RawIdDiagnosticShowsTheBugOnlyOnAudioRows) {
@@ -456,17 +445,17 @@ TEST(AudioFixture, RawIdDiagnosticShowsTheBugOnlyOnAudioRows) {
   const AudioRun raw = run_audio(PleIdentity::Raw, 0, 8);
   EXPECT_EQ(raw.decode_ids, load_npy(afx("audio/decode_ids_rawid.npy")).to_i64());
   EXPECT_NE(raw.decode_ids, pad.decode_ids);
-  EXPECT_LE(max_abs_rows(raw.taps->get("per_layer_inputs"),
-                         load_f32(afx("audio/per_layer_inputs_rawid.npy"))),
+  EXPECT_LE(max_abs_diff_rows(raw.taps->get("per_layer_inputs"),
+                              load_f32(afx("audio/per_layer_inputs_rawid.npy"))),
             1e-4);
   const std::vector<int32_t> ids = load_ids32(afx("audio/input_ids.npy"));
   const FloatTensor a = pad.taps->get("per_layer_inputs"), b = raw.taps->get("per_layer_inputs");
   const int64_t w = a.numel() / a.dim(0);
+  ASSERT_EQ(a.shape, b.shape);
   for (int64_t r = 0; r < a.dim(0); ++r) {
-    double d = 0;
-    for (int64_t i = 0; i < w; ++i)
-      d = std::max(d, std::abs(static_cast<double>(a.data[static_cast<size_t>(r * w + i)]) -
-                               b.data[static_cast<size_t>(r * w + i)]));
+    const auto at = static_cast<size_t>(r * w), n = static_cast<size_t>(w);
+    const double d = max_abs_diff(std::span<const float>(a.data).subspan(at, n),
+                                  std::span<const float>(b.data).subspan(at, n));
     if (ids[static_cast<size_t>(r)] == 2041)
       EXPECT_GT(d, 1e-3) << "audio row " << r;
     else
@@ -506,8 +495,8 @@ TEST(AudioBundle, ExportedTowerRunsInTheEmbeddingsStageAndChecks) {
   ThreadPool pool(2);
   const FloatTensor a = bundle->audio()->encode_all(pool, {fixture_clip()}, nullptr);
   const FloatTensor b = audio_model()->audio()->encode_all(pool, {fixture_clip()}, nullptr);
-  EXPECT_LE(max_abs_rows(a, b), 2e-2);  // bf16 tower matrices in a q8_0 bundle
-  EXPECT_LE(max_abs_rows(a, load_f32(afx("audio/audio_embedder_out.npy"))), 2e-2);
+  EXPECT_LE(max_abs_diff_rows(a, b), 2e-2);  // bf16 tower matrices in a q8_0 bundle
+  EXPECT_LE(max_abs_diff_rows(a, load_f32(afx("audio/audio_embedder_out.npy"))), 2e-2);
 }
 
 TEST(AudioCli, DumpWritesTheFixtureTapsAndInfoListsTheTower) {
@@ -522,14 +511,14 @@ TEST(AudioCli, DumpWritesTheFixtureTapsAndInfoListsTheTower) {
     const FloatTensor want = load_f32(afx(std::string("audio/") + tap + ".npy"));
     EXPECT_EQ(got.shape, want.shape) << tap;
     if (std::string(tap) != "audio_layer_out") {
-      EXPECT_LE(max_abs_rows(got, want, 40), 5e-4) << tap;
+      EXPECT_LE(max_abs_diff_rows(got, want, 40), 5e-4) << tap;
     }
   }
   EXPECT_EQ(load_f32(d + "/taps/audio_waveform.npy").data,
             load_f32(afx("audio/audio_waveform.npy")).data);
   EXPECT_EQ(load_npy(d + "/taps/decode_ids.npy").to_i64(),
             load_npy(afx("audio/decode_ids.npy")).to_i64());
-  EXPECT_LE(max_abs_rows(load_f32(d + "/taps/logits.npy"), load_f32(afx("audio/logits.npy"))),
+  EXPECT_LE(max_abs_diff_rows(load_f32(d + "/taps/logits.npy"), load_f32(afx("audio/logits.npy"))),
             2e-4);
   // audio_splice_mask marks exactly the audio rows; image_splice_mask none of them.
   const std::vector<int64_t> ids = load_npy(afx("audio/input_ids.npy")).to_i64();

@@ -1,14 +1,14 @@
-// The public chat-template cases (tests/fixtures/chat-template, copied from the shared golden
-// set): each conversation rendered by the built-in renderer must equal the reference template's
+// The public chat-template cases (tests/fixtures/chat-template, index.json says how they were
+// made): each conversation rendered by the built-in renderer must equal the reference template's
 // output byte for byte, or raise its error message.
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include "core/error.h"
+#include "stage/bundle.h"
 #include "tokenizer/chat_format.h"
 
 using namespace gemstage;
@@ -59,17 +59,46 @@ TEST_P(ChatTemplateCase, BuiltInRendererMatchesGolden) {
   EXPECT_EQ(render_conversation(c["messages"], c["tools"], o), expected.get<std::string>());
 }
 
-// The same cases through the Jinja interpreter running Google's own chat_template.jinja. The
-// template is Google's file and is not copied into this repository: point
-// GEMSTAGE_GEMMA4_CHAT_TEMPLATE at a copy (the E-series file of google/gemma-4-E2B-it, header
-// "Published: 2026-07-09"; docs/gemma4-tools.md names a public copy) to run it.
+// The same cases through the Jinja interpreter running Google's own chat_template.jinja, read
+// from tests/fixtures/chat-template/chat_template.jinja and checked against the size and sha256
+// index.json records. Where the file is missing or another revision, CheckpointTemplateIsPresent
+// fails with the way to get it (each case then skips, pointing at that failure), so CI can never
+// pass without having run them.
+namespace {
+
+const std::string kTemplate = kDir + "/chat_template.jinja";
+
+// Why the template cannot be used ("" when it can).
+std::string template_problem() {
+  const ordered_json want = read(kDir + "/index.json")["template"];
+  const std::string get =
+      "; put Google's E-series chat_template.jinja (google/gemma-4-E2B-it on the Hugging Face "
+      "Hub, header \"Published: 2026-07-09\", " +
+      std::to_string(want["bytes"].get<uint64_t>()) + " bytes, sha256 " +
+      want["sha256"].get<std::string>() + ") there (docs/gemma4-tools.md names a public copy)";
+  if (!std::filesystem::exists(kTemplate)) return kTemplate + " is missing" + get;
+  const uint64_t bytes = std::filesystem::file_size(kTemplate);
+  const std::string sha = sha256_file(kTemplate);
+  if (bytes != want["bytes"].get<uint64_t>() || sha != want["sha256"].get<std::string>())
+    return kTemplate + " is another revision (" + std::to_string(bytes) + " bytes, sha256 " + sha +
+           ")" + get;
+  return "";
+}
+
+}  // namespace
+
+TEST(ChatTemplateCases, CheckpointTemplateIsPresent) {
+  const std::string problem = template_problem();
+  EXPECT_EQ(problem, "") << "the 27 checkpoint-template cases cannot run: " << problem;
+}
+
 TEST_P(ChatTemplateCase, CheckpointTemplateThroughJinjaMatchesGolden) {
-  const char* path = std::getenv("GEMSTAGE_GEMMA4_CHAT_TEMPLATE");
-  if (!path || !*path) GTEST_SKIP() << "GEMSTAGE_GEMMA4_CHAT_TEMPLATE is not set";
-  std::ifstream f(path);
+  if (const std::string problem = template_problem(); !problem.empty())
+    GTEST_SKIP() << "not run: ChatTemplateCases.CheckpointTemplateIsPresent fails: " << problem;
+  std::ifstream f(kTemplate, std::ios::binary);
   std::stringstream src;
   src << f.rdbuf();
-  const ConversationRenderer r = ConversationRenderer::from_template_source(src.str(), path);
+  const ConversationRenderer r = ConversationRenderer::from_template_source(src.str(), kTemplate);
   const ordered_json c = read(kDir + "/" + GetParam());
   ConversationOptions o;
   o.add_generation_prompt = c.value("add_generation_prompt", false);

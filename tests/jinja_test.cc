@@ -164,16 +164,71 @@ TEST(Jinja, LimitsBoundHostileTemplates) {
 }
 
 // Found by fuzz_chat_template: `9**99` multiplied past int64 (undefined behaviour). Jinja2's
-// integers are Python's, unbounded; ours are 64-bit, so what fits is exact (Python's values
+// integers are Python's, unbounded; ours are 128-bit, so what fits is exact (Python's values
 // below) and what does not is an error naming the operator.
 TEST(Jinja, IntegerArithmeticIsExactOrAnErrorNeverWrapped) {
   EXPECT_EQ(render("{{ 2 ** 62 }} {{ (-2) ** 63 }} {{ 1 ** 100000 }} {{ 7 ** 0 }} {{ 3 ** 39 }}"),
             "4611686018427387904 -9223372036854775808 1 1 4052555153018976267");
   EXPECT_EQ(render("{{ 9223372036854775806 + 1 }} {{ 3037000499 * 3037000499 }}"),
             "9223372036854775807 9223372030926249001");
-  for (const char* src : {"{{ 9 ** 99 }}", "{{ 2 ** 63 }}", "{{ 9223372036854775807 + 1 }}",
-                          "{{ -9223372036854775807 - 2 }}", "{{ 3037000500 * 3037000500 }}"}) {
+  // Past int64, as Python prints them.
+  EXPECT_EQ(render("{{ 2 ** 63 }} {{ 9223372036854775807 + 1 }} {{ -9223372036854775807 - 2 }} "
+                   "{{ 3037000500 * 3037000500 }}"),
+            "9223372036854775808 9223372036854775808 -9223372036854775809 9223372037000250000");
+  EXPECT_EQ(render("{{ 2 ** 126 }} {{ (-2) ** 127 }} {{ 2 ** 126 - 1 + 2 ** 126 }}"),
+            "85070591730234615865843651857942052864 -170141183460469231731687303715884105728 "
+            "170141183460469231731687303715884105727");
+  for (const char* src :
+       {"{{ 9 ** 99 }}", "{{ 2 ** 127 }}", "{{ 170141183460469231731687303715884105727 + 1 }}",
+        "{{ -170141183460469231731687303715884105727 - 2 }}",
+        "{{ 18446744073709551616 * 18446744073709551616 }}", "{{ -((-2) ** 127) }}",
+        "{{ ((-2) ** 127) | abs }}", "{{ [2 ** 126, 2 ** 126] | sum }}"}) {
     const std::string err = error_of(src);
     EXPECT_NE(err.find("integer overflow in "), std::string::npos) << src << ": " << err;
   }
+  EXPECT_NE(error_of("{{ 170141183460469231731687303715884105728 }}").find("out of range"),
+            std::string::npos);
+}
+
+// A JSON integer above int64 (a uint64: 12345678901234567890) is an integer to Python's Jinja and
+// prints as one, never as 1.2345678901234567e+19; comparisons of integers are exact where a
+// double's are not (2**53 + 1).
+TEST(Jinja, IntegersBeyondInt64StayIntegers) {
+  const ordered_json ctx =
+      ordered_json::parse(R"({"n": 12345678901234567890, "m": 18446744073709551615})");
+  EXPECT_EQ(render("{{ n }} {{ n | tojson }} {{ [n] }} {{ {'n': n} | tojson }} {{ n ~ '' }}", ctx),
+            "12345678901234567890 12345678901234567890 [12345678901234567890] "
+            "{\"n\": 12345678901234567890} 12345678901234567890");
+  EXPECT_EQ(
+      render("{{ n + 1 }} {{ m * 2 }} {{ -m }} {{ n // 10 }} {{ n % 7 }} {{ n is even }}", ctx),
+      "12345678901234567891 36893488147419103230 -18446744073709551615 "
+      "1234567890123456789 1 True");
+  EXPECT_EQ(render("{{ 12345678901234567890 }} {{ '12345678901234567890' | int }} "
+                   "{{ ' 42.5 ' | int }} {{ [1, 2, 3][n] is undefined }}",
+                   ctx),
+            "12345678901234567890 12345678901234567890 42 True");
+  EXPECT_EQ(render("{{ 9007199254740993 > 9007199254740992 }} "
+                   "{{ 9007199254740993 == 9007199254740992 }} {{ [true, true] | sum }}"),
+            "True False 2");
+  EXPECT_EQ(render("{% for k in range(n, n + 2) %}{{ k }},{% endfor %}", ctx),
+            "12345678901234567890,12345678901234567891,");
+}
+
+// `trim`, strip(), lstrip(), rstrip() and split() take Python's str.isspace() set: Unicode
+// whitespace (U+00A0, U+3000, U+2003, U+2028, ...) and the information separators, not only
+// ASCII; zero-width characters (U+200B, U+FEFF, U+180E) are not whitespace to Python.
+TEST(Jinja, StripAndTrimRemoveWhatPythonRemoves) {
+  const ordered_json ctx = {{"s", "\u00a0\u3000 hi \u2003\u2028\u001c"},
+                            {"words", "a\u3000b\u2028c\u0085d  e"},
+                            {"zw", "\u200bhi\ufeff"},
+                            {"quoted", "\u00abhi\u00bb"}};
+  EXPECT_EQ(render("[{{ s | trim }}][{{ s.strip() }}]", ctx), "[hi][hi]");
+  EXPECT_EQ(render("[{{ s.lstrip() }}]", ctx), "[hi \u2003\u2028\u001c]");
+  EXPECT_EQ(render("[{{ s.rstrip() }}]", ctx), "[\u00a0\u3000 hi]");
+  EXPECT_EQ(render("{{ words.split() }}", ctx), "['a', 'b', 'c', 'd', 'e']");
+  EXPECT_EQ(render("[{{ zw | trim }}]", ctx), "[\u200bhi\ufeff]");
+  // Characters to strip are code points, not bytes.
+  EXPECT_EQ(render("[{{ quoted.strip('\u00ab\u00bb') }}][{{ quoted | trim('\u00bb') }}]", ctx),
+            "[hi][\u00abhi]");
+  EXPECT_EQ(render("[{{ '\u00e9t\u00e9'.strip('\u00e9') }}]"), "[t]");
 }

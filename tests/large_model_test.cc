@@ -148,16 +148,6 @@ FloatTensor load_f32(const std::string& path) {
   return t;
 }
 
-// Max |a - b| over the first n_rows rows of two tensors of one row width.
-double max_abs_rows(const FloatTensor& a, const FloatTensor& b, int64_t n_rows) {
-  const int64_t w = a.numel() / a.dim(0);
-  EXPECT_EQ(w, b.numel() / b.dim(0));
-  EXPECT_LE(n_rows, std::min(a.dim(0), b.dim(0)));
-  const std::vector<float> x(a.data.begin(), a.data.begin() + n_rows * w),
-      y(b.data.begin(), b.data.begin() + n_rows * w);
-  return max_abs_diff(x, y);
-}
-
 struct MmCase {
   const char* set;
   int chunk;  // 0: whole prompt
@@ -193,11 +183,11 @@ TEST_P(LargeMultimodal, VisionTapsImageBlockExpertsAndGreedyDecodeMatch) {
 
   const FloatTensor last = seq->prefill(pool, ids, &soft, c.chunk, true, &taps);
   const int64_t n_patches = pi.num_patches;
-  EXPECT_LE(max_abs_rows(taps.get("vision_patch_embeds"), load_f32(dir + "vision_patch_embeds.npy"),
-                         n_patches),
+  EXPECT_LE(max_abs_diff_rows(taps.get("vision_patch_embeds"),
+                              load_f32(dir + "vision_patch_embeds.npy"), n_patches),
             5e-5);
-  EXPECT_LE(max_abs_rows(taps.get("vision_encoder_out"), load_f32(dir + "vision_encoder_out.npy"),
-                         n_patches),
+  EXPECT_LE(max_abs_diff_rows(taps.get("vision_encoder_out"),
+                              load_f32(dir + "vision_encoder_out.npy"), n_patches),
             5e-5);
   for (const char* tap : {"vision_embedder_out", "inputs_embeds"})
     expect_close(taps.get(tap), dir + tap + ".npy", 5e-5, tap);
@@ -345,11 +335,11 @@ TEST(Experts, GroupedForwardMatchesReferenceInEveryFormatAndReadsOnlyChosenExper
     std::vector<float> got(static_cast<size_t>(S * D));
     for (int64_t rows : {S, int64_t{1}}) {  // a prompt chunk, and a decode step (row 0)
       experts_forward(pool, x.data(), rows, gu_v, dn_v, ids.data(), w.data(), K, got.data(), ws);
-      double err = 0, ref = 0;
-      for (int64_t i = 0; i < rows * D; ++i) {
-        err = std::max(err, std::fabs(got[static_cast<size_t>(i)] - want[static_cast<size_t>(i)]));
-        ref = std::max(ref, std::fabs(want[static_cast<size_t>(i)]));
-      }
+      const auto n = static_cast<size_t>(rows * D);
+      const std::vector<double> got_rows(got.begin(), got.begin() + static_cast<int64_t>(n));
+      const double err = max_abs_diff(got_rows, std::span<const double>(want).first(n));
+      double ref = 0;
+      for (size_t i = 0; i < n; ++i) ref = std::max(ref, std::fabs(want[i]));
       // Quantized kernels also quantize the activations (8-bit blocks): ~1% of the largest value.
       const double tol = dtype_is_quantized(dt) ? 0.02 * ref : 1e-5 * std::max(1.0, ref);
       EXPECT_LE(err, tol) << dtype_name(dt) << " rows " << rows << " (largest " << ref << ")";

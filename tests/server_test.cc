@@ -34,7 +34,7 @@ using json = nlohmann::json;
 namespace {
 
 // Sanitizer builds run the model several times slower; their waits stretch by this much.
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr int kSlow = 10;
 #else
 constexpr int kSlow = 1;
@@ -1092,7 +1092,13 @@ TEST(ServerHttp, ShutdownRefusesNewWorkAndEndsRunningStreams) {
   ASSERT_TRUE(a.read_until("\"content\":", 10.0 * kSlow)) << a.received;
   const auto t0 = Clock::now();
   std::thread stopper([&] { s->shutdown(); });
-  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // Shutdown has begun once /health says so (the listener stays open through the grace period).
+  EXPECT_TRUE(eventually(
+      [&] {
+        const auto h = client(*s).Get("/health");
+        return h && h->status == 503 && h->body.find("shutting_down") != std::string::npos;
+      },
+      5.0 * kSlow));
   expect_error_reply(post(*s, "/v1/chat/completions", chat_body()), 503, "server_shutting_down");
   // The running stream is cut after the grace period, with an error event and no [DONE].
   EXPECT_TRUE(a.read_until("server_shutting_down", 10.0 * kSlow)) << a.received.substr(0, 500);

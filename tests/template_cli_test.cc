@@ -82,6 +82,45 @@ TEST(TemplateCli, ParseOutputWithModelAsDocumented) {
   EXPECT_EQ(j["content"], "Plain answer.");
 }
 
+// 12345678901234567890 fits uint64: Python's Jinja prints it as the integer and json.loads keeps
+// it one, so the template, the built-in renderer and parse-output must too (never 1.23...e+19);
+// `| trim` strips the Unicode whitespace Python's str.strip() strips.
+TEST(TemplateCli, BigIntegersStayIntegersAndTrimStripsUnicodeSpace) {
+  const std::string dir = gemstage::testing::temp_dir("template_cli_bigint");
+  write(dir + "/text", "<|tool_call>call:f{n:12345678901234567890,m:-5}<tool_call|>");
+  ASSERT_EQ(run("parse-output --text-file " + dir + "/text", dir + "/out"), 0)
+      << slurp(dir + "/out");
+  const std::string parsed = slurp(dir + "/out");
+  EXPECT_EQ(parsed.find("e+19"), std::string::npos) << parsed;
+  const auto j = nlohmann::json::parse(parsed);
+  const auto& n = j["tool_calls"][0]["arguments"]["n"];
+  EXPECT_TRUE(n.is_number_unsigned()) << parsed;
+  EXPECT_EQ(n.get<uint64_t>(), 12345678901234567890ull);
+  EXPECT_EQ(j["tool_calls"][0]["arguments"]["m"], -5);
+
+  const std::string model = dir + "/model";
+  fs::create_directories(model);
+  write(model + "/chat_template.jinja",
+        "{% for m in messages %}[{{ m.content | trim }}]"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments.n }} "
+        "{{ c.function.arguments | tojson }}{% endfor %}{% endfor %}");
+  write(dir + "/conversation.json", R"({"messages": [
+    {"role": "user", "content": "\u00a0\u3000 hi \u2003\u2028"},
+    {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+      "function": {"name": "f", "arguments": {"n": 12345678901234567890}}}]}]})");
+  ASSERT_EQ(run("template --model " + model + " --conversation " + dir + "/conversation.json",
+                dir + "/out"),
+            0)
+      << slurp(dir + "/out");
+  EXPECT_EQ(slurp(dir + "/out"), "[hi][]12345678901234567890 {\"n\": 12345678901234567890}");
+  ASSERT_EQ(run("template --builtin --conversation " + dir + "/conversation.json", dir + "/out"), 0)
+      << slurp(dir + "/out");
+  EXPECT_NE(slurp(dir + "/out").find("n:12345678901234567890}"), std::string::npos)
+      << slurp(dir + "/out");
+  EXPECT_NE(slurp(dir + "/out").find("<|turn>user\nhi<turn|>"), std::string::npos)
+      << slurp(dir + "/out");
+}
+
 TEST(ConversationRendererChoice, CheckpointTemplateWinsAndItsRaiseIsAnError) {
   const std::string dir = gemstage::testing::temp_dir("renderer_choice");
   const ordered_json msgs = ordered_json::parse(R"([{"role":"user","content":" Hi "}])");

@@ -21,6 +21,8 @@
 #include "test_util.h"
 
 using namespace gemstage;
+using gemstage::testing::max_abs_diff;
+using gemstage::testing::max_abs_diff_rows;
 
 namespace {
 
@@ -40,25 +42,6 @@ std::vector<int32_t> load_ids32(const std::string& path) {
   std::vector<int32_t> out;
   for (int64_t v : load_npy(path).to_i64()) out.push_back(static_cast<int32_t>(v));
   return out;
-}
-
-// Max |a - b| over the first n_rows rows (all rows when n_rows < 0); shapes must agree on the
-// row width, and each must hold at least n_rows rows.
-double max_abs(const FloatTensor& a, const FloatTensor& b, int64_t n_rows = -1) {
-  const int64_t row_a = a.numel() / a.dim(0), row_b = b.numel() / b.dim(0);
-  EXPECT_EQ(row_a, row_b) << shape_str(a.shape) << " vs " << shape_str(b.shape);
-  if (n_rows < 0) {
-    EXPECT_EQ(a.numel(), b.numel()) << shape_str(a.shape) << " vs " << shape_str(b.shape);
-    n_rows = a.dim(0);
-  }
-  EXPECT_LE(n_rows, a.dim(0));
-  EXPECT_LE(n_rows, b.dim(0));
-  double m = 0;
-  const int64_t n = std::min({n_rows * row_a, a.numel(), b.numel()});
-  for (int64_t i = 0; i < n; ++i)
-    m = std::max(m, std::abs(static_cast<double>(a.data[static_cast<size_t>(i)]) -
-                             b.data[static_cast<size_t>(i)]));
-  return m;
 }
 
 const std::shared_ptr<const Model>& shared_model(bool bf16) {
@@ -303,8 +286,8 @@ TEST(VisionWeights, WithoutClippedLinearsTheBoundsAreInfinite) {
   ThreadPool pool(2);
   const VisionTower unclipped(c, w);
   const std::vector<VisionInput> imgs = fixture_images(m);
-  const double d = max_abs(unclipped.encode_all(pool, imgs, nullptr),
-                           m.vision()->encode_all(pool, imgs, nullptr));
+  const double d = max_abs_diff_rows(unclipped.encode_all(pool, imgs, nullptr),
+                                     m.vision()->encode_all(pool, imgs, nullptr));
   EXPECT_GT(d, 1e-3);
 }
 
@@ -438,11 +421,11 @@ TEST_P(VisionFixture, EveryVisionTapMatches) {
   EXPECT_EQ(po.shape, (Shape{56, 64}));
   EXPECT_EQ(eb.shape, (Shape{56, 128}));
   EXPECT_EQ(eb.data, soft.data);
-  const double e_pe = max_abs(pe, load_f32(dir + "vision_patch_embeds.npy"), 504);
-  const double e_pe_all = max_abs(pe, load_f32(dir + "vision_patch_embeds.npy"));
-  const double e_eo = max_abs(eo, load_f32(dir + "vision_encoder_out.npy"), 504);
-  const double e_po = max_abs(po, load_f32(dir + "vision_pooled.npy"));
-  const double e_eb = max_abs(eb, load_f32(dir + "vision_embedder_out.npy"));
+  const double e_pe = max_abs_diff_rows(pe, load_f32(dir + "vision_patch_embeds.npy"), 504);
+  const double e_pe_all = max_abs_diff_rows(pe, load_f32(dir + "vision_patch_embeds.npy"));
+  const double e_eo = max_abs_diff_rows(eo, load_f32(dir + "vision_encoder_out.npy"), 504);
+  const double e_po = max_abs_diff_rows(po, load_f32(dir + "vision_pooled.npy"));
+  const double e_eb = max_abs_diff_rows(eb, load_f32(dir + "vision_embedder_out.npy"));
   std::cout << (bf16 ? "[bf16]" : "[f32]") << " max_abs vision_patch_embeds " << e_pe
             << " (all 630 rows " << e_pe_all << "), vision_encoder_out " << e_eo
             << ", vision_pooled " << e_po << ", vision_embedder_out " << e_eb << "\n";
@@ -487,8 +470,8 @@ TEST(VisionTower, SeveralImagesConcatenateInOrder) {
   const FloatTensor sa = m.vision()->encode_all(pool, {a}, nullptr);
   const FloatTensor sb = m.vision()->encode_all(pool, {b}, nullptr);
   ASSERT_EQ(both.shape, (Shape{68, 128}));
-  EXPECT_EQ(max_abs(slice_rows(both, 0, 56), sa), 0.0);
-  EXPECT_EQ(max_abs(slice_rows(both, 56, 12), sb), 0.0);
+  EXPECT_EQ(max_abs_diff_rows(slice_rows(both, 0, 56), sa), 0.0);
+  EXPECT_EQ(max_abs_diff_rows(slice_rows(both, 56, 12), sb), 0.0);
   EXPECT_EQ(taps.get("vision_pooled").shape, (Shape{68, 64}));
   EXPECT_EQ(taps.get("vision_patch_embeds").shape, (Shape{630 + 117, 64}));
 }
@@ -503,11 +486,14 @@ TEST_P(MultimodalFixture, PrefillAndDecodeMatch) {
   const std::string dir = mm_dir(bf16);
   const MmRun r = run_multimodal(bf16, PleIdentity::Pad, 0, 8);
   const TapRecorder& t = *r.taps;
-  const double e_ie = max_abs(t.get("inputs_embeds"), load_f32(dir + "inputs_embeds.npy"));
-  const double e_pli = max_abs(t.get("per_layer_inputs"), load_f32(dir + "per_layer_inputs.npy"));
-  const double e_hs = max_abs(t.get("hidden_states"), load_f32(dir + "hidden_states.npy"));
-  const double e_lg = max_abs(t.get("logits"), load_f32(dir + "logits.npy"));
-  const double e_dl = max_abs(r.decode_logits, load_f32(dir + "decode_logits.npy"));
+  const double e_ie =
+      max_abs_diff_rows(t.get("inputs_embeds"), load_f32(dir + "inputs_embeds.npy"));
+  const double e_pli =
+      max_abs_diff_rows(t.get("per_layer_inputs"), load_f32(dir + "per_layer_inputs.npy"));
+  const double e_hs =
+      max_abs_diff_rows(t.get("hidden_states"), load_f32(dir + "hidden_states.npy"));
+  const double e_lg = max_abs_diff_rows(t.get("logits"), load_f32(dir + "logits.npy"));
+  const double e_dl = max_abs_diff_rows(r.decode_logits, load_f32(dir + "decode_logits.npy"));
   std::cout << (bf16 ? "[bf16]" : "[f32]") << " max_abs inputs_embeds " << e_ie
             << ", per_layer_inputs " << e_pli << ", hidden_states " << e_hs << ", logits " << e_lg
             << ", decode_logits " << e_dl << "\n";
@@ -530,14 +516,15 @@ TEST_P(MultimodalFixture, ChunkedPrefillGivesTheSameLogits) {
   for (int64_t chunk : {1, 7}) {
     const MmRun r = run_multimodal(bf16, PleIdentity::Pad, chunk, 8);
     const FloatTensor l = r.taps->get("logits");
-    const double e = max_abs(l, want), d = max_abs(l, lw);
+    const double e = max_abs_diff_rows(l, want), d = max_abs_diff_rows(l, lw);
     std::cout << (bf16 ? "[bf16]" : "[f32]") << " chunk " << chunk << ": max_abs logits vs fixture "
               << e << ", vs whole-prompt run " << d << "\n";
     EXPECT_LE(e, 5e-4) << "chunk " << chunk;
     EXPECT_LE(d, 5e-5) << "chunk " << chunk;
     EXPECT_EQ(r.decode_ids, want_ids) << "chunk " << chunk;
     // Every chunk spliced exactly its own soft tokens.
-    EXPECT_LE(max_abs(r.taps->get("inputs_embeds"), whole.taps->get("inputs_embeds")), 0.0);
+    EXPECT_LE(max_abs_diff_rows(r.taps->get("inputs_embeds"), whole.taps->get("inputs_embeds")),
+              0.0);
   }
 }
 
@@ -546,7 +533,7 @@ TEST_P(MultimodalFixture, PlaceholderRowsGetThePadPleIdentity) {
   const Model& m = model(bf16);
   const MmRun r = run_multimodal(bf16, PleIdentity::Pad, 0, 1);
   const FloatTensor ple = r.taps->get("ple_token_embeds");  // [70, L, P]
-  EXPECT_LE(max_abs(ple, load_f32(mm_dir(bf16) + "ple_token_embeds.npy")), 1e-6);
+  EXPECT_LE(max_abs_diff_rows(ple, load_f32(mm_dir(bf16) + "ple_token_embeds.npy")), 1e-6);
   const TextConfig& tc = m.config().text;
   const int64_t LP = int64_t{tc.num_hidden_layers} * tc.ple_dim();
   std::vector<float> pad_row(static_cast<size_t>(LP));
@@ -570,13 +557,13 @@ TEST_P(MultimodalFixture, RawIdDiagnosticReproducesTheKnownWrongOutputs) {
   EXPECT_EQ(raw.decode_ids, load_npy(dir + "decode_ids_rawid.npy").to_i64());
   EXPECT_NE(raw.decode_ids, pad.decode_ids);
   if (!bf16) {  // the bf16 fixture carries only decode_ids_rawid
-    EXPECT_LE(
-        max_abs(raw.taps->get("per_layer_inputs"), load_f32(dir + "per_layer_inputs_rawid.npy")),
-        2e-4);
-    EXPECT_LE(
-        max_abs(raw.taps->get("ple_token_embeds"), load_f32(dir + "ple_token_embeds_rawid.npy")),
-        1e-6);
-    const double e = max_abs(raw.taps->get("logits"), load_f32(dir + "logits_rawid.npy"));
+    EXPECT_LE(max_abs_diff_rows(raw.taps->get("per_layer_inputs"),
+                                load_f32(dir + "per_layer_inputs_rawid.npy")),
+              2e-4);
+    EXPECT_LE(max_abs_diff_rows(raw.taps->get("ple_token_embeds"),
+                                load_f32(dir + "ple_token_embeds_rawid.npy")),
+              1e-6);
+    const double e = max_abs_diff_rows(raw.taps->get("logits"), load_f32(dir + "logits_rawid.npy"));
     std::cout << "[f32] raw-id diagnostic: max_abs logits vs logits_rawid " << e << "\n";
     EXPECT_LE(e, 5e-4);
   }
@@ -584,11 +571,11 @@ TEST_P(MultimodalFixture, RawIdDiagnosticReproducesTheKnownWrongOutputs) {
   const FloatTensor a = pad.taps->get("per_layer_inputs"), b = raw.taps->get("per_layer_inputs");
   const int64_t row = a.numel() / a.dim(0);
   const std::vector<int64_t> img = image_rows();
+  ASSERT_EQ(a.shape, b.shape);
   for (int64_t r = 0; r < a.dim(0); ++r) {
-    double d = 0;
-    for (int64_t i = 0; i < row; ++i)
-      d = std::max(d, std::abs(static_cast<double>(a.data[static_cast<size_t>(r * row + i)]) -
-                               b.data[static_cast<size_t>(r * row + i)]));
+    const auto at = static_cast<size_t>(r * row), n = static_cast<size_t>(row);
+    const double d = max_abs_diff(std::span<const float>(a.data).subspan(at, n),
+                                  std::span<const float>(b.data).subspan(at, n));
     const bool is_img = std::find(img.begin(), img.end(), r) != img.end();
     if (is_img)
       EXPECT_GT(d, 1e-3) << "image row " << r;
@@ -597,7 +584,7 @@ TEST_P(MultimodalFixture, RawIdDiagnosticReproducesTheKnownWrongOutputs) {
   }
   // Logits before the first image row are identical.
   const FloatTensor la = pad.taps->get("logits"), lb = raw.taps->get("logits");
-  EXPECT_EQ(max_abs(la, lb, img.front()), 0.0);
+  EXPECT_EQ(max_abs_diff_rows(la, lb, img.front()), 0.0);
 }
 
 INSTANTIATE_TEST_SUITE_P(F32AndBf16, MultimodalFixture, ::testing::Values(false, true),
@@ -657,11 +644,11 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
                            " --chunk 7 --decode 8 --taps logits,decode_ids,vision_embedder_out,"
                            "pixel_values,image_position_ids -t 2";
   ASSERT_EQ(run_cli(args, log), 0) << read_file(log);
-  EXPECT_LE(max_abs(load_f32(out + "/logits.npy"), load_f32(d + "logits.npy")), 5e-4);
+  EXPECT_LE(max_abs_diff_rows(load_f32(out + "/logits.npy"), load_f32(d + "logits.npy")), 5e-4);
   EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(), load_npy(d + "decode_ids.npy").to_i64());
-  EXPECT_LE(
-      max_abs(load_f32(out + "/vision_embedder_out.npy"), load_f32(d + "vision_embedder_out.npy")),
-      5e-5);
+  EXPECT_LE(max_abs_diff_rows(load_f32(out + "/vision_embedder_out.npy"),
+                              load_f32(d + "vision_embedder_out.npy")),
+            5e-5);
   // Same names, shapes ([N_img, max_patches, ...]) and values as the fixture's processor outputs.
   const NpyArray pos = load_npy(out + "/image_position_ids.npy");
   EXPECT_EQ(pos.shape, load_npy(d + "image_position_ids.npy").shape);
@@ -724,14 +711,16 @@ TEST(DumpCli, ImageFileThroughPreprocessingMatchesTheFixture) {
     EXPECT_EQ(load_f32(out + "/pixel_values.npy").data,
               load_f32(fx("multimodal/pixel_values.npy")).data)
         << model;
-    EXPECT_LE(max_abs(load_f32(out + "/vision_pooled.npy"), load_f32(d + "vision_pooled.npy")),
-              5e-4)
-        << model;
     EXPECT_LE(
-        max_abs(load_f32(out + "/per_layer_inputs.npy"), load_f32(d + "per_layer_inputs.npy")),
-        2e-4)
+        max_abs_diff_rows(load_f32(out + "/vision_pooled.npy"), load_f32(d + "vision_pooled.npy")),
+        5e-4)
         << model;
-    EXPECT_LE(max_abs(load_f32(out + "/logits.npy"), load_f32(d + "logits.npy")), 5e-4) << model;
+    EXPECT_LE(max_abs_diff_rows(load_f32(out + "/per_layer_inputs.npy"),
+                                load_f32(d + "per_layer_inputs.npy")),
+              2e-4)
+        << model;
+    EXPECT_LE(max_abs_diff_rows(load_f32(out + "/logits.npy"), load_f32(d + "logits.npy")), 5e-4)
+        << model;
     EXPECT_EQ(load_npy(out + "/decode_ids.npy").to_i64(), load_npy(d + "decode_ids.npy").to_i64())
         << model;
   }

@@ -111,17 +111,6 @@ AssistantConfig load_assistant_config(const std::string& dir) {
   return parse_assistant_config(read_text_file(path, size_t{16} << 20), path);
 }
 
-bool is_assistant_checkpoint(const std::string& dir) {
-  const std::string path = (std::filesystem::path(dir) / "config.json").string();
-  if (!std::filesystem::exists(path)) return false;
-  try {
-    const json j = json::parse(read_text_file(path, size_t{16} << 20));
-    return j.is_object() && j.value("model_type", std::string()) == "gemma4_assistant";
-  } catch (const std::exception&) {
-    return false;
-  }
-}
-
 AssistantDonors assistant_donor_layers(const TextConfig& t) {
   AssistantDonors d;
   const int L = t.num_hidden_layers;

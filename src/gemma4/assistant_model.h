@@ -35,8 +35,6 @@ struct AssistantConfig {
 AssistantConfig parse_assistant_config(const std::string& json_text, const std::string& source);
 // Reads DIR/config.json; throws unless model_type is gemma4_assistant.
 AssistantConfig load_assistant_config(const std::string& dir);
-// True when DIR/config.json names model_type gemma4_assistant (no other checks).
-bool is_assistant_checkpoint(const std::string& dir);
 
 // The target layers the drafter reads for each type: the last non-KV-shared sliding and full
 // layers (the donors the target's own shared layers read; with no shared layers, the last

@@ -67,7 +67,6 @@ class AudioTower {
   AudioTower(const ModelConfig& config, AudioWeights weights);
 
   const AudioConfig& config() const { return cfg_; }
-  int64_t text_hidden() const { return text_hidden_; }
 
   // Soft tokens of a clip with this feature mask: the rows valid after both subsamplings
   // (checks that the mask is a prefix of ones, as the feature extractor makes it).

@@ -31,24 +31,6 @@ void gather_rows(const WeightView& table, std::span<const int32_t> ids, float sc
 
 }  // namespace
 
-PerLayerInputs PerLayerInputs::slice(int64_t row0, int64_t n_rows, int64_t layer0,
-                                     int64_t n_layers) const {
-  if (row0 < 0 || row0 + n_rows > rows || !holds(layer0) || !holds(layer0 + n_layers - 1))
-    fail("per_layer_inputs slice rows [", row0, ", ", row0 + n_rows, ") layers [", layer0, ", ",
-         layer0 + n_layers, ") is outside rows [0, ", rows, ") layers [", first_layer, ", ",
-         first_layer + num_layers, ")");
-  PerLayerInputs out;
-  out.rows = n_rows;
-  out.first_layer = layer0;
-  out.num_layers = n_layers;
-  out.dim = dim;
-  out.data.resize(static_cast<size_t>(n_rows * n_layers * dim));
-  for (int64_t r = 0; r < n_rows; ++r)
-    std::memcpy(out.data.data() + r * n_layers * dim, at(row0 + r, layer0),
-                static_cast<size_t>(n_layers * dim) * sizeof(float));
-  return out;
-}
-
 std::vector<LayerCachePlan> kv_cache_plan(const TextConfig& t, int begin, int end) {
   std::vector<LayerCachePlan> plan;
   const int stop = end < 0 ? t.num_hidden_layers : end;
@@ -509,12 +491,6 @@ void TextModel::ple_block(ThreadPool& pool, int li, FloatTensor& hidden, const P
     add_normed(pool.tier(), h, branch.data(), r0, r1, D, lw.post_per_layer_input_norm.data(), eps);
     for (int64_t i = r0 * D; i < r1 * D; ++i) h[i] *= lw.layer_scalar;
   });
-}
-
-void TextModel::run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
-                           const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const {
-  const RowSegment one{0, hidden.shape.empty() ? 0 : hidden.dim(0), start, &cache};
-  run_layers(pool, begin, end, std::span<const RowSegment>(&one, 1), hidden, pli, taps);
 }
 
 void TextModel::run_layers(ThreadPool& pool, int begin, int end,

@@ -43,8 +43,6 @@ struct PerLayerInputs {
   const float* at(int64_t row, int64_t layer) const {
     return data.data() + (row * num_layers + (layer - first_layer)) * dim;
   }
-  // Rows [row0, row0 + n_rows) and layers [layer0, layer0 + n_layers) as a new slice.
-  PerLayerInputs slice(int64_t row0, int64_t n_rows, int64_t layer0, int64_t n_layers) const;
 };
 
 struct EmbeddingsOutput {
@@ -87,13 +85,10 @@ class TextModel {
                          const FloatTensor* soft_tokens, const TextRunOptions& opt,
                          TapRecorder* taps) const;
 
-  // Runs layers [begin, end) on hidden [S, D] at positions start .. start+S-1, which must continue
-  // the cache (start == cache.n_past()), and appends their K/V to the cache. Does not advance
-  // cache.n_past() (the caller does, once per call, after its last stage).
-  void run_layers(ThreadPool& pool, int begin, int end, int64_t start, FloatTensor& hidden,
-                  const PerLayerInputs& pli, KvCache& cache, TapRecorder* taps) const;
-  // The same for a batch: segments cover the rows of hidden in order, one per sequence (their
-  // caches hold the same row type). Taps record rows as they lie in the batch.
+  // Runs layers [begin, end) on hidden [S, D]: segments cover the rows of hidden in order, one
+  // per sequence, each at positions that continue its cache (segment start == cache n_past), and
+  // appends their K/V to the caches (which hold the same row type). Does not advance n_past (the
+  // caller does, once per call, after its last stage). Taps record rows as they lie in the batch.
   void run_layers(ThreadPool& pool, int begin, int end, std::span<const RowSegment> segments,
                   FloatTensor& hidden, const PerLayerInputs& pli, TapRecorder* taps) const;
 

@@ -112,7 +112,6 @@ class VisionTower {
   const VisionConfig& config() const { return cfg_; }
   const VisionWeights& weights() const { return w_; }
   int64_t patch_dim() const { return 3LL * cfg_.patch_size * cfg_.patch_size; }
-  int64_t text_hidden() const { return text_hidden_; }
 
   // Validates the position ids (throws on bad ids or grid) and returns the soft-token count.
   int64_t num_soft_tokens(const int64_t* position_ids, int64_t max_patches) const;

@@ -27,7 +27,6 @@ class FileWriter {
   void write(const std::string& s) { write(s.data(), s.size()); }
   // Flushes the buffer, fdatasync()s and closes; errors name the file and the errno text.
   void commit();
-  uint64_t bytes_written() const { return written_; }
   const std::string& path() const { return path_; }
 
  private:

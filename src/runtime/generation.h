@@ -90,14 +90,12 @@ class TokenStream {
   // token, are taken one by one as next() takes a sampled id (stop ids, stop strings,
   // max_tokens, logprobs of each row's own logits), so a generation that ends inside the round
   // drops the rest. has_room(j): the sequence can take a row after the j-th token taken (0-based).
-  // *accepted: the drafts accepted (the caller keeps rows x, d_1..d_n). Not with a constraint
-  // (see can_verify).
+  // *accepted: the drafts accepted (the caller keeps rows x, d_1..d_n). Fails under a JSON
+  // or tool-call constraint: drafts are not constrained.
   std::optional<int32_t> next_verified(const float* logits, int64_t vocab,
                                        std::span<const int32_t> drafts,
                                        const std::function<bool(int64_t)>& has_room,
                                        const TextCallback& on_text, int* accepted);
-  // Drafts can be verified: no JSON or tool-call constraint (drafts are not constrained).
-  bool can_verify() const { return !constraint_; }
   // Generated tokens so far.
   int steps() const { return step_; }
   const GenerationOptions& options() const { return opt_; }

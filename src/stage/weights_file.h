@@ -37,7 +37,6 @@ class WeightsFileWriter {
   void end_tensor();
   // Writes the last bytes and syncs the file to disk; errors name the file and errno text.
   void finish();
-  uint64_t data_bytes() const { return next_offset_; }
 
  private:
   struct Decl {

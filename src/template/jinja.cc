@@ -17,6 +17,54 @@ namespace gemstage::jinja {
 
 using nlohmann::ordered_json;
 
+namespace {
+
+// Python's integers are unbounded; ours are 128-bit. Every JSON integer (int64 and uint64) and
+// their sums and products fit, and an arithmetic result past that is an error, never a wrapped
+// value or a float.
+__extension__ typedef __int128 Int;
+__extension__ typedef unsigned __int128 UInt;
+constexpr Int kIntMax = static_cast<Int>(~UInt{0} >> 1);
+constexpr Int kIntMin = -kIntMax - 1;
+
+std::string int_str(Int v) {
+  if (v >= std::numeric_limits<int64_t>::min() && v <= std::numeric_limits<int64_t>::max())
+    return std::to_string(static_cast<int64_t>(v));
+  UInt m = v < 0 ? UInt{0} - static_cast<UInt>(v) : static_cast<UInt>(v);
+  std::string digits;
+  for (; m != 0; m /= 10) digits += static_cast<char>('0' + static_cast<int>(m % 10));
+  if (v < 0) digits += '-';
+  return {digits.rbegin(), digits.rend()};
+}
+
+// Decimal digits after an optional sign, as Python's int(str) reads them; nullopt when the text
+// is not that or the value does not fit.
+std::optional<Int> parse_int(std::string_view t) {
+  size_t k = 0;
+  const bool negative = !t.empty() && t[0] == '-';
+  if (!t.empty() && (t[0] == '-' || t[0] == '+')) ++k;
+  if (k == t.size()) return std::nullopt;
+  Int v = 0;  // accumulated negatively, so kIntMin is reachable
+  for (; k < t.size(); ++k) {
+    if (t[k] < '0' || t[k] > '9') return std::nullopt;
+    if (__builtin_mul_overflow(v, Int{10}, &v) || __builtin_sub_overflow(v, Int{t[k] - '0'}, &v))
+      return std::nullopt;
+  }
+  if (negative) return v;
+  if (v == kIntMin) return std::nullopt;
+  return -v;
+}
+
+// An index, count or bound taken from an integer: values past 64 bits saturate, which every
+// caller then treats as out of range.
+int64_t saturate_i64(Int v) {
+  return v < std::numeric_limits<int64_t>::min()   ? std::numeric_limits<int64_t>::min()
+         : v > std::numeric_limits<int64_t>::max() ? std::numeric_limits<int64_t>::max()
+                                                   : static_cast<int64_t>(v);
+}
+
+}  // namespace
+
 // ---------------------------------------------------------------------------------------------
 // Numbers and text as Python prints and compares them.
 
@@ -124,20 +172,66 @@ std::string map_case(std::string_view s, bool upper) {
   return out;
 }
 
+// ASCII whitespace between the tokens inside a tag.
 bool is_py_space(char c) {
   return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\v' || c == '\f';
 }
 
+// Byte length of the character at s[i] when Python's str.isspace() holds for it, else 0. That
+// set is Unicode's White_Space plus the four information separators U+001C..U+001F: the ASCII
+// ones, U+0085, U+00A0, U+1680, U+2000..U+200A, U+2028, U+2029, U+202F, U+205F and U+3000. Only
+// their well-formed UTF-8 sequences count (a stray byte 0xA0 is not U+00A0).
+size_t py_space_at(std::string_view s, size_t i) {
+  const auto at = [&](size_t k) { return static_cast<unsigned char>(s[i + k]); };
+  const size_t left = s.size() - i;
+  if (left == 0) return 0;
+  const unsigned char b = at(0);
+  if ((b >= 0x09 && b <= 0x0D) || (b >= 0x1C && b <= 0x20)) return 1;
+  if (b == 0xC2 && left >= 2) return at(1) == 0x85 || at(1) == 0xA0 ? 2 : 0;
+  if (left < 3) return 0;
+  if (b == 0xE1) return at(1) == 0x9A && at(2) == 0x80 ? 3 : 0;  // U+1680
+  if (b == 0xE3) return at(1) == 0x80 && at(2) == 0x80 ? 3 : 0;  // U+3000
+  if (b != 0xE2) return 0;
+  if (at(1) == 0x80)  // U+2000..U+200A, U+2028, U+2029, U+202F
+    return at(2) <= 0x8A || at(2) == 0xA8 || at(2) == 0xA9 || at(2) == 0xAF ? 3 : 0;
+  return at(1) == 0x81 && at(2) == 0x9F ? 3 : 0;  // U+205F
+}
+
+// Byte length of the Python whitespace character that ends right before s[e], or 0.
+size_t py_space_before(std::string_view s, size_t e) {
+  for (size_t n = 1; n <= 3 && n <= e; ++n)
+    if (py_space_at(s, e - n) == n) return n;
+  return 0;
+}
+
+// Python's str.strip / lstrip / rstrip: whitespace as str.isspace() has it, or the code points
+// of `chars`.
 std::string_view py_strip(std::string_view s, bool left, bool right,
                           std::optional<std::string_view> chars = std::nullopt) {
-  auto strip_char = [&](char c) {
-    return chars ? chars->find(c) != std::string_view::npos : is_py_space(c);
-  };
   size_t b = 0, e = s.size();
+  if (!chars) {
+    while (left && b < e) {
+      const size_t n = py_space_at(s, b);
+      if (n == 0) break;
+      b += n;
+    }
+    while (right && e > b) {
+      const size_t n = py_space_before(s.substr(b), e - b);
+      if (n == 0) break;
+      e -= n;
+    }
+    return s.substr(b, e - b);
+  }
+  const std::vector<std::string_view> set = code_points(*chars);
+  const auto in_set = [&](std::string_view cp) {
+    return std::find(set.begin(), set.end(), cp) != set.end();
+  };
+  std::vector<std::string_view> cps = code_points(s);
+  size_t first = 0, last = cps.size();
   if (left)
-    while (b < e && strip_char(s[b])) ++b;
+    while (first < last && in_set(cps[first])) b += cps[first++].size();
   if (right)
-    while (e > b && strip_char(s[e - 1])) --e;
+    while (last > first && in_set(cps[last - 1])) e -= cps[--last].size();
   return s.substr(b, e - b);
 }
 
@@ -155,7 +249,7 @@ struct Value {
   enum class Kind { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kDict, kCallable };
   Kind kind = Kind::kUndefined;
   bool b = false;
-  int64_t i = 0;
+  Int i = 0;
   double f = 0;
   std::string s;  // kString; kUndefined: the name that was not found (for messages)
   std::shared_ptr<List> list;
@@ -179,7 +273,7 @@ struct Value {
     v.b = x;
     return v;
   }
-  static Value integer(int64_t x) {
+  static Value integer(Int x) {
     Value v;
     v.kind = Kind::kInt;
     v.i = x;
@@ -256,12 +350,8 @@ Value from_json(const ordered_json& j) {
       return Value::boolean(j.get<bool>());
     case ordered_json::value_t::number_integer:
       return Value::integer(j.get<int64_t>());
-    case ordered_json::value_t::number_unsigned: {
-      const auto u = j.get<uint64_t>();
-      if (u > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
-        return Value::real(static_cast<double>(u));
-      return Value::integer(static_cast<int64_t>(u));
-    }
+    case ordered_json::value_t::number_unsigned:
+      return Value::integer(j.get<uint64_t>());
     case ordered_json::value_t::number_float:
       return Value::real(j.get<double>());
     case ordered_json::value_t::string:
@@ -329,7 +419,7 @@ std::string to_str(const Value& v, bool repr) {
     case Value::Kind::kBool:
       return v.b ? "True" : "False";
     case Value::Kind::kInt:
-      return std::to_string(v.i);
+      return int_str(v.i);
     case Value::Kind::kFloat:
       return python_float_repr(v.f);
     case Value::Kind::kString:
@@ -416,7 +506,7 @@ void to_json_text(std::string& out, const Value& v, int indent, bool sort_keys, 
       out += v.b ? "true" : "false";
       return;
     case Value::Kind::kInt:
-      out += std::to_string(v.i);
+      out += int_str(v.i);
       return;
     case Value::Kind::kFloat:
       out += std::isnan(v.f)   ? "NaN"
@@ -498,11 +588,15 @@ bool numeric_like(const Value& v) {
          v.kind == Value::Kind::kBool;
 }
 
+// An int or a bool (Python's bool is an int) as an integer.
+Int int_of(const Value& v) {
+  return v.kind == Value::Kind::kBool ? Int{v.b} : v.i;
+}
+
 bool equal(const Value& a, const Value& b) {
   if (numeric_like(a) && numeric_like(b)) {
     if (a.kind != Value::Kind::kFloat && b.kind != Value::Kind::kFloat)
-      return (a.kind == Value::Kind::kBool ? a.b : a.i) ==
-             (b.kind == Value::Kind::kBool ? b.b : b.i);
+      return int_of(a) == int_of(b);
     return a.as_double() == b.as_double();
   }
   if (a.kind != b.kind) return false;
@@ -1306,10 +1400,9 @@ class Parser {
       case Tok::kInt: {
         take();
         auto lit = make(Expr::Kind::kLiteral, t.pos);
-        int64_t v = 0;
-        const auto r = std::from_chars(t.text.data(), t.text.data() + t.text.size(), v);
-        if (r.ec != std::errc()) error(t.pos, "integer literal out of range");
-        lit->literal = Value::integer(v);
+        const std::optional<Int> v = parse_int(t.text);
+        if (!v) error(t.pos, "integer literal out of range (integers are 128-bit here)");
+        lit->literal = Value::integer(*v);
         return lit;
       }
       case Tok::kFloat: {
@@ -1602,7 +1695,10 @@ struct Interp {
                                       e.kind == Expr::Kind::kNeg ? "-" : "+", ": ", kind_name(v)));
         if (e.kind == Expr::Kind::kPos) return v;
         if (v.kind == Value::Kind::kFloat) return Value::real(-v.f);
-        return Value::integer(-(v.kind == Value::Kind::kBool ? int64_t{v.b} : v.i));
+        Int negated = 0;
+        if (__builtin_sub_overflow(Int{0}, int_of(v), &negated))
+          error(e.pos, "integer overflow in unary - (integers are 128-bit here)");
+        return Value::integer(negated);
       }
       case Expr::Kind::kAnd: {
         Value l = eval(*e.args[0]);
@@ -1642,7 +1738,7 @@ struct Interp {
       return Value::undefined(attr);
     }
     if (obj.is_list() && !attr.empty() && std::isdigit(static_cast<unsigned char>(attr[0])))
-      return get_item(obj, Value::integer(std::stoll(attr)), p);
+      if (const std::optional<Int> k = parse_int(attr)) return get_item(obj, Value::integer(*k), p);
     return Value::undefined(attr);
   }
 
@@ -1661,7 +1757,7 @@ struct Interp {
         if (key.is_string()) return get_attr(obj, key.s, p);
         error(p, detail::concat("indices must be integers, not ", kind_name(key)));
       }
-      int64_t k = key.kind == Value::Kind::kBool ? key.b : key.i;
+      int64_t k = saturate_i64(int_of(key));
       if (obj.is_list()) {
         const auto n = static_cast<int64_t>(obj.list->size());
         if (k < 0) k += n;
@@ -1685,7 +1781,7 @@ struct Interp {
       const Value v = eval(*e.args[static_cast<size_t>(k) + 1]);
       if (v.is_none()) continue;
       if (v.kind != Value::Kind::kInt) error(e.pos, "slice indices must be integers");
-      b[k] = v.i;
+      b[k] = saturate_i64(v.i);
     }
     const int64_t step = b[2].value_or(1);
     if (step == 0) error(e.pos, "slice step cannot be zero");
@@ -1735,6 +1831,11 @@ struct Interp {
   }
 
   int compare(const Value& a, const Value& b, Pos p) {
+    if (numeric_like(a) && numeric_like(b) && a.kind != Value::Kind::kFloat &&
+        b.kind != Value::Kind::kFloat) {
+      const Int x = int_of(a), y = int_of(b);
+      return x < y ? -1 : x > y ? 1 : 0;
+    }
     if (numeric_like(a) && numeric_like(b)) {
       const double x = a.as_double(), y = b.as_double();
       return x < y ? -1 : x > y ? 1 : 0;
@@ -1782,7 +1883,7 @@ struct Interp {
     }
     if (op == "*" && ((l.is_string() && r.kind == Value::Kind::kInt) ||
                       (l.is_list() && r.kind == Value::Kind::kInt))) {
-      const int64_t n = std::max<int64_t>(0, r.i);
+      const int64_t n = std::max<int64_t>(0, saturate_i64(r.i));
       const size_t unit = l.is_string() ? l.s.size() : l.list->size();
       if (unit != 0 && static_cast<uint64_t>(n) > limits.max_output_bytes / unit)
         error(e.pos, "repetition too long (RenderLimits)");
@@ -1799,17 +1900,16 @@ struct Interp {
       error(e.pos, detail::concat("unsupported operand types for ", op, ": ", kind_name(l), " and ",
                                   kind_name(r)));
     const bool ints = l.kind != Value::Kind::kFloat && r.kind != Value::Kind::kFloat;
-    const int64_t a = l.kind == Value::Kind::kBool ? l.b : l.i;
-    const int64_t b = r.kind == Value::Kind::kBool ? r.b : r.i;
+    const Int a = int_of(l), b = int_of(r);
     const double x = l.as_double(), y = r.as_double();
-    // Jinja's integers are unbounded (Python's); ours are 64-bit, so a result beyond that is an
+    // Jinja's integers are unbounded (Python's); ours are 128-bit, so a result beyond that is an
     // error, never a wrapped (undefined) value.
-    auto checked = [&](bool overflowed, int64_t v) {
-      if (overflowed) error(e.pos, "integer overflow in " + op + " (integers are 64-bit here)");
+    auto checked = [&](bool overflowed, Int v) {
+      if (overflowed) error(e.pos, "integer overflow in " + op + " (integers are 128-bit here)");
       return Value::integer(v);
     };
     if (ints && (op == "+" || op == "-" || op == "*")) {
-      int64_t v = 0;
+      Int v = 0;
       const bool overflowed = op == "+"   ? __builtin_add_overflow(a, b, &v)
                               : op == "-" ? __builtin_sub_overflow(a, b, &v)
                                           : __builtin_mul_overflow(a, b, &v);
@@ -1825,8 +1925,8 @@ struct Interp {
     if (op == "//" || op == "%") {
       if (y == 0) error(e.pos, "division by zero");
       if (ints) {
-        checked(a == std::numeric_limits<int64_t>::min() && b == -1, 0);
-        int64_t q = a / b, m = a % b;
+        checked(a == kIntMin && b == -1, 0);
+        Int q = a / b, m = a % b;
         if (m != 0 && ((m < 0) != (b < 0))) {
           --q;
           m += b;
@@ -1839,9 +1939,9 @@ struct Interp {
     if (op == "**") {
       if (ints && b >= 0) {
         // By squaring: exact for any exponent whose result fits, an error past that.
-        int64_t out = 1, base = a;
+        Int out = 1, base = a;
         bool overflowed = false;
-        for (int64_t k = b; k > 0 && !overflowed; k >>= 1) {
+        for (Int k = b; k > 0 && !overflowed; k >>= 1) {
           if (k & 1) overflowed = __builtin_mul_overflow(out, base, &out);
           if (k > 1 && !overflowed) overflowed = __builtin_mul_overflow(base, base, &base);
         }
@@ -1927,26 +2027,28 @@ struct Interp {
       const std::string from = str_arg(a, 0, "old", "replace");
       const std::string to = str_arg(a, 1, "new", "replace");
       const auto count = a.get(2, "count");
-      return Value::string(replace_all(s, from, to, count ? count->i : -1, a.at));
+      return Value::string(replace_all(
+          s, from, to, count && count->kind == Value::Kind::kInt ? saturate_i64(count->i) : -1,
+          a.at));
     }
     if (m == "split") {
       const auto sep = a.get(0, "sep");
       const auto maxsplit_v = a.get(1, "maxsplit");
       const int64_t maxsplit =
-          maxsplit_v && maxsplit_v->kind == Value::Kind::kInt ? maxsplit_v->i : -1;
+          maxsplit_v && maxsplit_v->kind == Value::Kind::kInt ? saturate_i64(maxsplit_v->i) : -1;
       List out;
       if (!sep || sep->is_none()) {
         size_t k = 0;
         int64_t splits = 0;
         while (true) {
-          while (k < s.size() && is_py_space(s[k])) ++k;
+          while (const size_t n = py_space_at(s, k)) k += n;
           if (k >= s.size()) break;
           if (maxsplit >= 0 && splits >= maxsplit) {
             out.push_back(Value::string(std::string(py_strip(s.substr(k), false, true))));
             break;
           }
           size_t e = k;
-          while (e < s.size() && !is_py_space(s[e])) ++e;
+          while (e < s.size() && py_space_at(s, e) == 0) ++e;
           out.push_back(Value::string(s.substr(k, e - k)));
           ++splits;
           k = e;
@@ -2090,8 +2192,12 @@ struct Interp {
       const size_t dot = path.find('.', k);
       const std::string part = path.substr(k, dot == std::string::npos ? dot : dot - k);
       if (cur.is_undefined()) return cur;
-      if (!part.empty() && std::isdigit(static_cast<unsigned char>(part[0])) && cur.is_list())
-        cur = get_item(cur, Value::integer(std::stoll(part)), p);
+      const std::optional<Int> index =
+          !part.empty() && std::isdigit(static_cast<unsigned char>(part[0])) && cur.is_list()
+              ? parse_int(part)
+              : std::nullopt;
+      if (index)
+        cur = get_item(cur, Value::integer(*index), p);
       else
         cur = get_item(cur, Value::string(part), p);
       if (dot == std::string::npos) return cur;
@@ -2187,20 +2293,34 @@ struct Interp {
       const auto from = a.get(0, "old"), to = a.get(1, "new");
       if (!from || !to) error(p, "replace needs two arguments");
       const auto count = a.get(2, "count");
-      return Value::string(replace_all(to_str(in), to_str(*from), to_str(*to),
-                                       count && count->kind == Value::Kind::kInt ? count->i : -1,
-                                       p));
+      return Value::string(
+          replace_all(to_str(in), to_str(*from), to_str(*to),
+                      count && count->kind == Value::Kind::kInt ? saturate_i64(count->i) : -1, p));
     }
     if (f == "int") {
-      if (in.kind == Value::Kind::kFloat) return Value::integer(static_cast<int64_t>(in.f));
-      if (numeric_like(in)) return Value::integer(in.kind == Value::Kind::kBool ? in.b : in.i);
+      // Jinja's do_int: int(value), else int(float(value)) ("42.5" gives 42), else the default.
+      // Python's int() of an infinite float raises, and so does a value past our 128 bits.
+      const auto truncated = [&](double x) -> std::optional<Value> {
+        if (std::isnan(x)) return std::nullopt;
+        if (!(std::fabs(x) < 0x1p127)) error(p, "int: " + python_float_repr(x) + " is too large");
+        return Value::integer(static_cast<Int>(x));
+      };
+      std::optional<Value> out;
+      if (in.kind == Value::Kind::kFloat) out = truncated(in.f);
+      if (in.kind == Value::Kind::kInt || in.kind == Value::Kind::kBool)
+        out = Value::integer(int_of(in));
       if (in.is_string()) {
-        int64_t v = 0;
         const std::string_view t = py_strip(in.s, true, true);
-        if (std::from_chars(t.data(), t.data() + t.size(), v).ec == std::errc())
-          return Value::integer(v);
+        if (const std::optional<Int> v = parse_int(t)) {
+          out = Value::integer(*v);
+        } else if (!t.empty()) {
+          const std::string text(t);
+          char* end = nullptr;
+          const double x = std::strtod(text.c_str(), &end);
+          if (end == text.c_str() + text.size()) out = truncated(x);
+        }
       }
-      return a.get(0, "default").value_or(Value::integer(0));
+      return out ? *out : a.get(0, "default").value_or(Value::integer(0));
     }
     if (f == "float") {
       if (numeric_like(in)) return Value::real(in.as_double());
@@ -2213,8 +2333,11 @@ struct Interp {
     }
     if (f == "abs") {
       if (in.kind == Value::Kind::kFloat) return Value::real(std::fabs(in.f));
-      if (numeric_like(in))
-        return Value::integer(std::llabs(in.kind == Value::Kind::kBool ? in.b : in.i));
+      if (numeric_like(in)) {
+        const Int v = int_of(in);
+        if (v == kIntMin) error(p, "integer overflow in abs (integers are 128-bit here)");
+        return Value::integer(v < 0 ? -v : v);
+      }
       error(p, "abs needs a number");
     }
     if (f == "unique") {
@@ -2306,8 +2429,10 @@ struct Interp {
         if (!numeric_like(x) || !numeric_like(total)) error(p, "sum needs numbers");
         if (x.kind == Value::Kind::kFloat || total.kind == Value::Kind::kFloat)
           total = Value::real(total.as_double() + x.as_double());
+        else if (Int sum = 0; __builtin_add_overflow(int_of(total), int_of(x), &sum))
+          error(p, "integer overflow in sum (integers are 128-bit here)");
         else
-          total = Value::integer(total.i + x.i);
+          total = Value::integer(sum);
       }
       return total;
     }
@@ -2315,7 +2440,7 @@ struct Interp {
       const auto width = a.get(0, "width");
       const auto first = a.get(1, "first");
       const std::string pad(width && width->kind == Value::Kind::kInt
-                                ? static_cast<size_t>(std::clamp<int64_t>(width->i, 0, 1000))
+                                ? static_cast<size_t>(std::clamp<Int>(width->i, 0, 1000))
                                 : 4,
                             ' ');
       const std::string s = to_str(in);
@@ -2365,7 +2490,7 @@ struct Interp {
       if (t == "even") return v.i % 2 == 0;
       const Value& d = need();
       if (d.kind != Value::Kind::kInt || d.i == 0) error(p, "divisibleby needs a non-zero integer");
-      return v.i % d.i == 0;
+      return d.i == -1 || v.i % d.i == 0;  // kIntMin % -1 would trap
     }
     error(p, "unknown test '" + t + "'");
   }
@@ -2544,7 +2669,7 @@ struct Interp {
       return d;
     });
     g["range"] = Value::callable([](Interp& in, Args& a) -> Value {
-      int64_t start = 0, stop = 0, step = 1;
+      Int start = 0, stop = 0, step = 1;
       for (const Value& v : a.pos)
         if (v.kind != Value::Kind::kInt) in.error(a.at, "range() needs integers");
       if (a.pos.size() == 1) {
@@ -2558,9 +2683,10 @@ struct Interp {
       }
       if (step == 0) in.error(a.at, "range() step must not be zero");
       List out;
-      for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
+      for (Int k = start; step > 0 ? k < stop : k > stop;) {
         in.count_iteration(a.at);
         out.push_back(Value::integer(k));
+        if (__builtin_add_overflow(k, step, &k)) break;  // past every 128-bit stop
       }
       return Value::make_list(std::move(out));
     });

@@ -195,9 +195,16 @@ class CallParser {
     }
     if (k != t.size()) return false;
     if (is_int) {
+      // An integer stays one (as Python's json.loads keeps it) wherever JSON's 64-bit integers
+      // reach: int64, and uint64 above that. Only past uint64 does it become a float.
       int64_t v = 0;
       if (std::from_chars(t.data(), t.data() + t.size(), v).ec == std::errc()) {
         out = v;
+        return true;
+      }
+      uint64_t u = 0;
+      if (t[0] != '-' && std::from_chars(t.data(), t.data() + t.size(), u).ec == std::errc()) {
+        out = u;
         return true;
       }
     }
@@ -321,10 +328,6 @@ ParsedOutput parse(std::string_view text, bool partial) {
 
 ParsedOutput parse_model_output(std::string_view text) {
   return parse(text, false);
-}
-
-ParsedOutput parse_model_output_partial(std::string_view text) {
-  return parse(text, true);
 }
 
 std::string tool_finish_reason(const ParsedOutput& parsed, std::string_view text,

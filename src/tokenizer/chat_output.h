@@ -68,7 +68,4 @@ class OutputStreamParser {
   size_t content_sent_ = 0, reasoning_sent_ = 0, calls_sent_ = 0;
 };
 
-// Parses as far as the text is final (used by OutputStreamParser; exposed for tests).
-ParsedOutput parse_model_output_partial(std::string_view text);
-
 }  // namespace gemstage

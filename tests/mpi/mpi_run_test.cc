@@ -42,6 +42,20 @@ int sh(const std::string& cmd, const std::string& log) {
   return WIFEXITED(rc) ? WEXITSTATUS(rc) : 128 + WTERMSIG(rc);
 }
 
+// A capability this machine lacks (mpirun cannot start ranks, network namespaces cannot be made)
+// fails the test: a skip would pass in ctest and hide that nothing was tested. Where that is known
+// and accepted (a developer without root), GEMSTAGE_ALLOW_MPI_SKIP=1 turns it into a skip that
+// says what went untested; scripts/test.sh repeats that at the end of its run.
+bool mpi_skip_allowed() {
+  const char* v = std::getenv("GEMSTAGE_ALLOW_MPI_SKIP");
+  return v != nullptr && std::string(v) == "1";
+}
+#define GEMSTAGE_MISSING_CAPABILITY(why)                                                       \
+  do {                                                                                         \
+    if (mpi_skip_allowed()) GTEST_SKIP() << "NOT TESTED (GEMSTAGE_ALLOW_MPI_SKIP=1): " << why; \
+    FAIL() << why << " (set GEMSTAGE_ALLOW_MPI_SKIP=1 to skip this knowingly)";                \
+  } while (false)
+
 std::string mpirun(int np) {
   return "timeout 120 mpirun --oversubscribe -np " + std::to_string(np) + " ";
 }
@@ -57,7 +71,7 @@ class MpiRun : public ::testing::Test {
     setenv("OMPI_MCA_btl_vader_single_copy_mechanism", "none", 1);
     dir_ = new std::string(testing::temp_dir("mpi_run"));
     // Whether this machine can start an MPI job at all (a container without the resources Open
-    // MPI needs cannot); if not, every test says why and skips rather than blaming gemstage.
+    // MPI needs cannot); if not, every test says why rather than blaming gemstage.
     const std::string probe = *dir_ + "/mpirun_probe.log";
     if (sh("timeout 60 mpirun --oversubscribe -np 2 true", probe) != 0)
       no_mpi_ = new std::string(slurp(probe));
@@ -68,7 +82,8 @@ class MpiRun : public ::testing::Test {
     export_bundle(fixture("model"), *dir_ + "/b", o);
   }
   void SetUp() override {
-    if (no_mpi_) GTEST_SKIP() << "mpirun cannot start 2 ranks on this machine: " << *no_mpi_;
+    if (no_mpi_)
+      GEMSTAGE_MISSING_CAPABILITY("mpirun cannot start 2 ranks on this machine: " << *no_mpi_);
   }
   static std::string dir() { return *dir_; }
   static std::string bundle() { return *dir_ + "/b"; }
@@ -160,16 +175,16 @@ TEST_F(MpiRun, ARankGivenAnotherBundleIsRefusedNamingRankAndHost) {
 // Two hosts simulated by two network namespaces joined by a veth pair: rank 2 runs in the second
 // namespace (Open MPI starts it there through an `ip netns exec` launcher in place of ssh), and
 // its stage traffic crosses the veth interface, TCP only. Needs the right to create namespaces
-// (root with CAP_SYS_ADMIN); skipped with a message where that is missing, e.g. in containers.
+// (root with CAP_SYS_ADMIN, as CI has); where that is missing it fails (see mpi_skip_allowed).
 TEST_F(MpiRun, StageTrafficCrossesAVethPairBetweenTwoNetworkNamespaces) {
   const std::string tag = std::to_string(getpid() % 100000);
   const std::string a = "gsA" + tag, b = "gsB" + tag, va = "vA" + tag, vb = "vB" + tag;
   const std::string net = "10.77." + std::to_string(getpid() % 200) + ".";
   const std::string log = dir() + "/netns.log";
-  if (sh("ip netns add " + a, log) != 0) {
-    GTEST_SKIP() << "cannot create network namespaces here (" << slurp(log)
-                 << "); the two-host test needs root with CAP_SYS_ADMIN";
-  }
+  if (sh("ip netns add " + a, log) != 0)
+    GEMSTAGE_MISSING_CAPABILITY("cannot create network namespaces here ("
+                                << slurp(log)
+                                << "); the two-host test needs root with CAP_SYS_ADMIN");
   struct Namespaces {
     std::string a, b, log;
     ~Namespaces() { sh("ip netns del " + a + "; ip netns del " + b, log); }
@@ -234,6 +249,29 @@ pid_t pid_of_rank(const std::string& marker, int rank) {
     if (env.find(want + '\0') != std::string::npos) return std::stoi(name);
   }
   return -1;
+}
+
+// Whether pid is a process that has not ended (a zombie has: its parent just has not reaped it).
+bool running(pid_t pid) {
+  const std::string stat = slurp("/proc/" + std::to_string(pid) + "/stat");
+  const size_t paren = stat.rfind(')');
+  return paren != std::string::npos && paren + 2 < stat.size() && stat[paren + 2] != 'Z';
+}
+
+// The workers' silence limit at --stage-timeout 2 (worker_silence_limit in
+// src/distributed/mpi_launch.cc: the larger of 10 s and twice the stage timeout).
+constexpr auto kWorkerSilenceLimit = std::chrono::seconds(10);
+
+// GET /metrics, and the value of one series in it ("" when absent).
+std::string metrics(httplib::Client& c) {
+  const auto r = c.Get("/metrics");
+  return r && r->status == 200 ? r->body : std::string();
+}
+std::string metric_value(const std::string& text, const std::string& series) {
+  const size_t at = text.find("\n" + series);
+  if (at == std::string::npos) return "";
+  const size_t from = at + 1 + series.size();
+  return text.substr(from, text.find('\n', from) - from);
 }
 
 // `serve` started by a shell command (under mpirun or not), up and answering /health; the job
@@ -370,12 +408,17 @@ TEST_F(MpiRun, AKilledWorkerEndsTheRequestWithAnErrorAndHealthSaysSo) {
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 503);
   EXPECT_NE(r->body.find("stage_failed"), std::string::npos) << r->body;
-  // A request that arrives now is refused at once, not queued behind a dead rank.
-  const auto t1 = std::chrono::steady_clock::now();
+  // A request that arrives now is refused at once, not queued behind a dead rank: it never
+  // reaches the engine, so no prompt token is counted and no request ends as failed.
+  const std::string before = metrics(c);
   r = c.Post("/v1/completions", body, "application/json");
   ASSERT_TRUE(r);
   EXPECT_EQ(r->status, 503);
-  EXPECT_LT(std::chrono::steady_clock::now() - t1, std::chrono::seconds(2));
+  EXPECT_NE(r->body.find("stage_failed"), std::string::npos) << r->body;
+  const std::string after = metrics(c);
+  for (const char* series :
+       {"gemstage_prompt_tokens_total ", "gemstage_requests_total{outcome=\"failed\"} "})
+    EXPECT_EQ(metric_value(after, series), metric_value(before, series)) << series;
   // The service stops when told (the supervisor's restart), ending the whole job.
   kill(launcher, SIGTERM);
   bool ended = false;
@@ -394,8 +437,18 @@ TEST_F(MpiRun, WorkersLeaveWhenRankZeroDies) {
                    bundle() + " --port 0 -t 1 --stage-timeout 2",
                dir() + "/serve_rank0.log");
   ASSERT_TRUE(job.wait_up()) << job.log();
-  // Idle for longer than the workers' silence limit (10 s here): rank 0's keep-alives hold them.
-  std::this_thread::sleep_for(std::chrono::seconds(12));
+  // The workers entered their loops (and started their silence clocks) before rank 0 answered
+  // /health: the handshake comes first. Watch them idle past the silence limit, failing the
+  // moment one leaves; rank 0's keep-alives must hold them. The workers themselves are watched,
+  // not the job: under --enable-recovery the job outlives a worker.
+  const auto up = std::chrono::steady_clock::now();
+  const pid_t workers[] = {pid_of_rank(bundle(), 1), pid_of_rank(bundle(), 2)};
+  for (pid_t w : workers) ASSERT_GT(w, 0) << job.log();
+  while (std::chrono::steady_clock::now() - up < kWorkerSilenceLimit + std::chrono::seconds(1)) {
+    for (pid_t w : workers)
+      ASSERT_TRUE(running(w)) << "worker " << w << " left while rank 0 lived\n" << job.log();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
   ASSERT_EQ(waitpid(job.pid(), nullptr, WNOHANG), 0) << "the job ended while rank 0 lived\n"
                                                      << job.log();
   const pid_t rank0 = pid_of_rank(bundle(), 0);
