@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);
   // So are -ub (--ubatch-size) and --batch-size (the -b all generation commands share).
-  static char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk";
+  char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk";
   if (argc > 1 && std::strcmp(argv[1], "serve") == 0)
     for (char*& arg : args) {
       if (std::strcmp(arg, "-np") == 0) arg = parallel;
@@ -78,7 +78,7 @@ int main(int argc, char** argv) {
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
     }
   // llama.cpp's -md (--model-draft) likewise.
-  static char model_draft[] = "--model-draft";
+  char model_draft[] = "--model-draft";
   for (char*& arg : args)
     if (std::strcmp(arg, "-md") == 0) arg = model_draft;
   try {

@@ -6,6 +6,7 @@
 // final_norm_head over the memory-mapped checkpoint; a bundle runs its exported stages.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <optional>
 #include <string>
@@ -57,6 +58,10 @@ class Model {
   // and bf16 weights, which compute in f32 as the reference does.
   KvType default_kv_type() const { return default_kv_type_; }
 
+  // A number for a new sequence's rows in the processes of remote stages, unique among this
+  // model's sequences (each keeps its cache group there under it).
+  uint64_t new_remote_sequence_id() const { return next_remote_id_.fetch_add(1); }
+
   // Bytes of every matrix the transformer and head stages read for one decoded token.
   double decode_weight_bytes() const;
   // The embeddings stage's vision tower; null for checkpoints without vision_config.
@@ -78,6 +83,7 @@ class Model {
   std::vector<std::string> notes_;
   int64_t max_context_ = 0;
   KvType default_kv_type_ = KvType::F32;
+  mutable std::atomic<uint64_t> next_remote_id_{1};
 };
 
 // Opens a front end's models. In a run spread over MPI ranks, rank 0's opener holds the job's

@@ -9,14 +9,10 @@
 
 namespace gemstage {
 
-namespace {
-std::atomic<uint64_t> next_remote_id{1};
-}  // namespace
-
 Sequence::Sequence(std::shared_ptr<const Model> model, int64_t max_context,
                    std::optional<KvType> kv_type)
     : model_(std::move(model)),
-      remote_id_(next_remote_id.fetch_add(1)),
+      remote_id_(model_->new_remote_sequence_id()),
       max_context_(max_context > 0 ? max_context : model_->max_context()),
       kv_type_(kv_type.value_or(model_->default_kv_type())) {
   if (model_->is_bundle() && max_context_ > model_->max_context())
