@@ -65,21 +65,6 @@ std::string trim(std::string s) {
   return s;
 }
 
-// The layout huggingface_hub leaves (see hub_test.cc): blobs by etag, relative links, refs/main.
-void lay_out_like_huggingface_hub(const std::string& cache, const std::string& commit) {
-  const fs::path repo = fs::path(cache) / "models--google--gemma-4-E2B-it";
-  fs::create_directories(repo / "blobs");
-  fs::create_directories(repo / "refs");
-  fs::create_directories(repo / "snapshots" / commit);
-  for (const auto& name : kWanted) {
-    const std::string bytes = read_bytes(fixture("model/" + name));
-    const std::string etag = fake_is_lfs(name) ? test_sha256(bytes) : test_git_sha1(bytes);
-    std::ofstream(repo / "blobs" / etag, std::ios::binary) << bytes;
-    fs::create_symlink("../../blobs/" + etag, repo / "snapshots" / commit / name);
-  }
-  std::ofstream(repo / "refs" / "main", std::ios::binary) << commit;
-}
-
 TEST(HubCli, PullListRemove) {
   FakeHub hub;
   hub.add_repo(kRepo, fixture_repo(fixture("model")));
@@ -147,7 +132,7 @@ TEST(HubCli, GenerateByNameDownloadsAndRuns) {
 
 TEST(HubCli, ByNameFromAHuggingfaceHubCacheOffline) {
   const std::string dir = temp_dir("hubcli_offline"), cache = dir + "/cache";
-  lay_out_like_huggingface_hub(cache, main_commit());
+  write_hf_cache_snapshot(cache, kRepo, fixture("model"), main_commit());
   // Offline, and the endpoint is a port nothing listens on: any request would fail.
   const std::string env = hub_env("http://127.0.0.1:1", cache) + "HF_HUB_OFFLINE=1 ";
 
@@ -203,7 +188,7 @@ TEST(HubCli, ByNameFromAHuggingfaceHubCacheOffline) {
 // serve takes -m like every command: the central hook resolves it before serve's own checks.
 TEST(HubCli, ServeTakesAModelByName) {
   const std::string dir = temp_dir("hubcli_serve"), cache = dir + "/cache";
-  lay_out_like_huggingface_hub(cache, main_commit());
+  write_hf_cache_snapshot(cache, kRepo, fixture("model"), main_commit());
   const std::string env = hub_env("http://127.0.0.1:1", cache) + "HF_HUB_OFFLINE=1 ";
   const std::string cmd = env + std::string(GEMSTAGE_CLI) + " serve -m " + kRepo + "@main" +
                           " --port 0 -t 2 > " + dir + "/out 2> " + dir +

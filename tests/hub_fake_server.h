@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -74,6 +75,37 @@ inline bool fake_is_lfs(const std::string& path) {
     return path.size() >= s.size() && path.compare(path.size() - s.size(), s.size(), s) == 0;
   };
   return ends(".safetensors") || ends(".bin") || ends(".gguf") || ends(".onnx");
+}
+
+// A snapshot of the files of model_dir as huggingface_hub's hf_hub_download / snapshot_download
+// leave it in the cache (docs/hf-hub.md "Cache layout"), written by hand: blobs named by etag
+// (sha256 for LFS files, else the git blob sha1), relative links from snapshots/<commit>,
+// refs/main holding the bare commit, a .no_exist marker and the repository's lock folder.
+// Returns the snapshot folder.
+inline std::filesystem::path write_hf_cache_snapshot(const std::string& cache,
+                                                     const std::string& repo_id,
+                                                     const std::string& model_dir,
+                                                     const std::string& commit) {
+  namespace fs = std::filesystem;
+  const std::string folder = "models--" + repo_id.substr(0, repo_id.find('/')) + "--" +
+                             repo_id.substr(repo_id.find('/') + 1);
+  const fs::path repo = fs::path(cache) / folder;
+  fs::create_directories(repo / "blobs");
+  fs::create_directories(repo / "refs");
+  fs::create_directories(repo / "snapshots" / commit);
+  fs::create_directories(repo / ".no_exist" / commit);
+  std::ofstream(repo / ".no_exist" / commit / "chat_template.jinja").close();
+  for (const auto& entry : fs::directory_iterator(model_dir)) {
+    if (!entry.is_regular_file()) continue;
+    const std::string name = entry.path().filename().string();
+    const std::string bytes = read_bytes(entry.path().string());
+    const std::string etag = fake_is_lfs(name) ? test_sha256(bytes) : test_git_sha1(bytes);
+    std::ofstream(repo / "blobs" / etag, std::ios::binary) << bytes;
+    fs::create_symlink("../../blobs/" + etag, repo / "snapshots" / commit / name);
+  }
+  std::ofstream(repo / "refs" / "main", std::ios::binary) << commit;
+  fs::create_directories(fs::path(cache) / ".locks" / folder);
+  return repo / "snapshots" / commit;
 }
 
 struct FakeRepo {

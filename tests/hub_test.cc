@@ -90,26 +90,6 @@ std::string etag_for(const std::string& name, const std::string& bytes) {
   return fake_is_lfs(name) ? test_sha256(bytes) : test_git_sha1(bytes);
 }
 
-// A cache laid out by hand exactly as huggingface_hub's hf_hub_download / snapshot_download
-// leave it (docs/hf-hub.md "Cache layout"): blobs named by etag, relative links, refs/main with
-// the bare commit, a .no_exist marker for a file the repository lacks.
-void lay_out_like_huggingface_hub(const std::string& cache, const std::string& commit) {
-  const fs::path repo = repo_dir(cache);
-  fs::create_directories(repo / "blobs");
-  fs::create_directories(repo / "refs");
-  fs::create_directories(repo / "snapshots" / commit);
-  fs::create_directories(repo / ".no_exist" / commit);
-  std::ofstream(repo / ".no_exist" / commit / "chat_template.jinja").close();
-  for (const auto& name : kWanted) {
-    const std::string bytes = model_file(name);
-    const std::string etag = etag_for(name, bytes);
-    std::ofstream(repo / "blobs" / etag, std::ios::binary) << bytes;
-    fs::create_symlink("../../blobs/" + etag, repo / "snapshots" / commit / name);
-  }
-  std::ofstream(repo / "refs" / "main", std::ios::binary) << commit;
-  fs::create_directories(fs::path(cache) / ".locks" / "models--google--gemma-4-E2B-it");
-}
-
 // --- names, settings, hashes, URLs -------------------------------------------------------------
 
 TEST(HubNames, ModelReferencesParseAndPathsDoNot) {
@@ -509,7 +489,7 @@ TEST(HubOffline, WithoutTheSnapshotSaysWhatIsMissing) {
   EXPECT_NE(msg.find("HF_HUB_OFFLINE"), std::string::npos) << msg;
 
   // A snapshot whose weights blob is gone (an interrupted download, a hand-deleted file).
-  lay_out_like_huggingface_hub(cache, main_commit());
+  write_hf_cache_snapshot(cache, kRepo, fixture("model"), main_commit());
   fs::remove(repo_dir(cache) / "blobs" / test_sha256(model_file("model.safetensors")));
   EXPECT_EQ(kind_of([&] { resolve_model(kRef, s); }, &msg), HubError::Kind::NotCached);
   EXPECT_NE(msg.find("incomplete"), std::string::npos) << msg;
@@ -522,7 +502,7 @@ TEST(HubOffline, WithoutTheSnapshotSaysWhatIsMissing) {
 
 TEST(HubCache, ALayoutWrittenByHuggingfaceHubIsUsedAsIs) {
   const std::string cache = temp_dir("hub_python_layout");
-  lay_out_like_huggingface_hub(cache, main_commit());
+  write_hf_cache_snapshot(cache, kRepo, fixture("model"), main_commit());
   HubSettings s;
   s.cache_dir = cache;
   s.offline = true;
@@ -585,7 +565,7 @@ TEST(HubDownload, ShardsDownloadInParallelAndTheIndexDecidesCompleteness) {
 
 TEST(HubDownload, WithoutNetworkACompleteCachedSnapshotStillServes) {
   const std::string cache = temp_dir("hub_fallback");
-  lay_out_like_huggingface_hub(cache, main_commit());
+  write_hf_cache_snapshot(cache, kRepo, fixture("model"), main_commit());
   HubSettings s;
   s.cache_dir = cache;
   s.endpoint = "http://127.0.0.1:1";  // nothing listens there
