@@ -56,5 +56,9 @@ void add_serve_command(CLI::App& app, Registry& reg);
 void add_run_stage_command(CLI::App& app, Registry& reg);
 void add_template_command(CLI::App& app, Registry& reg);
 void add_parse_output_command(CLI::App& app, Registry& reg);
+// Models by name (tools/cmd_pull.cc, cmd_ls.cc, cmd_rm.cc; resolution in tools/model_ref.h).
+void add_pull_command(CLI::App& app, Registry& reg);
+void add_ls_command(CLI::App& app, Registry& reg);
+void add_rm_command(CLI::App& app, Registry& reg);
 
 }  // namespace gemstage::cli

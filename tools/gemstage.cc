@@ -15,6 +15,7 @@
 #include "io/mapped_file.h"
 #include "stage/call_pipeline.h"
 #include "tools/commands.h"
+#include "tools/model_ref.h"
 
 int main(int argc, char** argv) {
   // Each forward pass allocates and frees the same few-MB activation buffers. glibc's defaults
@@ -66,6 +67,11 @@ int main(int argc, char** argv) {
   gemstage::cli::add_parity_command(app, reg);
   gemstage::cli::add_serve_command(app, reg);
   gemstage::cli::add_run_stage_command(app, reg);
+  gemstage::cli::add_pull_command(app, reg);
+  gemstage::cli::add_ls_command(app, reg);
+  gemstage::cli::add_rm_command(app, reg);
+  // Every --model / --model-draft may name a Hub model (ORG/NAME[@REVISION], tools/model_ref.h).
+  gemstage::cli::accept_model_references(reg);
   // llama.cpp spells serve's --parallel as -np; CLI11 only takes one-letter short names, so that
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);
@@ -77,14 +83,19 @@ int main(int argc, char** argv) {
       if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
     }
-  // llama.cpp's -md (--model-draft) likewise.
-  char model_draft[] = "--model-draft";
-  for (char*& arg : args)
+  // llama.cpp's -md (--model-draft) and -hf (a Hub model, here any --model) likewise.
+  char model_draft[] = "--model-draft", model[] = "--model";
+  for (char*& arg : args) {
     if (std::strcmp(arg, "-md") == 0) arg = model_draft;
+    if (std::strcmp(arg, "-hf") == 0) arg = model;
+  }
   try {
     app.parse(argc, args.data());
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const std::exception& e) {  // resolving a model name (a download) failed
+    std::cerr << "error: " << e.what() << "\n";
+    return 1;
   }
 #ifdef GEMSTAGE_HAVE_MPI
   std::unique_ptr<gemstage::DistributedSession> distributed;
