@@ -1,6 +1,7 @@
 // The chat page of `gemstage serve` on the audio fixture model in headless Chromium: attach a
-// recording through the page's Audio file input, send, and check that the reply equals what the
-// API gives for the same input_audio request and that the user message shows a player.
+// recording through the page's file input, send, and check that the reply (as the message's Copy
+// button puts it on the clipboard) equals what the API gives for the same input_audio request and
+// that the user message shows a player.
 //
 //   node tests/js/serve_chat_page_audio.mjs path/to/gemstage path/to/tests/fixtures
 import fs from "node:fs";
@@ -23,12 +24,13 @@ const browser = await chromium.launch({ executablePath, args: ["--no-sandbox"], 
 const timeout = 30000 * SLOW;
 try {
   const page = await browser.newPage();
+  await page.context().grantPermissions(["clipboard-read", "clipboard-write"], { origin: server.url });
   const pageErrors = [];
   page.on("pageerror", (e) => pageErrors.push(String(e)));
   await page.goto(server.url + "/");
   await page.waitForFunction(() => document.getElementById("model").textContent === "model",
                              null, { timeout });
-  await page.click("details summary");
+  await page.click("#settings-toggle");
   await page.fill("#temperature", "0");
   await page.fill("#max-tokens", "8");
 
@@ -47,8 +49,8 @@ try {
   check(r.status === 200, `API status ${r.status}: ${body}`);
   const want = JSON.parse(body).choices[0].message.content;
 
-  await page.setInputFiles("#audio", wav);
-  await page.locator("#audio-attachment").waitFor({ state: "visible", timeout });
+  await page.setInputFiles("#file", wav);
+  await page.locator("#attachments .chip[data-kind=audio]").waitFor({ state: "visible", timeout });
   await page.fill("#input", "What do you hear?");
   await page.click("#send");
   const bubble = page.locator(".msg.assistant").nth(0);
@@ -57,8 +59,9 @@ try {
         `error shown: ${await page.locator(".msg.error").allTextContents()}`);
   check(await page.locator(".msg.user").nth(0).locator("audio").count() === 1,
         "the user message does not show its recording");
-  check(!(await page.locator("#audio-attachment").isVisible()), "the attachment was not cleared");
-  const got = await bubble.locator(".content").textContent();
+  check(await page.locator("#attachments .chip").count() === 0, "the attachment was not cleared");
+  await bubble.locator(".copy-msg").click();
+  const got = await page.evaluate(() => navigator.clipboard.readText());
   check(got === want, `page reply ${JSON.stringify(got)} != API reply ${JSON.stringify(want)}`);
   check(pageErrors.length === 0, `page errors: ${pageErrors.join("; ")}`);
 } finally {
