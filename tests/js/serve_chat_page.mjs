@@ -110,9 +110,8 @@ try {
       sse(chunk({}, "tool_calls")) + "data: [DONE]\n\n" });
   });
   await page.click("#new-chat");  // thinking renders text conversations (no image turn)
-  await page.click("#settings-toggle");
+  if (await page.isHidden("#settings")) await page.click("#settings-toggle");
   await page.check("#think");
-  await page.click("#settings-toggle");
   await page.fill("#input", "Weather in Paris?");
   await page.press("#input", "Enter");
   const bubble3 = page.locator(".msg.assistant").nth(0);
@@ -125,7 +124,8 @@ try {
         "the reasoning block is not collapsed");
   check(await bubble3.locator(".reasoning-text").textContent() === "The user wants the weather.",
         `reasoning ${await bubble3.locator(".reasoning-text").textContent()}`);
-  check(await bubble3.locator(".content").textContent() === "Checking.", "reply text");
+  check(await bubble3.locator(".content").textContent() === "Checking.",
+        `reply text ${JSON.stringify(await bubble3.locator(".content").textContent())}`);
   check(await bubble3.locator(".tool-call").textContent() === "\u2192 get_weather({\"city\":\"Paris\"})",
         `tool call ${await bubble3.locator(".tool-call").textContent()}`);
   check(/tool_calls/.test(await bubble3.locator(".meta").textContent()), "finish reason");

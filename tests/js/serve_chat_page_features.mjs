@@ -8,7 +8,8 @@
 // code on the clipboard, $...$, $$...$$ and \(...\) math) whose finished blocks are not redrawn
 // while later ones stream; a <script> and an onerror attribute in a reply shown as text and never
 // run; reply statistics; dark mode from the system and from the toggle; edit-and-resend and
-// regenerate against the real server; two conversations surviving a reload; search, rename,
+// regenerate against the real server, the earlier versions kept and reachable; two
+// conversations surviving a reload; search, rename,
 // delete, export and import; stop mid-stream with Escape; Shift+Enter; server errors (a bad
 // image, a full context) shown in the conversation; a 390-px-wide viewport. Screenshots of the
 // light, dark and narrow page are written to the directory given.
@@ -127,6 +128,14 @@ async function newPage(context) {
   });
   return page;
 }
+// Waits until the texts of selector's elements are want (the page renders after async storage
+// reads), then compares, so a mismatch fails with both lists.
+async function texts(page, selector, want, what) {
+  await page.waitForFunction(([sel, w]) => JSON.stringify([...document.querySelectorAll(sel)]
+                               .map((n) => n.textContent)) === JSON.stringify(w),
+                             [selector, want], { timeout: 5000 * SLOW }).catch(() => {});
+  eq(await page.locator(selector).allTextContents(), want, what);
+}
 const luminance = (page, selector) => page.$eval(selector, (node) => {
   const [r, g, b] = getComputedStyle(node).backgroundColor.match(/\d+/g).map(Number);
   return (0.2126 * r + 0.7152 * g + 0.0722 * b) / 255;
@@ -147,19 +156,29 @@ try {
                                null, { timeout });
     await page.waitForFunction(() => /slots busy/.test(document.getElementById("health").textContent),
                                null, { timeout });
-    check(/1\/1 slots busy|0\/1 slots busy/.test(await page.textContent("#health")),
+    check(/[01]\/1 slots busy/.test(await page.textContent("#health")),
           `health ${await page.textContent("#health")}`);
+    // gemstage has no /props: the context size is /health's KV budget (-c 512).
+    eq(await page.textContent("#context-size"), "512 token context", "context size");
   });
 
   await step("a streamed markdown reply: table, highlighted code, math; finished blocks stay put", async () => {
-    proxy.canned.push(cannedReply(MARKDOWN, { pieces: 40, delayMs: 25 }));
+    proxy.canned.push(cannedReply(MARKDOWN, { pieces: 60, delayMs: 60 }));
     await page.fill("#input", "Show me some markdown");
     await page.press("#input", "Enter");
-    // Once the table is on screen it must stay the same element while the rest streams in.
-    const table = await page.waitForSelector(".msg.assistant table", { timeout });
-    await page.evaluate((t) => { t.dataset.first = "yes"; }, table);
+    // A block is complete once the next one shows; from then on it must stay the same element
+    // while the rest streams in: the heading once the table shows, the table once the code does.
+    await page.waitForSelector(".msg.assistant table", { timeout });
+    const heading = await page.$(".msg.assistant h2");
+    await heading.evaluate((h) => { h.dataset.seen = "yes"; });
+    await page.waitForSelector(".msg.assistant .code-block", { timeout });
+    const table = await page.$(".msg.assistant table");
+    await table.evaluate((t) => { t.dataset.seen = "yes"; });
+    check(await page.locator(".msg.assistant .meta").count() === 0, "the reply ended before the checks began");
     await waitDone(assistant(0));
-    check(await table.evaluate((t) => t.isConnected && t.dataset.first === "yes"),
+    check(await heading.evaluate((h) => h.isConnected && h.dataset.seen === "yes"),
+          "the heading was redrawn while later blocks streamed");
+    check(await table.evaluate((t) => t.isConnected && t.dataset.seen === "yes"),
           "the table was redrawn while later blocks streamed");
     const bubble = assistant(0);
     eq(await bubble.locator("h2").textContent(), "Results", "heading");
@@ -240,19 +259,29 @@ try {
     const want = await apiReply([{ role: "user", content: "Hello again" }]);
     await assistant(0).locator(".copy-msg").click();
     eq(await clipboard(), want, "reply to the edited message");
+    // The first version and its reply are kept beside the edit.
+    eq(await page.textContent(".msg.user .version-count"), "2/2", "versions of the user message");
+    await page.click(".msg.user .prev-version");
+    await texts(page, ".msg.user .content", ["Hello there"], "first version");
+    await assistant(0).locator(".copy-msg").click();
+    eq(await clipboard(), await apiReply([{ role: "user", content: "Hello there" }]), "first version's reply");
+    await page.click(".msg.user .next-version");
+    await texts(page, ".msg.user .content", ["Hello again"], "back to the edit");
 
     await assistant(0).locator(".regenerate").click();
     await page.waitForFunction(() => document.querySelectorAll(".msg.assistant .meta").length === 1 &&
                                !document.querySelector(".msg.assistant[data-done=false]"), null, { timeout });
     eq(proxy.chats.length, before + 2, "requests after regenerate");
     eq(proxy.chats.at(-1).messages, sent.messages, "the regenerate request repeats the history");
-    eq(await page.locator(".msg.assistant").count(), 1, "replies after regenerate");
+    eq(await page.locator(".msg.assistant").count(), 1, "replies shown after regenerate");
+    eq(await assistant(0).locator(".version-count").textContent(), "2/2", "versions of the reply");
     await assistant(0).locator(".copy-msg").click();
     eq(await clipboard(), want, "regenerated reply (greedy, so the same)");
   });
 
   await step("Shift+Enter is a new line; a second conversation; both survive a reload", async () => {
-    await page.click("#new-chat");
+    await page.keyboard.press("Control+Shift+O");  // new chat
+    eq(await page.textContent("#chat-title"), "New chat", "title after Ctrl+Shift+O");
     await page.fill("#input", "Second");
     await page.press("#input", "Shift+Enter");
     await page.type("#input", "conversation");
@@ -266,10 +295,11 @@ try {
     eq(await page.locator("#conversations .conv-open").allTextContents(),
        ["Second", "Hello there", "Show me some markdown"], "conversations after reload");
     await page.locator("#conversations .conv-open", { hasText: "Hello there" }).click();
-    eq(await page.locator(".msg.user .content").allTextContents(), ["Hello again"], "restored user turn");
+    await texts(page, ".msg.user .content", ["Hello again"], "restored user turn");
     eq(await page.locator(".msg.assistant .meta").count(), 1, "restored reply with its statistics");
+    eq(await page.textContent(".msg.assistant .version-count"), "2/2", "restored versions");
     await page.locator("#conversations .conv-open", { hasText: "Second" }).click();
-    eq(await page.locator(".msg.user .content").allTextContents(), ["Second\nconversation"], "restored second");
+    await texts(page, ".msg.user .content", ["Second\nconversation"], "restored second");
     // Settings persist too.
     await page.click("#settings-toggle");
     eq(await page.inputValue("#max-tokens"), "8", "max tokens after reload");
@@ -277,7 +307,9 @@ try {
   });
 
   await step("search, rename, export, import and delete conversations", async () => {
-    await page.fill("#search", "markdown");
+    await page.keyboard.press("Control+K");
+    check(await page.evaluate(() => document.activeElement.id) === "search", "Ctrl+K did not focus the search");
+    await page.keyboard.type("markdown");
     await page.waitForFunction(() => document.querySelectorAll("#conversations li").length === 1,
                                null, { timeout });
     await page.fill("#search", "Hello again");  // matches message text, not only titles

@@ -8,6 +8,7 @@
 // #search, #export, #import, #theme-toggle, #attachments.
 import { MarkdownView, renderMarkdown } from "./markdown.js";
 import { ConversationStore } from "./store.js";
+import { Thread } from "./thread.js";
 import { readEvents, apiError, classifyFile, readAttachment, userContent, formatStats,
          newId, titleFrom } from "./chat.js";
 
@@ -86,48 +87,66 @@ function currentTheme() {
 const state = {
   store: null,
   headers: [],       // every conversation's header, newest first
-  cache: new Map(),  // conversation id -> its messages array (the one the page edits)
+  cache: new Map(),  // conversation id -> its Thread (the one the page edits)
   current: null,     // the open conversation's header, or null for a new, unsaved one
   pending: [],       // attachments for the next message
   live: null,        // the reply being streamed: {conversation, message, controller, bubble, view}
   search: "",
-  nCtx: null,
+  nCtx: null,      // the context size /props or /v1/models gave
+  kvBudget: null,  // /health's kv_budget
 };
 const memoryStore = {  // where IndexedDB is unavailable (private windows in some browsers)
   data: new Map(),
   async list() { return [...this.data.values()].map((v) => v.header).sort((a, b) => b.updated - a.updated); },
-  async messages(id) { return this.data.get(id)?.messages ?? []; },
-  async save(h, messages) { this.data.set(h.id, { header: { ...h }, messages }); },
+  async thread(id) { return this.data.get(id)?.thread ?? null; },
+  async save(h, thread) { this.data.set(h.id, { header: { ...h }, thread }); },
   async saveHeader(h) { const v = this.data.get(h.id); if (v) v.header = { ...h }; },
   async remove(id) { this.data.delete(id); },
 };
 
 function status(text) { $("status").textContent = text; }
 
-async function messagesOf(id) {
-  if (!state.cache.has(id)) state.cache.set(id, await state.store.messages(id));
+async function threadOf(id) {
+  if (!state.cache.has(id)) {
+    let thread;
+    try {
+      thread = Thread.fromRecord(await state.store.thread(id));
+    } catch (e) {
+      status("a saved conversation is damaged: " + (e.message || e));
+      thread = new Thread();
+    }
+    state.cache.set(id, thread);
+  }
   return state.cache.get(id);
 }
 
 async function persist(conversation) {
+  if (conversation.deleted) return;  // a reply that ended after its conversation was deleted
   conversation.updated = Date.now();
+  // The list shows the conversation touched last first.
+  const i = state.headers.indexOf(conversation);
+  if (i > 0) state.headers.unshift(...state.headers.splice(i, 1));
   try {
-    await state.store.save(conversation, state.cache.get(conversation.id) || []);
+    await state.store.save(conversation, (await threadOf(conversation.id)).toRecord());
   } catch (e) {
     status("could not save the conversation: " + (e.message || e));
   }
 }
 
 // --- the conversation list -------------------------------------------------------------------
+// The stored headers, keeping the objects the page already holds (the open conversation's, the
+// one a reply is streaming into), so a change made through one is seen through the other.
 async function refreshList() {
-  state.headers = await state.store.list();
+  const known = new Map(state.headers.map((h) => [h.id, h]));
+  state.headers = (await state.store.list()).map((h) => known.has(h.id) ? Object.assign(known.get(h.id), h) : h);
   renderList();
 }
 
 async function matches(header, needle) {
   if (header.title.toLowerCase().includes(needle)) return true;
-  const messages = await messagesOf(header.id);
-  return messages.some((m) => (m.content || "").toLowerCase().includes(needle));
+  const thread = await threadOf(header.id);
+  for (const m of thread.nodes.values()) if ((m.content || "").toLowerCase().includes(needle)) return true;
+  return false;
 }
 
 async function renderList() {
@@ -184,6 +203,7 @@ function startRename(li, header) {
 
 async function deleteConversation(header) {
   if (!confirm(`Delete "${header.title}"? This cannot be undone.`)) return;
+  header.deleted = true;
   if (state.live && state.live.conversation.id === header.id) state.live.controller.abort();
   await state.store.remove(header.id);
   state.cache.delete(header.id);
@@ -200,7 +220,7 @@ async function openConversation(id) {
   const header = state.headers.find((h) => h.id === id);
   if (!header) return;
   state.current = header;
-  await messagesOf(id);
+  await threadOf(id);
   renderConversation();
   showTitle();
   renderList();
@@ -220,8 +240,12 @@ function newChat() {
 }
 
 // --- rendering messages ----------------------------------------------------------------------
+function currentThread() {
+  return state.current ? state.cache.get(state.current.id) || null : null;
+}
 function currentMessages() {
-  return state.current ? state.cache.get(state.current.id) || [] : [];
+  const thread = currentThread();
+  return thread ? thread.path() : [];
 }
 
 function renderConversation() {
@@ -233,7 +257,8 @@ function renderConversation() {
                   el("p", { text: "Ask anything. Attach images, recordings or text files with the " +
                                   "paper clip, or drop them here." })));
   }
-  for (const m of messages) box.append(messageElement(m));
+  const thread = currentThread();
+  for (const m of messages) box.append(messageElement(m, thread));
   updateContextUsed();
   scrollToEnd(true);
 }
@@ -263,7 +288,27 @@ function actionButton(cls, text, label, fn) {
   return b;
 }
 
-function messageElement(m) {
+// "< 2/3 >" under a message that has other versions (edits of it, or replies written again).
+function versionsElement(m, thread) {
+  const siblings = thread ? thread.siblings(m) : [m];
+  if (siblings.length < 2) return null;
+  const i = siblings.indexOf(m);
+  const go = (j) => () => {
+    if (state.live) { status("wait for the reply, or stop it, before switching versions"); return; }
+    thread.select(siblings[j].id);
+    persist(state.current);
+    renderConversation();
+  };
+  const prev = actionButton("prev-version", "\u2039", "Previous version", go(i - 1));
+  const next = actionButton("next-version", "\u203A", "Next version", go(i + 1));
+  prev.disabled = i === 0;
+  next.disabled = i === siblings.length - 1;
+  return el("span", { class: "versions" }, prev,
+            el("span", { class: "version-count", text: `${i + 1}/${siblings.length}`,
+                         "aria-label": `version ${i + 1} of ${siblings.length}` }), next);
+}
+
+function messageElement(m, thread = currentThread()) {
   const node = el("article", { class: "msg " + m.role, "data-id": m.id });
   node.append(el("div", { class: "role", text: m.role }));
   const bubble = el("div", { class: "bubble" });
@@ -271,7 +316,7 @@ function messageElement(m) {
   if (m.role === "user") {
     if (m.attachments && m.attachments.length) bubble.append(attachmentElements(m.attachments));
     bubble.append(el("div", { class: "content", text: m.content }));
-    node.append(el("div", { class: "actions" },
+    node.append(el("div", { class: "actions" }, versionsElement(m, thread),
       actionButton("copy-msg", "Copy", "Copy this message", () => copyText(m.content, "message copied")),
       actionButton("edit", "Edit", "Edit this message and send it again", () => startEdit(node, m))));
   } else if (m.role === "assistant") {
@@ -289,7 +334,7 @@ function messageElement(m) {
       renderMarkdown(content, m.content);
       if (m.stats) bubble.append(metaElement(m.stats));
     }
-    if (!m.pending) node.append(assistantActions(m));
+    if (!m.pending) node.append(assistantActions(m, thread));
   } else {
     bubble.append(el("div", { class: "content", text: m.content }));
     if (m.code) bubble.append(el("div", { class: "code", text: m.code }));
@@ -299,8 +344,8 @@ function messageElement(m) {
   return node;
 }
 
-function assistantActions(m) {
-  return el("div", { class: "actions" },
+function assistantActions(m, thread = currentThread()) {
+  return el("div", { class: "actions" }, versionsElement(m, thread),
     actionButton("copy-msg", "Copy", "Copy this reply", () => copyText(m.content, "reply copied")),
     actionButton("regenerate", "Regenerate", "Write this reply again", () => regenerate(m)));
 }
@@ -325,7 +370,7 @@ function updateContextUsed() {
   const last = [...messages].reverse().find((m) => m.stats && m.stats.promptTokens != null);
   const used = last ? last.stats.promptTokens + (last.stats.completionTokens || 0) : null;
   $("context-used").textContent = used == null ? "" :
-      "context " + used.toLocaleString() + (state.nCtx ? " / " + state.nCtx.toLocaleString() : "") + " tokens";
+      "context used " + used.toLocaleString() + ((state.nCtx ?? state.kvBudget) ? " / " + (state.nCtx ?? state.kvBudget).toLocaleString() : "") + " tokens";
 }
 
 function atBottom() {
@@ -377,12 +422,11 @@ function startEdit(node, m) {
   cancel.addEventListener("click", close);
   save.addEventListener("click", async () => {
     const text = area.value;
-    if (!text.trim() && !(m.attachments && m.attachments.length)) return;
-    const messages = currentMessages();
-    const i = messages.indexOf(m);
-    if (i < 0) return close();
-    m.content = text;
-    messages.splice(i + 1);  // what followed was an answer to the old text
+    if (state.live || (!text.trim() && !(m.attachments && m.attachments.length))) return;
+    // The edit is a new version beside the old message; the old one and its replies stay.
+    const thread = currentThread();
+    thread.add({ id: newId(), role: "user", content: text, attachments: m.attachments || [],
+                 created: Date.now() }, m.parent);
     renderConversation();
     await generate(state.current);
   });
@@ -392,26 +436,28 @@ function startEdit(node, m) {
   });
 }
 
+// A new reply beside this one, to the same history.
 async function regenerate(m) {
   if (state.live) return;
-  const messages = currentMessages();
-  const i = messages.indexOf(m);
-  if (i < 0) return;
-  messages.splice(i);
+  const thread = currentThread();
+  thread.leaf = m.parent;
   renderConversation();
   await generate(state.current);
 }
 
+// The error goes, and so does a reply it cut short; the request is sent again.
 async function retry(m) {
   if (state.live) return;
-  const messages = currentMessages();
-  const i = messages.indexOf(m);
-  if (i < 0) return;
-  messages.splice(i);
-  // A failed reply's partial text goes too: the retry starts from the last user turn.
-  while (messages.length && messages[messages.length - 1].role !== "user") messages.pop();
+  const thread = currentThread();
+  let parent = thread.get(m.parent);
+  thread.remove(m.id);
+  if (parent && parent.role === "assistant" && parent.stats && parent.stats.finish === "failed") {
+    thread.remove(parent.id);
+    parent = thread.get(parent.parent);
+  }
+  thread.leaf = parent ? parent.id : null;
   renderConversation();
-  if (messages.length) await generate(state.current);
+  if (parent && parent.role === "user") await generate(state.current);
   else await persist(state.current);
 }
 
@@ -446,14 +492,14 @@ async function submit() {
   if (!conversation) {
     const now = Date.now();
     conversation = { id: newId(), title: titleFrom(text, state.pending), created: now, updated: now };
-    state.cache.set(conversation.id, []);
+    state.cache.set(conversation.id, new Thread());
     state.current = conversation;
     state.headers.unshift(conversation);
     showTitle();
   }
-  const messages = state.cache.get(conversation.id);
-  messages.push({ id: newId(), role: "user", content: text, attachments: state.pending.slice(),
-                  created: Date.now() });
+  const thread = await threadOf(conversation.id);
+  thread.add({ id: newId(), role: "user", content: text, attachments: state.pending.slice(),
+               created: Date.now() }, thread.leaf);
   $("input").value = "";
   autosize();
   clearAttachments();
@@ -463,13 +509,13 @@ async function submit() {
 }
 
 async function generate(conversation) {
-  const messages = state.cache.get(conversation.id);
+  const thread = await threadOf(conversation.id);
   const message = { id: newId(), role: "assistant", content: "", reasoning: "", toolCalls: [],
                     pending: true, created: Date.now() };
-  const request = { messages: apiMessages(messages), stream: true,
+  const request = { messages: apiMessages(thread.path()), stream: true,
                     stream_options: { include_usage: true }, ...samplingFields() };
   if ($("think").checked) request.chat_template_kwargs = { enable_thinking: true };
-  messages.push(message);
+  thread.add(message, thread.leaf);
   const controller = new AbortController();
   state.live = { conversation, message, controller, bubble: null, view: null };
   if (state.current && state.current.id === conversation.id) {
@@ -577,9 +623,9 @@ async function generate(conversation) {
   if (!message.reasoning) delete message.reasoning;
   if (failure && !stopped) {
     // Nothing arrived: the reply is replaced by the error; a partial one stays above it.
-    if (!message.content && !message.reasoning && !message.toolCalls) messages.splice(messages.indexOf(message), 1);
-    messages.push({ id: newId(), role: "error", content: failure.message || String(failure),
-                    code: failure.code || "", created: Date.now() });
+    if (!message.content && !message.reasoning && !message.toolCalls) thread.remove(message.id);
+    thread.add({ id: newId(), role: "error", content: failure.message || String(failure),
+                 code: failure.code || "", created: Date.now() }, thread.leaf);
   }
   state.live = null;
   setGenerating(false);
@@ -590,16 +636,16 @@ async function generate(conversation) {
   const node = live.bubble;
   if (state.current && state.current.id === conversation.id && node && node.isConnected) {
     const follow = atBottom();
-    if (messages.includes(message)) {
+    if (thread.get(message.id)) {
       node.dataset.done = "true";
       node.removeAttribute("aria-busy");
       node.querySelector(".bubble").append(metaElement(message.stats));
-      node.append(assistantActions(message));
+      node.append(assistantActions(message, thread));
     } else {
       node.remove();
     }
-    const last = messages[messages.length - 1];
-    if (last.role === "error") $("messages").append(messageElement(last));
+    const last = thread.get(thread.leaf);
+    if (last && last.role === "error") $("messages").append(messageElement(last, thread));
     updateContextUsed();
     if (follow) scrollToEnd(true);
   }
@@ -696,7 +742,14 @@ async function loadServerInfo() {
   } catch (e) {}
   if (name) $("model").textContent = name;
   state.nCtx = nCtx;
-  $("context-size").textContent = nCtx ? nCtx.toLocaleString() + " token context" : "";
+  showContextSize();
+}
+
+// The context size from /props or /v1/models where the server says it there, else the KV budget
+// /health reports (gemstage's: the most tokens one request can hold).
+function showContextSize() {
+  const n = state.nCtx ?? state.kvBudget;
+  $("context-size").textContent = n ? n.toLocaleString() + " token context" : "";
   updateContextUsed();
 }
 
@@ -709,6 +762,10 @@ async function pollHealth() {
       const r = await fetch("/health");
       const j = await r.json().catch(() => ({}));
       if (j.status === "ok") {
+        if (typeof j.kv_budget === "number" && j.kv_budget !== state.kvBudget) {
+          state.kvBudget = j.kv_budget;
+          showContextSize();
+        }
         const busy = j.slots_busy ?? 0, slots = j.slots ?? 1, queued = j.queued ?? 0;
         h.dataset.state = busy > 0 || queued > 0 ? "busy" : "idle";
         h.textContent = "";
@@ -737,8 +794,10 @@ function pollHealthSoon() {
 // --- export / import -------------------------------------------------------------------------
 async function exportAll() {
   const conversations = [];
-  for (const h of state.headers)
-    conversations.push({ ...h, messages: (await messagesOf(h.id)).filter((m) => !m.pending) });
+  for (const h of state.headers) {
+    const record = (await threadOf(h.id)).toRecord();
+    conversations.push({ ...h, leaf: record.leaf, messages: record.nodes.filter((m) => !m.pending) });
+  }
   const blob = new Blob([JSON.stringify({ format: "gemstage-chat", version: 1, conversations }, null, 1)],
                         { type: "application/json" });
   const a = el("a", { href: URL.createObjectURL(blob),
@@ -750,30 +809,28 @@ async function exportAll() {
   status(`exported ${conversations.length} conversation${conversations.length === 1 ? "" : "s"}`);
 }
 
+// Every conversation of an exported file, checked before anything is stored.
 function validImport(data) {
   if (!data || data.format !== "gemstage-chat" || !Array.isArray(data.conversations))
     throw new Error("not a file written by Export (no \"format\": \"gemstage-chat\")");
   return data.conversations.map((c, i) => {
     if (!c || typeof c.title !== "string" || !Array.isArray(c.messages))
       throw new Error(`conversation ${i} has no title or no messages array`);
-    c.messages.forEach((m, j) => {
-      if (!m || !["user", "assistant", "error"].includes(m.role) || typeof m.content !== "string")
-        throw new Error(`conversation ${i}, message ${j}: needs a role (user, assistant, error) and text content`);
-    });
-    return c;
+    const thread = Thread.fromRecord({ nodes: c.messages.map((m) => ({ ...m, pending: false })),
+                                       leaf: c.leaf }, `conversation ${i}`);
+    return { c, thread };
   });
 }
 
 async function importFile(file) {
   try {
     const conversations = validImport(JSON.parse(await file.text()));
-    for (const c of conversations) {
+    for (const { c, thread } of conversations) {
       // Imported conversations get new ids, so importing a file twice never overwrites.
-      const header = { id: newId(), title: c.title, created: c.created || Date.now(),
-                       updated: c.updated || Date.now(), titleEdited: !!c.titleEdited };
-      const messages = c.messages.map((m) => ({ ...m, id: newId(), pending: false }));
-      state.cache.set(header.id, messages);
-      await state.store.save(header, messages);
+      const header = { id: newId(), title: c.title, created: Number(c.created) || Date.now(),
+                       updated: Number(c.updated) || Date.now(), titleEdited: !!c.titleEdited };
+      state.cache.set(header.id, thread);
+      await state.store.save(header, thread.toRecord());
     }
     await refreshList();
     status(`imported ${conversations.length} conversation${conversations.length === 1 ? "" : "s"}`);
@@ -819,6 +876,14 @@ function wire() {
   });
   $("stop").addEventListener("click", stop);
   document.addEventListener("keydown", (e) => {
+    const mod = e.ctrlKey || e.metaKey;
+    if (mod && e.shiftKey && e.key.toLowerCase() === "o") { e.preventDefault(); newChat(); return; }
+    if (mod && !e.shiftKey && e.key.toLowerCase() === "k") {
+      e.preventDefault();
+      if (window.matchMedia("(max-width: 760px)").matches) openSidebar();
+      $("search").focus();
+      return;
+    }
     if (e.key !== "Escape") return;
     if (state.live) { e.preventDefault(); stop(); return; }
     if ($("app").classList.contains("sidebar-open")) closeSidebar();

@@ -135,7 +135,7 @@ purify.addHook("afterSanitizeAttributes", (node) => {
 function renderTokens(tokens, links) {
   const list = tokens.slice();
   list.links = links;
-  const html = md.parser(list);
+  const html = md.parser(list).trim();  // the newline after the last tag is no content
   const fragment = purify.sanitize(html, {
     RETURN_DOM_FRAGMENT: true,
     ADD_ATTR: ["target"],

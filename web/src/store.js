@@ -1,6 +1,7 @@
 // Conversations kept in the browser's IndexedDB: one record per conversation in "conversations"
 // (id, title, created, updated; small, listed at start) and its messages, attachments included,
-// in "messages" under the same id (loaded when the conversation is opened or searched).
+// in "messages" under the same id as {id, thread: {nodes, leaf}} (thread.js; loaded when the
+// conversation is opened or searched).
 const DB_NAME = "gemstage-chat";
 const DB_VERSION = 1;
 
@@ -46,17 +47,17 @@ export class ConversationStore {
     return all.sort((a, b) => b.updated - a.updated);
   }
 
-  async messages(id) {
+  async thread(id) {
     const record = await this.#transaction("readonly", (c, m) => request(m.get(id)));
-    return record ? record.messages : [];
+    return record ? record.thread : null;
   }
 
   // Writes the header and the messages together, so a reload never sees one without the other.
-  save(conversation, messages) {
+  save(conversation, thread) {
     const { id, title, created, updated, titleEdited } = conversation;
     return this.#transaction("readwrite", (c, m) => {
       c.put({ id, title, created, updated, titleEdited: !!titleEdited });
-      m.put({ id, messages });
+      m.put({ id, thread });
     });
   }
 
