@@ -162,6 +162,24 @@ try {
     eq(await page.textContent("#context-size"), "512 token context", "context size");
   });
 
+  await step("every control has a name a screen reader reads, and Tab reaches the message box", async () => {
+    const unnamed = await page.evaluate(() => {
+      const named = (n) => (n.getAttribute("aria-label") || n.title || n.placeholder ||
+                            (n.labels && [...n.labels].map((l) => l.textContent).join("")) ||
+                            n.textContent || "").trim();
+      return [...document.querySelectorAll("button, input, textarea, select, a[href]")]
+        .filter((n) => !named(n)).map((n) => n.outerHTML.slice(0, 80));
+    });
+    eq(unnamed, [], "controls without a name");
+    await page.locator("#new-chat").focus();
+    let reached = false;
+    for (let i = 0; i < 30 && !reached; i++) {
+      await page.keyboard.press("Tab");
+      reached = await page.evaluate(() => document.activeElement.id === "input");
+    }
+    check(reached, "Tab never reaches the message box");
+  });
+
   await step("a streamed markdown reply: table, highlighted code, math; finished blocks stay put", async () => {
     proxy.canned.push(cannedReply(MARKDOWN, { pieces: 60, delayMs: 60 }));
     await page.fill("#input", "Show me some markdown");

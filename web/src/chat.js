@@ -79,7 +79,7 @@ export function classifyFile(file) {
   throw new Error(`cannot attach a ${type} file: attach images, recordings (WAV, MP3, FLAC, OGG) or text files`);
 }
 
-function readAsDataUrl(blob) {
+export function readAsDataUrl(blob) {
   return new Promise((resolve, reject) => {
     const reader = new FileReader();
     reader.onload = () => resolve(reader.result);
@@ -122,6 +122,47 @@ export async function readAttachment(file, kind) {
   if (text.slice(0, 8192).includes("\u0000"))
     throw new Error("this is not a text file; attach images, recordings or text files");
   return { kind: "text", name: file.name, text };
+}
+
+// A recording (whatever MediaRecorder wrote: WebM/Opus, OGG, MP4) as a 16 kHz mono 16-bit WAV,
+// the input the audio tower takes and a format the server decodes on every platform.
+export async function recordingToWav(blob) {
+  const AudioCtx = window.AudioContext || window.webkitAudioContext;
+  const decoder = new AudioCtx();
+  let decoded;
+  try {
+    decoded = await decoder.decodeAudioData(await blob.arrayBuffer());
+  } finally {
+    decoder.close();
+  }
+  const rate = 16000;
+  const frames = Math.max(1, Math.ceil(decoded.duration * rate));
+  const offline = new OfflineAudioContext(1, frames, rate);
+  const source = offline.createBufferSource();
+  source.buffer = decoded;
+  source.connect(offline.destination);  // the context mixes the channels down to its one
+  source.start();
+  const samples = (await offline.startRendering()).getChannelData(0);
+  const out = new DataView(new ArrayBuffer(44 + samples.length * 2));
+  const text = (at, s) => { for (let i = 0; i < s.length; i++) out.setUint8(at + i, s.charCodeAt(i)); };
+  text(0, "RIFF");
+  out.setUint32(4, 36 + samples.length * 2, true);
+  text(8, "WAVE");
+  text(12, "fmt ");
+  out.setUint32(16, 16, true);         // the fmt chunk's size
+  out.setUint16(20, 1, true);          // PCM
+  out.setUint16(22, 1, true);          // one channel
+  out.setUint32(24, rate, true);
+  out.setUint32(28, rate * 2, true);   // bytes per second
+  out.setUint16(32, 2, true);          // bytes per frame
+  out.setUint16(34, 16, true);         // bits per sample
+  text(36, "data");
+  out.setUint32(40, samples.length * 2, true);
+  for (let i = 0; i < samples.length; i++) {
+    const v = Math.max(-1, Math.min(1, samples[i]));
+    out.setInt16(44 + i * 2, v < 0 ? v * 0x8000 : v * 0x7fff, true);
+  }
+  return new Blob([out.buffer], { type: "audio/wav" });
 }
 
 // A user message as the API's content: a string, or parts when it has attachments. A text file

@@ -10,7 +10,7 @@ import { MarkdownView, renderMarkdown } from "./markdown.js";
 import { ConversationStore } from "./store.js";
 import { Thread } from "./thread.js";
 import { readEvents, apiError, classifyFile, readAttachment, userContent, formatStats,
-         newId, titleFrom } from "./chat.js";
+         newId, titleFrom, recordingToWav, readAsDataUrl } from "./chat.js";
 
 const $ = (id) => document.getElementById(id);
 const el = (tag, props = {}, ...children) => {
@@ -463,6 +463,10 @@ async function retry(m) {
 
 // --- sending ---------------------------------------------------------------------------------
 function setGenerating(on) {
+  // The conversation is a live region: busy while a reply streams, so a screen reader reads the
+  // reply once it is whole rather than every piece.
+  if (on) $("messages").setAttribute("aria-busy", "true");
+  else $("messages").removeAttribute("aria-busy");
   $("send").hidden = on;
   $("stop").hidden = !on;
   $("send").disabled = on;
@@ -497,7 +501,9 @@ async function submit() {
     state.headers.unshift(conversation);
     showTitle();
   }
-  const thread = await threadOf(conversation.id);
+  // The open conversation's thread is loaded (openConversation waited for it); taking it without
+  // waiting keeps a second Enter from sending twice before state.live is set.
+  const thread = state.cache.get(conversation.id);
   thread.add({ id: newId(), role: "user", content: text, attachments: state.pending.slice(),
                created: Date.now() }, thread.leaf);
   $("input").value = "";
@@ -509,7 +515,7 @@ async function submit() {
 }
 
 async function generate(conversation) {
-  const thread = await threadOf(conversation.id);
+  const thread = state.cache.get(conversation.id);
   const message = { id: newId(), role: "assistant", content: "", reasoning: "", toolCalls: [],
                     pending: true, created: Date.now() };
   const request = { messages: apiMessages(thread.path()), stream: true,
@@ -709,6 +715,61 @@ async function addFiles(files) {
   renderAttachments();
 }
 
+// --- recording from the microphone ----------------------------------------------------------
+// At most 30 s: the longest clip the audio tower takes (the server refuses longer ones).
+const MAX_RECORDING_MS = 30000;
+const recording = { recorder: null, started: 0, timer: 0 };
+
+function showRecording() {
+  const button = $("record");
+  const on = !!recording.recorder;
+  button.classList.toggle("recording", on);
+  button.setAttribute("aria-pressed", String(on));
+  button.setAttribute("aria-label", on ? "Stop recording" : "Record from the microphone");
+  $("record-time").textContent = on ? Math.floor((Date.now() - recording.started) / 1000) + " s" : "";
+}
+
+async function toggleRecording() {
+  if (recording.recorder) {
+    recording.recorder.stop();
+    return;
+  }
+  let stream;
+  try {
+    stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+  } catch (e) {
+    status("cannot record: " + (e.message || e.name || e));
+    return;
+  }
+  const chunks = [];
+  const recorder = new MediaRecorder(stream);
+  recorder.ondataavailable = (e) => { if (e.data.size) chunks.push(e.data); };
+  recorder.onstop = async () => {
+    stream.getTracks().forEach((t) => t.stop());
+    clearInterval(recording.timer);
+    recording.recorder = null;
+    showRecording();
+    try {
+      const wav = await recordingToWav(new Blob(chunks, { type: recorder.mimeType }));
+      const name = "recording " + new Date().toTimeString().slice(0, 8).replace(/:/g, ".") + ".wav";
+      state.pending.push({ kind: "audio", name, format: "wav", dataUrl: await readAsDataUrl(wav) });
+      renderAttachments();
+      status("");
+    } catch (e) {
+      status("could not use the recording: " + (e.message || e));
+    }
+  };
+  recording.recorder = recorder;
+  recording.started = Date.now();
+  recorder.start();
+  recording.timer = setInterval(() => {
+    if (Date.now() - recording.started >= MAX_RECORDING_MS) recorder.stop();
+    else showRecording();
+  }, 250);
+  showRecording();
+  status("recording\u2026 (at most 30 s)");
+}
+
 // --- server state ----------------------------------------------------------------------------
 async function loadServerInfo() {
   let name = null, nCtx = null;
@@ -890,6 +951,10 @@ function wire() {
     else if (!$("settings").hidden) toggleSettings(false);
   });
   $("new-chat").addEventListener("click", newChat);
+  // The microphone needs a secure page (https, or localhost) and a browser that records.
+  if (navigator.mediaDevices && navigator.mediaDevices.getUserMedia && window.MediaRecorder)
+    $("record").addEventListener("click", toggleRecording);
+  else $("record").hidden = true;
   $("file").addEventListener("change", () => addFiles([...$("file").files]));
   const main = $("main");
   main.addEventListener("dragover", (e) => { e.preventDefault(); main.classList.add("dragging"); });

@@ -98,7 +98,9 @@ const mathExtensions = [
 ];
 
 // --- the markdown layer ----------------------------------------------------------------------
-const md = new Marked({ gfm: true, breaks: false });
+// A single newline is a line break, as in GitHub comments: models write poems, addresses and
+// step lists one line each without the two trailing spaces plain markdown would need.
+const md = new Marked({ gfm: true, breaks: true });
 md.use({
   extensions: mathExtensions,
   renderer: {
