@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every dependency (Debian packages, npm test packages) and builds build/gemstage.
+# Installs every dependency (Debian packages, the chat page's and the tests' npm packages) and
+# builds build/gemstage.
 # Idempotent: safe to run again; it only installs what is missing and rebuilds incrementally.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,6 +37,17 @@ if ((${#missing[@]})); then
   [[ $(id -u) -ne 0 ]] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The chat page's libraries and bundler (web/, pinned in web/package-lock.json): the build bundles
+# them into the binary (src/server/CMakeLists.txt), so they come before the build. npm ci installs
+# exactly the lockfile; it runs again only when the lockfile changed since the last install.
+if [[ -f web/package-lock.json ]]; then
+  if [[ ! -f web/node_modules/.package-lock.json ]] ||
+     [[ web/package-lock.json -nt web/node_modules/.package-lock.json ]]; then
+    echo "setup: installing the chat page's npm packages"
+    (cd web && npm ci --no-audit --no-fund --loglevel=error)
+  fi
 fi
 
 # JavaScript packages used only by the tests (tokenizer parity, OpenAI client, browser).

@@ -1,5 +1,7 @@
-// The chat page `gemstage serve` answers GET / with: one self-contained HTML document (inline
-// CSS and JS, no external assets, no build step) that talks to /v1/chat/completions.
+// The chat page `gemstage serve` answers GET / with: one self-contained HTML document (its
+// script, styles, fonts and libraries inline; nothing fetched from elsewhere) that talks to
+// /v1/chat/completions, /v1/models and /health. Its source is web/ at the repository root,
+// bundled into the binary at build time (src/server/CMakeLists.txt, docs/chat-page.md).
 #pragma once
 
 #include <string_view>

@@ -1,8 +1,10 @@
 // The chat page of `gemstage serve` in headless Chromium (Debian's chromium, driven by
 // playwright-core): type a message, send it, watch the reply stream in and match what the API
-// says for the same request; then attach an image and send a second turn; then, with Think on, a
-// reply carrying reasoning and a tool call (canned server events, since a random-weight model
-// writes neither) shows the reasoning collapsed and the call; save a screenshot.
+// says for the same request (the page renders replies as markdown, so the text compared is what
+// the message's Copy button puts on the clipboard); then attach an image and send a second turn;
+// then, with Thinking on, a reply carrying reasoning and a tool call (canned server events, since
+// a random-weight model writes neither) shows the reasoning collapsed and the call; save a
+// screenshot. serve_chat_page_features.mjs covers the rest of the page.
 //
 //   node tests/js/serve_chat_page.mjs path/to/gemstage path/to/tests/fixtures screenshot.png
 import fs from "node:fs";
@@ -24,6 +26,12 @@ const browser = await chromium.launch({ executablePath, args: ["--no-sandbox"], 
 const timeout = 30000 * SLOW;
 try {
   const page = await browser.newPage({ viewport: { width: 900, height: 820 } });
+  await page.context().grantPermissions(["clipboard-read", "clipboard-write"], { origin: server.url });
+  // The reply as the page holds it: its Copy button's text on the clipboard.
+  const copied = async (bubble) => {
+    await bubble.locator(".copy-msg").click();
+    return await page.evaluate(() => navigator.clipboard.readText());
+  };
   const pageErrors = [];
   page.on("pageerror", (e) => pageErrors.push(String(e)));
   // Self-contained: any request to another origin is a failure.
@@ -34,7 +42,7 @@ try {
   await page.goto(server.url + "/");
   await page.waitForFunction(() => document.getElementById("model").textContent === "model",
                              null, { timeout });
-  await page.click("details summary");  // the settings panel
+  await page.click("#settings-toggle");  // the settings panel
   await page.fill("#temperature", "0");
   await page.fill("#max-tokens", "48");
 
@@ -53,15 +61,16 @@ try {
   await page.click("#send");
   const bubble1 = page.locator(".msg.assistant").nth(0);
   await bubble1.locator(".meta").waitFor({ timeout });  // written once the stream completed
-  const got1 = await bubble1.locator(".content").textContent();
+  const got1 = await copied(bubble1);
   check(got1 === want1, `page reply ${JSON.stringify(got1)} != API reply ${JSON.stringify(want1)}`);
   check(got1.length > 0, "the reply is empty");
+  check((await bubble1.locator(".content").textContent()).trim().length > 0, "the reply shows nothing");
   check(/tokens/.test(await bubble1.locator(".meta").textContent()), "no usage line");
 
   // Second turn with an image attached through the file input.
   const image = path.join(fixtures, "gemma4-tiny", "multimodal", "image.png");
-  await page.setInputFiles("#image", image);
-  await page.locator("#attachment").waitFor({ state: "visible", timeout });
+  await page.setInputFiles("#file", image);
+  await page.locator("#attachments .chip[data-kind=image]").waitFor({ state: "visible", timeout });
   await page.fill("#input", "What is in this picture?");
   await page.press("#input", "Enter");
   const bubble2 = page.locator(".msg.assistant").nth(1);
@@ -70,7 +79,7 @@ try {
         "the user message does not show its image");
   check(await page.locator(".msg.error").count() === 0,
         `error shown: ${await page.locator(".msg.error").allTextContents()}`);
-  check(!(await page.locator("#attachment").isVisible()), "the attachment was not cleared");
+  check(await page.locator("#attachments .chip").count() === 0, "the attachment was not cleared");
   const want2 = await api([
     { role: "user", content: text },
     { role: "assistant", content: want1 },
@@ -79,7 +88,7 @@ try {
       { type: "text", text: "What is in this picture?" },
     ] },
   ]);
-  const got2 = await bubble2.locator(".content").textContent();
+  const got2 = await copied(bubble2);
   check(got2 === want2, `second reply ${JSON.stringify(got2)} != API reply ${JSON.stringify(want2)}`);
 
   // Third turn, Think on: the request asks for thinking, and the page shows the reasoning in a
@@ -101,6 +110,7 @@ try {
       sse(chunk({}, "tool_calls")) + "data: [DONE]\n\n" });
   });
   await page.click("#new-chat");  // thinking renders text conversations (no image turn)
+  if (await page.isHidden("#settings")) await page.click("#settings-toggle");
   await page.check("#think");
   await page.fill("#input", "Weather in Paris?");
   await page.press("#input", "Enter");
@@ -114,7 +124,8 @@ try {
         "the reasoning block is not collapsed");
   check(await bubble3.locator(".reasoning-text").textContent() === "The user wants the weather.",
         `reasoning ${await bubble3.locator(".reasoning-text").textContent()}`);
-  check(await bubble3.locator(".content").textContent() === "Checking.", "reply text");
+  check(await bubble3.locator(".content").textContent() === "Checking.",
+        `reply text ${JSON.stringify(await bubble3.locator(".content").textContent())}`);
   check(await bubble3.locator(".tool-call").textContent() === "\u2192 get_weather({\"city\":\"Paris\"})",
         `tool call ${await bubble3.locator(".tool-call").textContent()}`);
   check(/tool_calls/.test(await bubble3.locator(".meta").textContent()), "finish reason");
