@@ -8,9 +8,7 @@
 #include <vector>
 
 #include "core/error.h"
-#ifdef GEMSTAGE_HAVE_MPI
 #include "distributed/mpi_launch.h"
-#endif
 #include "core/cpu_features.h"
 #include "io/mapped_file.h"
 #include "stage/call_pipeline.h"
