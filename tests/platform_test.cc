@@ -5,6 +5,7 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -86,6 +87,30 @@ TEST(Platform, RandomReadAdviceLeavesTheFileReadable) {
   EXPECT_EQ(c, 'c');
   ::close(fd);
   advise_random_reads(-1);  // a bad descriptor is ignored, as the advice is only a hint
+}
+
+TEST(Platform, SyncedDataIsThere) {
+  const std::string path = testing::temp_dir("platform_sync") + "/f";
+  const int fd = ::open(path.c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, "xyz", 3), 3);
+  EXPECT_EQ(sync_file_data(fd), 0);
+  ::close(fd);
+  EXPECT_EQ(sync_file_data(fd), -1);  // closed: the error comes back
+}
+
+TEST(Platform, PeerCloseIsSeenWithoutConsumingPendingBytes) {
+  int sv[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM, 0, sv), 0);
+  EXPECT_FALSE(socket_peer_closed(sv[0]));  // open and quiet
+  ASSERT_EQ(::write(sv[1], "q", 1), 1);
+  EXPECT_FALSE(socket_peer_closed(sv[0]));  // open with a byte waiting
+  char c = 0;
+  ASSERT_EQ(::read(sv[0], &c, 1), 1);  // the byte is still there to read
+  EXPECT_EQ(c, 'q');
+  ::close(sv[1]);
+  EXPECT_TRUE(socket_peer_closed(sv[0]));
+  ::close(sv[0]);
 }
 
 TEST(Platform, CpuExtensionsOnlyWhereTheBranchCanAsk) {

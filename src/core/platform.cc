@@ -2,10 +2,13 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -134,6 +137,30 @@ void for_each_open_fd(const std::function<bool(int)>& fn) {
   if (walk_fd_directory("/dev/fd", fn)) return;
 #endif
   probe_every_fd(fn);
+}
+
+int sync_file_data(int fd) {
+#if defined(GEMSTAGE_PLATFORM_LINUX)
+  return ::fdatasync(fd);
+#else
+  return ::fsync(fd);
+#endif
+}
+
+bool socket_peer_closed(int fd) {
+#if defined(GEMSTAGE_PLATFORM_LINUX)
+  pollfd p{fd, POLLRDHUP, 0};
+  if (::poll(&p, 1, 0) < 0) return false;
+  return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
+#else
+  pollfd p{fd, POLLIN, 0};
+  if (::poll(&p, 1, 0) < 0) return false;
+  if (p.revents & (POLLHUP | POLLERR)) return true;
+  if (!(p.revents & POLLIN)) return false;
+  char c = 0;
+  const ssize_t n = ::recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+  return n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+#endif
 }
 
 ArmExtensions arm_extensions() {

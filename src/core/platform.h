@@ -41,6 +41,15 @@ void advise_random_reads(int fd);
 // RLIMIT_NOFILE limit, capped at 1 << 16, is asked with fcntl).
 void for_each_open_fd(const std::function<bool(int)>& fn);
 
+// Writes the file's data (not necessarily its metadata) to stable storage before a rename
+// publishes it: fdatasync on Linux, fsync (POSIX) elsewhere. 0 or -1 with errno, as they return.
+int sync_file_data(int fd);
+
+// Whether the other end of a connected socket has closed or reset it, without consuming any byte
+// it sent: poll with POLLRDHUP on Linux; elsewhere poll for POLLIN and peek one byte (0 from
+// recv is an orderly close). False when it cannot tell.
+bool socket_peer_closed(int fd);
+
 // The Arm extensions the kernels use, as the operating system reports them (getauxval on Linux,
 // sysctlbyname on Darwin; none elsewhere, which leaves the plain NEON kernels).
 struct ArmExtensions {
