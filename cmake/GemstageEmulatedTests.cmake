@@ -27,7 +27,7 @@ endif()
 set(GEMSTAGE_KERNEL_TEST_FILTER
     "*MatmulOdd*:Dtype.*:RmsNorm.*:Gelu.*:Softcap.*:Rope.*:Attention.*:*VectorOps*:ThreadPool.*:QuantLayout.*:*QuantRoundTrip*:QuantReaders.*:*QuantMatmul*")
 set(GEMSTAGE_GOLDEN_TEST_FILTER
-    "*TextParity*:TextDecode.*:*VisionFixture*:*MultimodalFixture*:DumpCli.*:AudioFeatures.MatchTheFixtureWithinTolerance:AudioTowerFixture.EveryTapWithinTheManifestTolerance:AudioFixture.*:AudioCli.DumpWritesTheFixtureTapsAndInfoListsTheTower:*UnifiedParity*:UnifiedBf16.*:UnifiedCli.DumpImageAndAudioGreedyIds:*LargeMultimodal*:Experts.*:*DraftFixture*:QuantModel.*:Generate.GreedyEqualsDumpGreedyDecode:AudioServe.ChatCompletionWithInputAudioEqualsGenerateAudio")
+    "*TextParity*:TextDecode.*:*VisionFixture*:*MultimodalFixture*:DumpCli.*:AudioFeatures.MatchTheFixtureWithinTolerance:AudioTowerFixture.EveryTapWithinTheManifestTolerance:AudioFixture.*:AudioCli.DumpWritesTheFixtureTapsAndInfoListsTheTower:*UnifiedParity*:UnifiedBf16.*:UnifiedCli.DumpImageAndAudioGreedyIds:*LargeMultimodal*:Experts.*:*DraftFixture*:QuantModel.*:Generate.GreedyEqualsDumpGreedyDecode:AudioServe.ChatCompletionWithInputAudioEqualsGenerateAudio:ParityCli.DefaultModelPassesTightGatesOn*")
 
 foreach(cpu cortex-a72 neoverse-n1 max)
   add_test(NAME kernels_${cpu}
@@ -37,6 +37,27 @@ foreach(cpu cortex-a72 neoverse-n1 max)
 endforeach()
 add_test(NAME golden COMMAND gemstage_tests --gtest_filter=${GEMSTAGE_GOLDEN_TEST_FILTER})
 set_tests_properties(golden PROPERTIES LABELS ci TIMEOUT 3600 ENVIRONMENT QEMU_CPU=max)
+
+# `gemstage parity` of every fixture set's model against the set's reference dumps: each tap
+# within its manifest tolerance (no first divergence) and every teacher-forced greedy step equal.
+# The image comes from the set's PNG and the audio from its WAV through our own decoders.
+set(GEMSTAGE_FIXTURE_SETS
+    gemma4-tiny/text gemma4-tiny/multimodal gemma4-tiny/long
+    gemma4-tiny-moe/text gemma4-tiny-moe/multimodal gemma4-tiny-moe/long
+    gemma4-tiny-dense/text gemma4-tiny-dense/multimodal gemma4-tiny-dense/long
+    gemma4-tiny-audio/audio
+    gemma4-tiny-unified/text gemma4-tiny-unified/image gemma4-tiny-unified/audio
+    gemma4-tiny-unified/long)
+foreach(set IN LISTS GEMSTAGE_FIXTURE_SETS)
+  get_filename_component(family ${set} DIRECTORY)
+  string(REPLACE "/" "_" name ${set})
+  add_test(NAME parity_${name}
+           COMMAND ${GEMSTAGE_CLI_COMMAND} parity -t 2
+                   --model ${PROJECT_SOURCE_DIR}/tests/fixtures/${family}/model
+                   --reference ${PROJECT_SOURCE_DIR}/tests/fixtures/${set}
+                   --gate first_divergence.found==0 --gate teacher_forced>=1.0)
+  set_tests_properties(parity_${name} PROPERTIES LABELS ci TIMEOUT 900 ENVIRONMENT QEMU_CPU=max)
+endforeach()
 
 # The whole binary, split by GoogleTest's sharding so ctest -j can run the parts side by side.
 set(GEMSTAGE_EMULATED_SHARDS 4)
