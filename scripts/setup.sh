@@ -16,12 +16,34 @@ DEBIAN_PACKAGES=(
   # libFuzzer targets (fuzz/, scripts/fuzz.sh): clang and its runtime (libFuzzer, ASan, UBSan).
   clang libclang-rt-14-dev
   # The aarch64 preset: cross compiler (with the arm64 libc/libstdc++) and qemu-aarch64 to run
-  # the kernel tests it builds (scripts/test.sh).
+  # what it builds (scripts/test.sh, scripts/test_aarch64_full.sh).
   g++-aarch64-linux-gnu qemu-user
   # Stages on separate processes / hosts (src/distributed, issue 22): Open MPI, and iproute2's
   # `ip netns` for the two-host test (two network namespaces joined by a veth pair).
   libopenmpi-dev openmpi-bin iproute2
 )
+
+# The same libraries built for arm64, beside the host's (Debian multiarch), for the aarch64 preset
+# (cmake/aarch64-linux-gnu.cmake). The header-only ones (nlohmann-json, CLI11) serve every
+# architecture. Open MPI is left out: Debian's arm64 Open MPI cannot be installed beside the amd64
+# one, so the cross build has no MPI transport (the native x86 build keeps it).
+ARM64_PACKAGES=(
+  libssl-dev libpng-dev libjpeg62-turbo-dev zlib1g-dev
+  libsndfile1-dev libsamplerate0-dev libfftw3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev
+)
+for p in "${ARM64_PACKAGES[@]}"; do
+  DEBIAN_PACKAGES+=("$p:arm64")
+done
+
+SUDO=""
+[[ $(id -u) -ne 0 ]] && SUDO="sudo"
+need_update=0
+if ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  echo "setup: enabling the arm64 architecture (Debian multiarch) for the aarch64 cross build"
+  $SUDO dpkg --add-architecture arm64
+  need_update=1
+fi
 
 missing=()
 for p in "${DEBIAN_PACKAGES[@]}"; do
@@ -31,10 +53,8 @@ done
 # with that build, so only ask for it where npm is absent.
 command -v node >/dev/null 2>&1 || missing+=(nodejs)
 command -v npm >/dev/null 2>&1 || missing+=(npm)
-if ((${#missing[@]})); then
+if ((${#missing[@]})) || ((need_update)); then
   echo "setup: installing Debian packages: ${missing[*]}"
-  SUDO=""
-  [[ $(id -u) -ne 0 ]] && SUDO="sudo"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi

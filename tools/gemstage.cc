@@ -1,6 +1,4 @@
 // gemstage: one CLI, subcommands in the llama.cpp style. Each lives in tools/cmd_<name>.cc.
-#include <malloc.h>
-
 #include <CLI/CLI.hpp>
 #include <cstring>
 #include <iostream>
@@ -8,9 +6,8 @@
 #include <vector>
 
 #include "core/error.h"
-#ifdef GEMSTAGE_HAVE_MPI
+#include "core/platform.h"
 #include "distributed/mpi_launch.h"
-#endif
 #include "core/cpu_features.h"
 #include "io/mapped_file.h"
 #include "stage/call_pipeline.h"
@@ -18,14 +15,8 @@
 #include "tools/model_ref.h"
 
 int main(int argc, char** argv) {
-  // Each forward pass allocates and frees the same few-MB activation buffers. glibc's defaults
-  // serve those from fresh mmaps or trim them back to the kernel, so every layer paid page
-  // faults and page zeroing again (pp128 on the E2B-shape bundle: 108-118 t/s by default,
-  // 124-126 t/s with these). Keep them in the heap instead: mmap only above 32 MiB (glibc's
-  // ceiling for this setting) and trim only beyond 1 GiB of free top-of-heap.
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
-  mallopt(M_TOP_PAD, 64 << 20);
+  // Activation buffers stay in the heap between layers (core/platform.cc says why).
+  gemstage::platform::tune_allocator_for_reused_buffers();
   // A weights file truncated under a running command ends it with a message naming the file
   // rather than a bare "Bus error" (io/mapped_file.h).
   gemstage::install_mapped_file_fault_handler();

@@ -3,15 +3,10 @@
 #include <cstdlib>
 
 #include "core/error.h"
+#include "core/platform.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#if defined(__aarch64__) && defined(__linux__)
-#include <asm/hwcap.h>
-#include <sys/auxv.h>
 #endif
 
 namespace gemstage {
@@ -36,18 +31,14 @@ CpuFeatures probe() {
     unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
     if (__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) f.avx512bf16 = (a1 >> 5) & 1;
   }
-  // Linux hands out the 8 KiB tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM for
-  // XFEATURE_XTILEDATA); without the grant the first tile instruction faults.
-  f.amx_bf16 = amx_bits && f.avx512bf16 && f.avx512vnni && syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  // The OS hands out the 8 KiB tile state only on request; without the grant the first tile
+  // instruction faults.
+  f.amx_bf16 = amx_bits && f.avx512bf16 && f.avx512vnni && platform::request_amx_tile_state();
 #elif defined(__aarch64__)
   f.neon = true;  // Advanced SIMD is mandatory on aarch64
-#if defined(__linux__)
-  const unsigned long hw = getauxval(AT_HWCAP);
-  f.neon_dotprod = (hw & HWCAP_ASIMDDP) != 0;
-#if defined(HWCAP2_I8MM)
-  f.neon_i8mm = (getauxval(AT_HWCAP2) & HWCAP2_I8MM) != 0;
-#endif
-#endif
+  const platform::ArmExtensions arm = platform::arm_extensions();
+  f.neon_dotprod = arm.dotprod;
+  f.neon_i8mm = arm.i8mm;
 #endif
   return f;
 }

@@ -429,12 +429,6 @@ class MpiTransport final : public StageTransport {
 
 }  // namespace
 
-bool launched_as_mpi_ranks() {
-  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"})
-    if (const char* v = std::getenv(var)) return std::atoi(v) > 1;
-  return false;
-}
-
 struct DistributedSession::Impl {
   int rank = 0, ranks = 1;
   DistributedOptions options;

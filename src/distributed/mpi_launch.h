@@ -12,7 +12,8 @@
 // A worker sends a heartbeat while a call computes, so rank 0 tells a long prefill from a dead or
 // hung rank: a rank silent for --stage-timeout seconds fails the call that waits on it, naming
 // the stage, rank and host, and fails every later call at once (serve's /health then answers 503
-// with the message). Built only with MPI (GEMSTAGE_HAVE_MPI).
+// with the message). Built only with MPI (GEMSTAGE_HAVE_MPI), except launched_as_mpi_ranks(),
+// which every build has (distributed/mpi_environment.cc) so one without MPI can refuse mpirun.
 #pragma once
 
 #include <memory>

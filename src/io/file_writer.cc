@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "core/error.h"
+#include "core/platform.h"
 
 namespace gemstage {
 
@@ -85,7 +86,8 @@ void FileWriter::write(const void* data, size_t n) {
 void FileWriter::commit() {
   if (fd_ < 0) fail(path_, ": commit after the file was closed or failed");
   flush_buffer();
-  if (::fdatasync(fd_) != 0 && errno != EINVAL && errno != EROFS) fail_errno("syncing", errno);
+  if (platform::sync_file_data(fd_) != 0 && errno != EINVAL && errno != EROFS)
+    fail_errno("syncing", errno);
   const int fd = fd_;
   fd_ = -1;
   if (::close(fd) != 0) {

@@ -25,7 +25,8 @@ class FileWriter {
   void open(const std::string& path);
   void write(const void* data, size_t n);
   void write(const std::string& s) { write(s.data(), s.size()); }
-  // Flushes the buffer, fdatasync()s and closes; errors name the file and the errno text.
+  // Flushes the buffer, syncs the data (core/platform.h: fdatasync on Linux) and closes; errors
+  // name the file and the errno text.
   void commit();
   const std::string& path() const { return path_; }
 

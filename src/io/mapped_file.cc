@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/platform.h"
 
 namespace gemstage {
 
@@ -137,7 +138,7 @@ MappedFile::MappedFile(const std::string& path) : path_(path) {
     if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
     fail(path, ": cannot open a second time for row reads (", std::strerror(errno), ")");
   }
-  ::posix_fadvise(row_fd_, 0, 0, POSIX_FADV_RANDOM);
+  platform::advise_random_reads(row_fd_);
   slot_ = register_mapping(data_, size_, row_fd_, path_);
 }
 
