@@ -142,7 +142,9 @@ TEST(ServerApi, ParsesVideoUrlParts) {
             std::string::npos);
 
   auto refused = [&](const json& v, const RequestLimits& l) {
-    const auto e = api_error_of([&] { parse_chat_request({{"messages", {user({v})}}}, l); });
+    const auto e = api_error_of([&] {
+      parse_chat_request({{"messages", {user(json::array({v}))}}}, l);
+    });
     EXPECT_TRUE(e) << v.dump().substr(0, 200);
     return e ? std::string(e->what()) + " [" + e->code() + "]" : std::string();
   };
@@ -157,7 +159,7 @@ TEST(ServerApi, ParsesVideoUrlParts) {
   RequestLimits local;
   local.allowed_local_media_path = std::string(GEMSTAGE_FIXTURES) + "/video";
   const ChatRequest f =
-      parse_chat_request({{"messages", {user({video("file://" + clip)})}}}, local);
+      parse_chat_request({{"messages", {user(json::array({video("file://" + clip)}))}}}, local);
   ASSERT_TRUE(f.messages[0].parts[0].video_source);
   EXPECT_EQ(f.messages[0].parts[0].video_source->path, clip);
   EXPECT_NE(
@@ -284,9 +286,13 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
        "missing_required_parameter",
        "'input_audio' is required"},
       {{{"messages", {user({{{"type", "video_url"}}})}}},
+       "messages[0].content[0].video_url",
+       "missing_required_parameter",
+       "'video_url' is required"},
+      {{{"messages", {user({{{"type", "input_video"}}})}}},
        "messages[0].content[0].type",
        "invalid_value",
-       "'video_url' is not supported"},
+       "'input_video' is not supported"},
       {{{"messages", {user({{{"type", "text"}}})}}},
        "messages[0].content[0].text",
        "missing_required_parameter",
@@ -950,14 +956,15 @@ TEST(ServerHttp, VideoMessage) {
   const json junk = {
       {"type", "video_url"},
       {"video_url", {{"url", "data:video/mp4;base64,AAAAGGZ0eXBtcDQyAAAAAG1wNDI="}}}};
-  const auto bad = post(*s, "/v1/chat/completions", {{"messages", {user({junk})}}});
+  const auto bad = post(*s, "/v1/chat/completions", {{"messages", {user(json::array({junk}))}}});
   expect_error_reply(bad, 400, "");
   EXPECT_NE(bad->body.find("video 1 (messages[0].content[0].video_url.url)"), std::string::npos)
       << bad->body;
   ServerOptions o = tiny_options();
   o.ctx = 256;
   auto small = start(o);
-  const auto big = post(*small, "/v1/chat/completions", {{"messages", {user({video})}}});
+  const auto big =
+      post(*small, "/v1/chat/completions", {{"messages", {user(json::array({video}))}}});
   expect_error_reply(big, 400, "");
   EXPECT_NE(big->body.find("context holds 256"), std::string::npos) << big->body;
 }
