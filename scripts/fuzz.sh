@@ -14,7 +14,7 @@ TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
   TARGETS=(fuzz_safetensors fuzz_weights_file fuzz_config fuzz_npy fuzz_tokenizer
            fuzz_tokenizer_files fuzz_image fuzz_openai_request fuzz_bundle_manifest fuzz_audio
-           fuzz_tool_calls fuzz_chat_template fuzz_json_schema fuzz_wire_message)
+           fuzz_video fuzz_tool_calls fuzz_chat_template fuzz_json_schema fuzz_wire_message)
 fi
 
 launcher=()

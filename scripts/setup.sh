@@ -11,6 +11,8 @@ DEBIAN_PACKAGES=(
   libpng-dev libjpeg62-turbo-dev zlib1g-dev
   # audio: decoding (WAV, FLAC, OGG, MP3), resampling to 16 kHz, the log-mel FFT.
   libsndfile1-dev libsamplerate0-dev libfftw3-dev
+  # video: demuxing (MP4/MOV, Matroska/WebM, GIF), decoding and RGB conversion (src/video).
+  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   clang-format librsvg2-bin chromium
   # libFuzzer targets (fuzz/, scripts/fuzz.sh): clang and its runtime (libFuzzer, ASan, UBSan).

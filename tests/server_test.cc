@@ -121,6 +121,56 @@ TEST(ServerApi, ParsesRolesPartsAndImages) {
   EXPECT_EQ(r.messages[3].parts[0].text, "x");
 }
 
+TEST(ServerApi, ParsesVideoUrlParts) {
+  const std::string clip = std::string(GEMSTAGE_FIXTURES) + "/video/vp9_30fps_80x80.webm";
+  const auto video = [](const std::string& url) {
+    return json{{"type", "video_url"}, {"video_url", {{"url", url}}}};
+  };
+  RequestLimits limits;
+  limits.video_frames = 8;
+  const ChatRequest r = parse_chat_request(
+      {{"messages",
+        {user({video(data_url(clip, "video/webm")), {{"type", "text"}, {"text", "?"}}})}}},
+      limits);
+  ASSERT_EQ(r.messages[0].parts.size(), 2u);
+  const ChatInputPart& part = r.messages[0].parts[0];
+  ASSERT_TRUE(part.video_source);
+  ASSERT_TRUE(part.video_source->bytes);
+  EXPECT_EQ(part.video_source->bytes->size(), slurp(clip).size());
+  EXPECT_EQ(part.video_source->num_frames, 8);
+  EXPECT_NE(part.video_source->what.find("messages[0].content[0].video_url.url"),
+            std::string::npos);
+
+  auto refused = [&](const json& v, const RequestLimits& l) {
+    const auto e = api_error_of([&] {
+      parse_chat_request({{"messages", {user(json::array({v}))}}}, l);
+    });
+    EXPECT_TRUE(e) << v.dump().substr(0, 200);
+    return e ? std::string(e->what()) + " [" + e->code() + "]" : std::string();
+  };
+  EXPECT_NE(refused(video("https://example.com/a.mp4"), {}).find("not fetched"), std::string::npos);
+  EXPECT_NE(refused(video("data:text/plain;base64,AAAA"), {}).find("media type"),
+            std::string::npos);
+  EXPECT_NE(refused(video("data:video/mp4;base64,***"), {}).find("invalid_base64"),
+            std::string::npos);
+  EXPECT_NE(refused(video("file://" + clip), {}).find("--allowed-local-media-path"),
+            std::string::npos);
+  // file:// URLs under the allowed directory only, symlinks and ".." resolved first.
+  RequestLimits local;
+  local.allowed_local_media_path = std::string(GEMSTAGE_FIXTURES) + "/video";
+  const ChatRequest f =
+      parse_chat_request({{"messages", {user(json::array({video("file://" + clip)}))}}}, local);
+  ASSERT_TRUE(f.messages[0].parts[0].video_source);
+  EXPECT_EQ(f.messages[0].parts[0].video_source->path, clip);
+  EXPECT_NE(
+      refused(video("file://" + std::string(GEMSTAGE_FIXTURES) + "/video/../image/x.png"), local)
+          .find("not a file under"),
+      std::string::npos);
+  EXPECT_NE(refused(video("file://" + std::string(GEMSTAGE_FIXTURES) + "/video/none.mp4"), local)
+                .find("not a readable file"),
+            std::string::npos);
+}
+
 TEST(ServerApi, ParsesSamplingAndStreamingFields) {
   ChatRequest r = parse_chat_request(chat_body({{"max_tokens", 7},
                                                 {"max_completion_tokens", 9},
@@ -236,9 +286,13 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
        "missing_required_parameter",
        "'input_audio' is required"},
       {{{"messages", {user({{{"type", "video_url"}}})}}},
+       "messages[0].content[0].video_url",
+       "missing_required_parameter",
+       "'video_url' is required"},
+      {{{"messages", {user({{{"type", "input_video"}}})}}},
        "messages[0].content[0].type",
        "invalid_value",
-       "'video_url' is not supported"},
+       "'input_video' is not supported"},
       {{{"messages", {user({{{"type", "text"}}})}}},
        "messages[0].content[0].text",
        "missing_required_parameter",
@@ -893,6 +947,38 @@ TEST(ServerHttp, ImageMessage) {
   const json want = generate_json("--temp 0 -n 4 --image " + mm + " -p \"Describe it.\"");
   EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
   EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+}
+
+TEST(ServerHttp, VideoMessage) {
+  const std::string clip = std::string(GEMSTAGE_FIXTURES) + "/video/h264_25fps_96x64.mp4";
+  auto s = start(tiny_options());
+  const json video = {{"type", "video_url"}, {"video_url", {{"url", data_url(clip, "video/mp4")}}}};
+  const auto r = post(*s, "/v1/chat/completions",
+                      {{"messages", {user({video, {{"type", "text"}, {"text", "What happens?"}}})}},
+                       {"max_tokens", 4},
+                       {"temperature", 0}});
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const json j = json::parse(r->body);
+  // Greedy on the same clip is generate --video's reply, on the same prompt.
+  const json want = generate_json("--temp 0 -n 4 --video " + clip + " -p \"What happens?\"");
+  EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
+  EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+  // A video that does not decode, or whose frames could not fit the context: 400s naming it.
+  const json junk = {
+      {"type", "video_url"},
+      {"video_url", {{"url", "data:video/mp4;base64,AAAAGGZ0eXBtcDQyAAAAAG1wNDI="}}}};
+  const auto bad = post(*s, "/v1/chat/completions", {{"messages", {user(json::array({junk}))}}});
+  expect_error_reply(bad, 400, "");
+  EXPECT_NE(bad->body.find("video 1 (messages[0].content[0].video_url.url)"), std::string::npos)
+      << bad->body;
+  ServerOptions o = tiny_options();
+  o.ctx = 256;
+  auto small = start(o);
+  const auto big =
+      post(*small, "/v1/chat/completions", {{"messages", {user(json::array({video}))}}});
+  expect_error_reply(big, 400, "");
+  EXPECT_NE(big->body.find("context holds 256"), std::string::npos) << big->body;
 }
 
 TEST(ServerHttp, EveryErrorHasItsStatusAndShape) {

@@ -18,6 +18,8 @@
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
+#include "tools/generation_args.h"
+#include "video/video_processor.h"
 
 namespace gemstage::cli {
 
@@ -34,6 +36,8 @@ struct DumpArgs {
   std::vector<std::string> pixel_values, image_position_ids;  // preprocessed images, in order
   std::vector<std::string> images;                            // image files, preprocessed here
   std::vector<std::string> audios;                            // audio files, in prompt order
+  std::vector<std::string> videos;                            // video files, in prompt order
+  VideoArgs video;
   bool verbose = false;
   std::string model_draft;  // with --decode: a speculative decode too (spec_* taps)
   int draft_max = 4;
@@ -115,6 +119,62 @@ std::vector<VisionInput> load_images(const DumpArgs& a, const Sequence& model) {
     }
   }
   return images;
+}
+
+// --video FILE: sampled and preprocessed as Gemma4VideoProcessor does (docs/video.md); taps
+// pixel_values_videos [F, max_patches, 3pp] and video_position_ids [F, max_patches, 2]. Returns
+// every frame, videos in order.
+std::vector<VisionInput> load_video_frames(const DumpArgs& a, const Sequence& model,
+                                           TapRecorder& taps, int& soft_per_frame) {
+  std::vector<VisionInput> frames;
+  if (a.videos.empty()) return frames;
+  if (!model.vision() || model.model().embeddings().unified())
+    fail(a.model, ": this checkpoint has no vision tower, so it cannot take --video");
+  VideoProcessorConfig cfg = load_video_processor_config(model.assets_dir());
+  if (a.video.frames) cfg.num_frames = a.video.frames;
+  if (a.video.budget) cfg.frame.max_soft_tokens = a.video.budget;
+  for (const std::string& path : a.videos) {
+    const ProcessedVideo v = process_video_file(path, cfg);
+    soft_per_frame = v.num_soft_tokens_per_frame;
+    taps.append("pixel_values_videos", {v.max_patches, v.patch_dim}, v.pixel_values.data(),
+                v.num_frames);
+    taps.append_ids("video_position_ids", v.position_ids, {v.max_patches, 2});
+    const size_t nv = static_cast<size_t>(v.max_patches) * v.patch_dim;
+    const size_t np = static_cast<size_t>(v.max_patches) * 2;
+    for (size_t f = 0; f < static_cast<size_t>(v.num_frames); ++f)
+      frames.push_back({v.max_patches,
+                        {v.pixel_values.begin() + static_cast<ptrdiff_t>(f * nv),
+                         v.pixel_values.begin() + static_cast<ptrdiff_t>((f + 1) * nv)},
+                        {v.position_ids.begin() + static_cast<ptrdiff_t>(f * np),
+                         v.position_ids.begin() + static_cast<ptrdiff_t>((f + 1) * np)}});
+  }
+  return frames;
+}
+
+// The images and video frames in the order the prompt places them: each run of <|image|> rows
+// takes the next image, each run of <|video|> rows the next frame. is_frame marks the frames.
+std::vector<VisionInput> in_prompt_order(const ModelConfig& c, std::span<const int32_t> ids,
+                                         std::vector<VisionInput> images,
+                                         std::vector<VisionInput> frames,
+                                         std::vector<bool>& is_frame) {
+  std::vector<VisionInput> out;
+  size_t next_image = 0, next_frame = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i > 0 && ids[i] == ids[i - 1]) continue;  // inside a run
+    const bool video = ids[i] == c.video_token_id;
+    if (!video && ids[i] != c.image_token_id) continue;
+    std::vector<VisionInput>& from = video ? frames : images;
+    size_t& next = video ? next_frame : next_image;
+    if (next >= from.size())
+      fail("the prompt has more ", video ? "video frames (<|video|> runs)" : "images",
+           " than were given (", from.size(), ")");
+    out.push_back(std::move(from[next++]));
+    is_frame.push_back(video);
+  }
+  if (next_frame != frames.size() || next_image != images.size())
+    fail("the prompt holds ", next_image, " image(s) and ", next_frame, " video frame(s) but ",
+         images.size(), " and ", frames.size(), " were given");
+  return out;
 }
 
 // gemma4_unified: --image files / --pixel-values arrays and --audio files through the model's
@@ -204,8 +264,13 @@ int run_dump(const DumpArgs& a, const RunContext& cx) {
   TapRecorder taps(split_list(a.taps));
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const UnifiedEmbedder* unified = model->model().embeddings().unified();
-  const std::vector<VisionInput> images =
-      unified ? std::vector<VisionInput>{} : load_images(a, *model);
+  std::vector<VisionInput> images = unified ? std::vector<VisionInput>{} : load_images(a, *model);
+  int soft_per_frame = 0;
+  std::vector<VisionInput> frames = load_video_frames(a, *model, taps, soft_per_frame);
+  const size_t n_frames = frames.size(), n_images = images.size();
+  std::vector<bool> is_frame;
+  if (n_frames)
+    images = in_prompt_order(model->config(), ids, std::move(images), std::move(frames), is_frame);
   const int64_t n_placeholders = count_placeholders(model->config(), ids);
   FloatTensor soft;
   double t_vision = 0, t_audio = 0, t_features = 0, audio_seconds = 0;
@@ -217,6 +282,15 @@ int run_dump(const DumpArgs& a, const RunContext& cx) {
     const double tv = now_seconds();
     soft = model->vision()->encode_all(pool, images, &taps);
     t_vision = now_seconds() - tv;
+    // The soft tokens of each video frame, [F, K, D].
+    int64_t row = 0;
+    for (size_t k = 0; k < images.size(); ++k) {
+      const int64_t n =
+          model->vision()->num_soft_tokens(images[k].position_ids.data(), images[k].max_patches);
+      if (!is_frame.empty() && is_frame[k])
+        taps.append("video_soft_tokens", {n, soft.dim(1)}, soft.row(row), 1);
+      row += n;
+    }
   }
   // --audio FILE: decoded, featurized (Gemma4AudioFeatureExtractor) and run through the tower.
   if (!a.audios.empty() && !unified) {
@@ -242,8 +316,8 @@ int run_dump(const DumpArgs& a, const RunContext& cx) {
   const int64_t n_soft = soft.shape.empty() ? 0 : soft.dim(0);
   if (n_soft != n_placeholders)
     fail(a.ids, ": the prompt has ", n_placeholders,
-         " image/audio/video placeholder tokens but the ", images.size(), " image(s)",
-         a.audios.empty() ? "" : " and the audio clip(s)", " yield ", n_soft,
+         " image/audio/video placeholder tokens but the ", n_images, " image(s), ", n_frames,
+         " video frame(s)", a.audios.empty() ? "" : " and the audio clip(s)", " yield ", n_soft,
          " soft tokens; the processor must write exactly one placeholder per soft token");
   const int64_t S = static_cast<int64_t>(ids.size());
   if (a.ctx <= 0)
@@ -299,7 +373,8 @@ int run_dump(const DumpArgs& a, const RunContext& cx) {
 
   std::cerr << "load " << t_load << " s; ";
   if (!images.empty())
-    std::cerr << "vision " << images.size() << " image(s), " << soft.dim(0) << " soft tokens in "
+    std::cerr << "vision " << n_images << " image(s) and " << n_frames << " video frame(s) ("
+              << soft_per_frame << " soft tokens each), " << soft.dim(0) << " soft tokens in "
               << t_vision << " s; ";
   if (!a.audios.empty())
     std::cerr << "audio " << a.audios.size() << " clip(s), " << audio_seconds << " s: features "
@@ -366,6 +441,11 @@ void add_dump_command(CLI::App& app, Registry& reg) {
       "feature extractor and the audio tower (repeatable, in prompt order; taps "
       "audio_waveform, audio_features, audio_subsample_out, audio_encoder_out, "
       "audio_tower_out, audio_embedder_out, ...)");
+  sub->add_option("--video", a->videos,
+                  "video file (MP4/MOV, WebM/MKV, GIF), frames sampled and preprocessed as the HF "
+                  "Gemma 4 video processor does (repeatable, in prompt order; taps "
+                  "pixel_values_videos, video_position_ids, video_soft_tokens)");
+  add_video_options(sub, a->video);
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a, &cx = reg.context] { return run_dump(*a, cx); });
 }

@@ -1,4 +1,4 @@
-// gemstage generate / chat: text (and images) in, streamed text out.
+// gemstage generate / chat: text (and images, videos, audio) in, streamed text out.
 #include <unistd.h>
 
 #include <algorithm>
@@ -35,7 +35,8 @@ void print_stats(const GenerationResult& r) {
 
 struct GenerateArgs : CommonArgs {
   std::string prompt, system;
-  std::vector<std::string> images, audios;
+  std::vector<std::string> images, audios, videos;
+  VideoArgs video;
   bool raw = false, json = false;
   std::string json_schema, json_schema_file;  // constrained output (llama.cpp's -j / -jf)
   // Speculative decoding with a gemma4_assistant drafter (docs/gemma4-mtp.md).
@@ -140,20 +141,37 @@ GenerationResult run_request(Engine& engine, EngineRequest request, std::ostream
   return res;
 }
 
+// A --video / /video file decoded and preprocessed now (chat keeps it for later turns), with a
+// note of what was sampled.
+ChatInputPart load_video_part(const Assistant& as, const VideoArgs& v, const std::string& path) {
+  const double t0 = now_seconds();
+  ChatInputPart part;
+  part.video = as.load_video(v.source(path));
+  const ProcessedVideo& p = *part.video;
+  std::cerr << "video " << path << ": " << p.num_frames << " of " << p.info.total_frames
+            << " frames (" << p.info.codec << " " << p.info.width << "x" << p.info.height << ", "
+            << p.fps << " fps), " << p.num_soft_tokens_per_frame << " soft tokens each, in "
+            << now_seconds() - t0 << " s\n";
+  return part;
+}
+
 int run_generate(const GenerateArgs& a, const RunContext& cx) {
   auto as = Assistant::open(a.model, a.ctx, cache_type_of(a.cache_type), cx.models);
   print_model_notes(as->model().notes(), a.verbose);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   PreparedPrompt p;
   if (a.raw) {
-    if (!a.images.empty() || !a.audios.empty())
-      fail("--raw prompts cannot take --image or --audio (they need the chat format's markers)");
+    if (!a.images.empty() || !a.audios.empty() || !a.videos.empty())
+      fail(
+          "--raw prompts cannot take --image, --audio or --video (they need the chat format's "
+          "markers)");
     p = as->prepare_raw(a.prompt);
   } else {
     std::vector<ChatInput> msgs;
     if (!a.system.empty()) msgs.push_back({"system", {{a.system, std::nullopt}}});
     ChatInput user{"user", {}};
     for (const std::string& f : a.images) user.parts.push_back({"", decode_image_file(f)});
+    for (const std::string& f : a.videos) user.parts.push_back(load_video_part(*as, a.video, f));
     for (const std::string& f : a.audios)
       user.parts.push_back({"", std::nullopt, decode_audio_file(f)});
     user.parts.push_back({a.prompt, std::nullopt});
@@ -204,7 +222,8 @@ int run_generate(const GenerateArgs& a, const RunContext& cx) {
 }
 
 struct ChatArgs : CommonArgs {
-  std::vector<std::string> audios;  // attached to the first message
+  std::vector<std::string> audios, videos;  // attached to the first message
+  VideoArgs video;
 };
 
 int run_chat(const ChatArgs& a, const RunContext& cx) {
@@ -221,12 +240,13 @@ int run_chat(const ChatArgs& a, const RunContext& cx) {
   std::vector<ChatInput> history;
   std::vector<RgbImage> pending_images;
   std::vector<AudioClip> pending_audio;
+  std::vector<ChatInputPart> pending_videos;
   for (const std::string& f : a.audios) pending_audio.push_back(decode_audio_file(f));
+  for (const std::string& f : a.videos) pending_videos.push_back(load_video_part(*as, a.video, f));
   if (tty)
-    std::cerr << "gemstage chat: /image FILE and /audio FILE attach an image or a recording to the "
-                 "next message, /system TEXT "
-                 "sets the system "
-                 "prompt, /reset starts over, /exit quits\n";
+    std::cerr << "gemstage chat: /image FILE, /video FILE and /audio FILE attach an image, a video "
+                 "or a recording to the next message, /system TEXT sets the system prompt, /reset "
+                 "starts over, /exit quits\n";
   std::string line;
   while (true) {
     if (tty) std::cerr << "> " << std::flush;
@@ -242,6 +262,11 @@ int run_chat(const ChatArgs& a, const RunContext& cx) {
       if (line.rfind("/image ", 0) == 0) {
         pending_images.push_back(decode_image_file(line.substr(7)));
         std::cerr << "(image attached to the next message)\n";
+        continue;
+      }
+      if (line.rfind("/video ", 0) == 0) {
+        pending_videos.push_back(load_video_part(*as, a.video, line.substr(7)));
+        std::cerr << "(video attached to the next message)\n";
         continue;
       }
       if (line.rfind("/audio ", 0) == 0) {
@@ -260,6 +285,8 @@ int run_chat(const ChatArgs& a, const RunContext& cx) {
       ChatInput user{"user", {}};
       for (RgbImage& img : pending_images) user.parts.push_back({"", std::move(img)});
       pending_images.clear();
+      for (ChatInputPart& v : pending_videos) user.parts.push_back(std::move(v));
+      pending_videos.clear();
       for (AudioClip& clip : pending_audio)
         user.parts.push_back({"", std::nullopt, std::move(clip)});
       pending_audio.clear();
@@ -293,9 +320,13 @@ void add_generate_command(CLI::App& app, Registry& reg) {
   sub->add_option("--system", a->system, "system prompt");
   sub->add_option("--image", a->images,
                   "image file (PNG/JPEG) placed before the prompt text (repeatable)");
+  sub->add_option("--video", a->videos,
+                  "video file (MP4/MOV, WebM/MKV, GIF) placed before the prompt text, after any "
+                  "images; frames sampled as --video-frames says (repeatable)");
+  add_video_options(sub, a->video);
   sub->add_option("--audio", a->audios,
                   "audio file (WAV, FLAC, OGG, MP3; at most 30 s) placed before the prompt text, "
-                  "after any images (repeatable)");
+                  "after any images and videos (repeatable)");
   sub->add_flag("--raw", a->raw, "no chat format: <bos> + the prompt text");
   sub->add_flag("--json", a->json,
                 "print one JSON object (text, tokens, finish_reason, usage) instead of streaming");
@@ -327,6 +358,9 @@ void add_chat_command(CLI::App& app, Registry& reg) {
   add_common(sub, *a);
   sub->add_option("--audio", a->audios,
                   "audio file attached to the first message (as /audio FILE; repeatable)");
+  sub->add_option("--video", a->videos,
+                  "video file attached to the first message (as /video FILE; repeatable)");
+  add_video_options(sub, a->video);
   reg.add(sub, [a, &cx = reg.context] { return run_chat(*a, cx); });
 }
 

@@ -25,6 +25,8 @@ struct ServeArgs : CommonArgs {
   std::string api_key;
   size_t max_body = size_t{32} << 20;
   int64_t max_image_pixels = server::RequestLimits{}.max_image_pixels;
+  std::string allowed_local_media_path;
+  VideoArgs video;
   double shutdown_grace = 5;
   std::string model_draft;  // -md: speculative decoding with a gemma4_assistant drafter
   int draft_max = 4, draft_min = 0;
@@ -73,6 +75,9 @@ int run_serve(const ServeArgs& a, const RunContext& cx) {
   if (a.seed_given) o.seed = a.seed;
   o.think = a.think;
   o.limits.max_image_pixels = a.max_image_pixels;
+  o.limits.allowed_local_media_path = a.allowed_local_media_path;
+  o.limits.video_frames = a.video.frames;
+  o.limits.video_budget = a.video.budget;
   o.shutdown_grace_seconds = a.shutdown_grace;
   o.model_draft = a.model_draft;
   o.draft_max = a.draft_max;
@@ -164,6 +169,11 @@ void add_serve_command(CLI::App& app, Registry& reg) {
                   "largest image a request may send, in pixels (width x height)")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  sub->add_option("--allowed-local-media-path", a->allowed_local_media_path,
+                  "directory whose files video_url parts may name as file:///... (vLLM's flag; "
+                  "default: none, data URLs only)")
+      ->check(CLI::ExistingDirectory);
+  add_video_options(sub, a->video);
   sub->add_option("--shutdown-grace", a->shutdown_grace,
                   "seconds in-flight requests may run on after SIGINT/SIGTERM before they are "
                   "cancelled")

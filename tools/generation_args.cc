@@ -6,6 +6,16 @@
 
 namespace gemstage::cli {
 
+void add_video_options(CLI::App* sub, VideoArgs& a) {
+  sub->add_option("--video-frames", a.frames,
+                  "frames sampled uniformly from each video (default: the model's, 32)")
+      ->check(CLI::Range(1, 1024));
+  sub->add_option("--video-budget", a.budget,
+                  "soft tokens per video frame: 70, 140, 280, 560 or 1120 (default: the "
+                  "model's, 70)")
+      ->check(CLI::IsMember({70, 140, 280, 560, 1120}));
+}
+
 void add_common(CLI::App* sub, CommonArgs& a) {
   sub->add_option("-m,--model", a.model, "Hugging Face checkpoint directory or gemstage bundle")
       ->required();

@@ -29,6 +29,18 @@ struct CommonArgs {
 
 void add_common(CLI::App* sub, CommonArgs& a);
 
+// --video-frames / --video-budget: the sampling of --video files (docs/video.md); 0 keeps the
+// model's video processor setting.
+struct VideoArgs {
+  int frames = 0;
+  int budget = 0;
+  // A --video FILE with these settings, for Assistant::load_video.
+  VideoSource source(const std::string& path) const {
+    return {path, nullptr, path, frames, budget};
+  }
+};
+void add_video_options(CLI::App* sub, VideoArgs& a);
+
 // max_tokens, sampling, stop strings and the prefill chunk from the flags. The seed is the given
 // one or 0, and there are no stop ids: each caller decides those.
 GenerationOptions generation_defaults(const CommonArgs& a);

@@ -37,6 +37,7 @@ std::unique_ptr<Assistant> Assistant::open(const std::string& path, int64_t max_
   a->suppress_tokens_ = load_suppress_tokens(dir);
   a->renderer_ = ConversationRenderer::for_model_dir(dir);
   a->image_cfg_ = load_processor_config(dir);
+  a->video_cfg_ = load_video_processor_config(dir);
   a->name_ = fs::path(path).lexically_normal().filename().string();
   if (a->name_.empty())
     a->name_ = fs::path(path).lexically_normal().parent_path().filename().string();
@@ -53,11 +54,60 @@ struct Assistant::MediaInputs {
   // gemma4_unified: patches and raw frames for its embedders (no towers).
   std::vector<UnifiedImageInput> unified_images;
   std::vector<UnifiedAudioInput> unified_clips;
-  int image_count() const { return static_cast<int>(images.size() + unified_images.size()); }
+  int videos = 0, video_frames = 0;  // video frames are `images` entries too, in prompt order
+  int image_count() const {
+    return static_cast<int>(images.size() + unified_images.size()) - video_frames;
+  }
   int audio_count() const { return static_cast<int>(clips.size() + unified_clips.size()); }
 };
 
+VideoProcessorConfig Assistant::video_config(const VideoSource& src) const {
+  VideoProcessorConfig c = video_cfg_;
+  if (src.num_frames) c.num_frames = src.num_frames;
+  if (src.max_soft_tokens) c.frame.max_soft_tokens = src.max_soft_tokens;
+  const std::string what = src.what.empty() ? src.path : src.what;
+  c.validate(what);
+  const int64_t most = max_video_prompt_tokens(c);
+  if (most >= max_context_)
+    fail(what, ": ", c.num_frames, " frames of up to ", c.frame.max_soft_tokens,
+         " soft tokens can take ", most, " prompt tokens but the context holds ", max_context_,
+         "; sample fewer frames (--video-frames), a lower budget (--video-budget) or raise "
+         "--ctx-size");
+  return c;
+}
+
+std::shared_ptr<const ProcessedVideo> Assistant::load_video(const VideoSource& src) const {
+  const VideoProcessorConfig c = video_config(src);
+  std::unique_ptr<VideoDecoder> d;
+  if (src.bytes)
+    d = VideoDecoder::open_memory(*src.bytes, src.what.empty() ? "video" : src.what);
+  else
+    d = VideoDecoder::open_file(src.path);
+  return std::make_shared<const ProcessedVideo>(process_video(*d, c));
+}
+
 ChatPart Assistant::add_media(const ChatInputPart& p, MediaInputs& in) const {
+  if (p.is_video()) {
+    // Frames go through the vision tower like images (docs/video.md, "Model").
+    if (model_->embeddings().unified() || !model_->vision())
+      fail(model_->path(), ": this model has no vision tower, so it cannot take video");
+    const std::shared_ptr<const ProcessedVideo> v = p.video ? p.video : load_video(*p.video_source);
+    const size_t frame_values = static_cast<size_t>(v->max_patches) * v->patch_dim;
+    const size_t frame_positions = static_cast<size_t>(v->max_patches) * 2;
+    std::vector<std::string> stamps;
+    for (int f = 0; f < v->num_frames; ++f) {
+      const auto values = v->pixel_values.begin() + static_cast<ptrdiff_t>(f * frame_values);
+      const auto positions = v->position_ids.begin() + static_cast<ptrdiff_t>(f * frame_positions);
+      in.images.push_back(
+          {v->max_patches,
+           std::vector<float>(values, values + static_cast<ptrdiff_t>(frame_values)),
+           std::vector<int64_t>(positions, positions + static_cast<ptrdiff_t>(frame_positions))});
+      stamps.push_back(format_timestamp(v->timestamps[static_cast<size_t>(f)]));
+    }
+    ++in.videos;
+    in.video_frames += v->num_frames;
+    return ChatPart::Video(v->num_soft_tokens_per_frame, std::move(stamps));
+  }
   if (const UnifiedEmbedder* unified = model_->embeddings().unified()) {
     if (p.audio) {
       if (!unified->has_audio())
@@ -94,6 +144,7 @@ ChatPart Assistant::add_media(const ChatInputPart& p, MediaInputs& in) const {
 void Assistant::encode_media(ThreadPool& pool, const MediaInputs& in, PreparedPrompt& out) const {
   out.images = in.image_count();
   out.audios = in.audio_count();
+  out.videos = in.videos;
   FloatTensor image_soft, audio_soft;
   if (!in.images.empty()) image_soft = model_->embeddings().encode_images(pool, in.images, nullptr);
   if (!in.clips.empty()) audio_soft = model_->embeddings().encode_audio(pool, in.clips, nullptr);
@@ -115,7 +166,7 @@ PreparedPrompt Assistant::prepare_chat(ThreadPool& pool, const std::vector<ChatI
   for (const ChatInput& m : messages) {
     ChatMessage cm{m.role, {}};
     for (const ChatInputPart& p : m.parts)
-      cm.parts.push_back(p.image || p.audio ? add_media(p, media) : ChatPart::Text(p.text));
+      cm.parts.push_back(p.is_media() ? add_media(p, media) : ChatPart::Text(p.text));
     rendered.push_back(std::move(cm));
   }
   PreparedPrompt out;
@@ -128,6 +179,55 @@ std::unique_ptr<Sequence> Assistant::new_sequence() const {
   return std::make_unique<Sequence>(model_, max_context_, kv_type_);
 }
 
+// Gemma4Processor replaces each <|video|> the template wrote with the frames' text (timestamps,
+// markers, soft-token placeholders) before tokenizing, so the timestamps tokenize together with
+// the text around them; this does the same. The placeholders must come in the order of `parts`.
+void Assistant::expand_video_placeholders(std::string& text,
+                                          const std::vector<ChatPart>& parts) const {
+  static constexpr std::string_view kMarkers[] = {"<|image|>", "<|audio|>", "<|video|>"};
+  static constexpr ChatPart::Kind kKinds[] = {ChatPart::Kind::kImage, ChatPart::Kind::kAudio,
+                                              ChatPart::Kind::kVideo};
+  if (!chat_ids_.image_open || !chat_ids_.image_close || !chat_ids_.video_soft)
+    fail(tok_.source_path(),
+         ": lacks the <|image>, <image|> or <|video|> tokens, so this model cannot take video");
+  const std::string open = tok_.id_to_token(*chat_ids_.image_open);
+  const std::string close = tok_.id_to_token(*chat_ids_.image_close);
+  const std::string soft = tok_.id_to_token(*chat_ids_.video_soft);
+  size_t pos = 0, next_part = 0;
+  for (;;) {
+    size_t at = std::string::npos, which = 0;
+    for (size_t m = 0; m < 3; ++m) {
+      const size_t f = text.find(kMarkers[m], pos);
+      if (f < at) at = f, which = m;
+    }
+    if (at == std::string::npos) break;
+    if (next_part >= parts.size() || parts[next_part].kind != kKinds[which])
+      fail(
+          "the chat template rendered the conversation's images, audio clips and videos in "
+          "another order or number than its messages hold them (a placeholder typed in a "
+          "message's text counts too)");
+    const ChatPart& part = parts[next_part++];
+    if (part.kind != ChatPart::Kind::kVideo) {
+      pos = at + kMarkers[which].size();
+      continue;
+    }
+    std::string frames;
+    for (size_t f = 0; f < part.frame_timestamps.size(); ++f) {
+      if (f) frames += ' ';
+      frames += part.frame_timestamps[f] + " " + open;
+      for (int32_t k = 0; k < part.image_tokens; ++k) frames += soft;
+      frames += close;
+    }
+    text.replace(at, kMarkers[which].size(), frames);
+    pos = at + frames.size();
+  }
+  if (next_part != parts.size())
+    fail("the chat template rendered ", next_part,
+         " image, audio and video placeholders but the "
+         "conversation has ",
+         parts.size(), " media parts");
+}
+
 PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& messages,
                                                const nlohmann::ordered_json& tools,
                                                const ConversationOptions& options,
@@ -136,10 +236,15 @@ PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& mes
   MediaInputs inputs;
   std::vector<ChatPart> parts;  // each medium as the chat format renders it, in order
   for (const ChatInputPart& p : media) {
-    if (!p.image && !p.audio) fail("prepare_conversation: a media part holds no image or audio");
+    if (!p.is_media())
+      fail("prepare_conversation: a media part holds no image, audio clip or video");
     parts.push_back(add_media(p, inputs));
   }
-  const std::string text = renderer_.render(messages, tools, options);
+  std::string text = renderer_.render(messages, tools, options);
+  if (inputs.videos) {
+    expand_video_placeholders(text, parts);
+    std::erase_if(parts, [](const ChatPart& p) { return p.kind == ChatPart::Kind::kVideo; });
+  }
   PreparedPrompt out;
   // The rendered text writes <bos> itself; special-token strings in it become their ids. The
   // template writes one <|image|> / <|audio|> per media part; the processor then replaces each
@@ -184,7 +289,7 @@ PreparedPrompt Assistant::prepare_conversation(const nlohmann::ordered_json& mes
     out.ids.insert(out.ids.end(), is_image ? part.image_tokens : part.audio_tokens, id);
     out.ids.push_back(*close);
   }
-  if (!parts.empty()) {
+  if (!parts.empty() || inputs.videos) {
     if (!pool) fail("prepare_conversation: media need a thread pool for the towers");
     encode_media(*pool, inputs, out);
   }

@@ -17,13 +17,30 @@
 #include "stage/sequence.h"
 #include "tokenizer/chat_format.h"
 #include "tokenizer/tokenizer.h"
+#include "video/video_processor.h"
 
 namespace gemstage {
+
+// A video as a front end receives it: a file, or the bytes of one (a data URL), and the sampling
+// asked for (0: the model's video processor setting). Decoded when the prompt is prepared.
+struct VideoSource {
+  std::string path;                                   // a file, or
+  std::shared_ptr<const std::vector<uint8_t>> bytes;  // its bytes
+  std::string what;                                   // names it in errors (default: path)
+  int num_frames = 0;                                 // --video-frames
+  int max_soft_tokens = 0;                            // --video-budget: soft tokens per frame
+};
 
 struct ChatInputPart {
   std::string text;
   std::optional<RgbImage> image;   // set for an image part
   std::optional<AudioClip> audio;  // set for an audio part (mono 16 kHz)
+  // A video part: decoded and preprocessed already (Assistant::load_video; chat keeps it across
+  // turns), or its source, decoded when the prompt is prepared.
+  std::shared_ptr<const ProcessedVideo> video;
+  std::optional<VideoSource> video_source;
+  bool is_video() const { return video || video_source; }
+  bool is_media() const { return image || audio || is_video(); }
 };
 
 struct ChatInput {
@@ -36,6 +53,7 @@ struct PreparedPrompt {
   FloatTensor soft_tokens;  // [N, D] for the prompt's placeholder rows (empty without media)
   int images = 0;
   int audios = 0;  // audio clips
+  int videos = 0;
   // The soft tokens to splice, or null for a prompt without images or audio.
   const FloatTensor* soft() const { return soft_tokens.numel() ? &soft_tokens : nullptr; }
   // prepare_conversation: model-turn text the prompt already ends with (e.g. "<|channel>thought\n"
@@ -82,11 +100,23 @@ class Assistant {
   // A raw prompt: <bos> (unless add_bos is false) + the tokenized text, no chat markers.
   PreparedPrompt prepare_raw(const std::string& text, bool add_bos = true) const;
 
+  // The checkpoint's video processor settings (video_preprocessor_config.json or
+  // processor_config.json's video_processor, else Gemma4VideoProcessor's defaults) with the
+  // source's frame count and per-frame budget where it sets them. Throws when the video could take
+  // more tokens than the context holds (frames x (budget + markers + timestamp)).
+  VideoProcessorConfig video_config(const VideoSource& src) const;
+  // Decodes, samples and preprocesses a video (docs/video.md); errors name src.what.
+  std::shared_ptr<const ProcessedVideo> load_video(const VideoSource& src) const;
+
  private:
   struct MediaInputs;  // the towers' inputs of one prompt's images and clips
   Assistant(std::shared_ptr<const Model> m, Tokenizer t);
-  // One image or audio part preprocessed into `in`; the part as the chat format renders it.
+  // One image, audio or video part preprocessed into `in`; the part as the chat format renders
+  // it.
   ChatPart add_media(const ChatInputPart& p, MediaInputs& in) const;
+  // Replaces each <|video|> of a rendered conversation with its frames' text (parts: every
+  // medium in order, as add_media rendered it).
+  void expand_video_placeholders(std::string& text, const std::vector<ChatPart>& parts) const;
   // Runs the towers over `in` and splices their soft tokens at out.ids' placeholder rows.
   void encode_media(ThreadPool& pool, const MediaInputs& in, PreparedPrompt& out) const;
   std::shared_ptr<const Model> model_;
@@ -98,6 +128,7 @@ class Assistant {
   std::vector<int32_t> stop_ids_;
   std::vector<int32_t> suppress_tokens_;
   ImageProcessorConfig image_cfg_;
+  VideoProcessorConfig video_cfg_;
   std::string name_;
 };
 

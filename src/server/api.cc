@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <filesystem>
 #include <limits>
 
 #include "audio/audio_decode.h"
@@ -268,6 +269,7 @@ constexpr int64_t kRequestImageBudget = 4;
 struct ImageBudget {
   size_t count = 0;
   int64_t pixels_left = 0;
+  size_t videos = 0;  // video_url parts so far, for their names in errors
 };
 
 RgbImage decode_data_url(const std::string& url, const std::string& param,
@@ -349,6 +351,80 @@ AudioClip parse_input_audio(const json& part, const std::string& param, const st
   }
 }
 
+// vLLM's video_url part: {"type": "video_url", "video_url": {"url": ...}} with a
+// data:video/...;base64 URL, or a file:///path under --allowed-local-media-path. The bytes are
+// checked here; decoding (and a 400 for a video that does not decode, or that would not fit the
+// context) happens when the prompt is prepared, with the model's video processor settings.
+ChatInputPart parse_video_url(const json& part, const std::string& param, const std::string& role,
+                              const RequestLimits& limits, ImageBudget& media) {
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat("videos are only accepted in user and tool messages, not in ", role,
+                               " messages"));
+  const json* vu = member(part, "video_url");
+  if (!vu)
+    bad_request(param + ".video_url", "missing_required_parameter", "'video_url' is required");
+  const json* url_json = vu->is_object() ? member(*vu, "url") : vu;
+  const std::string p = param + ".video_url" + (vu->is_object() ? ".url" : "");
+  if (!url_json) bad_request(p, "missing_required_parameter", "'video_url.url' is required");
+  if (!url_json->is_string()) wrong_type(p, "a string", *url_json);
+  const std::string url = url_json->get<std::string>();
+  VideoSource src;
+  src.what = detail::concat("video ", ++media.videos, " (", p, ")");
+  src.num_frames = limits.video_frames;
+  src.max_soft_tokens = limits.video_budget;
+  ChatInputPart out;
+  if (url.rfind("file://", 0) == 0) {
+    namespace fs = std::filesystem;
+    if (limits.allowed_local_media_path.empty())
+      bad_request(p, "unsupported_video_url",
+                  "this server reads no local files; send the video as a data:video/mp4;base64,... "
+                  "URL, or start the server with --allowed-local-media-path DIR");
+    std::error_code ec;
+    const fs::path file = fs::weakly_canonical(fs::path(url.substr(7)), ec);
+    const fs::path root = fs::weakly_canonical(fs::path(limits.allowed_local_media_path), ec);
+    const auto [r, f] = std::mismatch(root.begin(), root.end(), file.begin(), file.end());
+    if (ec || !fs::path(url.substr(7)).is_absolute() || r != root.end())
+      bad_request(p, "invalid_video_url",
+                  detail::concat("'", url,
+                                 "' is not a file under the server's "
+                                 "--allowed-local-media-path"));
+    if (!fs::is_regular_file(file, ec))
+      bad_request(p, "invalid_video_url", detail::concat("'", url, "' is not a readable file"));
+    src.path = file.string();
+    out.video_source = std::move(src);
+    return out;
+  }
+  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
+    bad_request(p, "unsupported_video_url",
+                "remote video URLs are not fetched (a server that fetches whatever URL a client "
+                "names can be turned against its own network); send the video inline as a "
+                "data:video/mp4;base64,... URL");
+  if (url.rfind("data:", 0) != 0)
+    bad_request(p, "unsupported_video_url",
+                "video_url.url must be a data:video/...;base64,... URL or a file:/// URL");
+  const size_t comma = url.find(',');
+  if (comma == std::string::npos)
+    bad_request(p, "invalid_video_url", "the data URL has no ',' before its payload");
+  const std::string header = url.substr(5, comma - 5);
+  const size_t semi = header.find(';');
+  const std::string mime = header.substr(0, semi);
+  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
+  if (mime.rfind("video/", 0) != 0 && mime != "image/gif")
+    bad_request(p, "invalid_video_url",
+                detail::concat("the data URL's media type is '", mime,
+                               "'; send video/mp4, video/webm, video/quicktime, "
+                               "video/x-matroska or image/gif"));
+  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
+    bad_request(p, "invalid_video_url", "the data URL must be base64-encoded (';base64,')");
+  auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
+  if (!bytes) bad_request(p, "invalid_base64", "the data URL's payload is not valid base64");
+  if (bytes->empty()) bad_request(p, "invalid_video", "the data URL holds no video bytes");
+  src.bytes = std::make_shared<const std::vector<uint8_t>>(std::move(*bytes));
+  out.video_source = std::move(src);
+  return out;
+}
+
 ChatInputPart parse_part(const json& part, const std::string& param, const std::string& role,
                          const RequestLimits& limits, ImageBudget& images) {
   if (!part.is_object()) wrong_type(param, "an object (a content part)", part);
@@ -378,9 +454,11 @@ ChatInputPart parse_part(const json& part, const std::string& param, const std::
     return {"", decode_data_url(url->get<std::string>(), url_param, limits, images)};
   }
   if (t == "input_audio") return {"", std::nullopt, parse_input_audio(part, param, role)};
+  if (t == "video_url") return parse_video_url(part, param, role, limits, images);
   bad_request(param + ".type", "invalid_value",
               detail::concat("content part type '", t,
-                             "' is not supported; use 'text', 'image_url' or 'input_audio'"));
+                             "' is not supported; use 'text', 'image_url', 'input_audio' or "
+                             "'video_url'"));
 }
 
 }  // namespace
@@ -825,8 +903,8 @@ ToolRequest parse_tool_request(const json& body, const RequestLimits& limits) {
       for (size_t j = 0; j < content->size(); ++j) {
         ChatInputPart part = parse_part((*content)[j], p + ".content[" + std::to_string(j) + "]",
                                         rs, limits, images);
-        if (!part.image && !part.audio) continue;
-        out["content"][j] = ojson{{"type", part.image ? "image" : "audio"}};
+        if (!part.is_media()) continue;
+        out["content"][j] = ojson{{"type", part.image ? "image" : part.audio ? "audio" : "video"}};
         r.media.push_back(std::move(part));
       }
     }

@@ -69,6 +69,12 @@ struct RequestLimits {
   // decompression bomb in a data URL must not reach the image processor); a request's images
   // together may have four times this many.
   int64_t max_image_pixels = ImageLimits{}.max_pixels;
+  // video_url parts may name files (file:///...) under this directory; empty: none (vLLM's
+  // --allowed-local-media-path). Data URLs are always accepted.
+  std::string allowed_local_media_path;
+  // The sampling of every request's videos (serve --video-frames / --video-budget; 0: the
+  // model's video processor setting).
+  int video_frames = 0, video_budget = 0;
 };
 
 // What a request may set on top of the server's defaults; unset fields keep the default.
@@ -179,8 +185,9 @@ struct ToolRequest {
   // chat_template_kwargs.enable_thinking (llama.cpp's convention; a Messages request's
   // `thinking`): this request's choice, else the server's --think.
   std::optional<bool> enable_thinking;
-  // The images (image_url data URLs) and audio clips (input_audio) of user messages, decoded, in
-  // message order; in `messages` each such part is {"type": "image"} / {"type": "audio"}, the
+  // The images (image_url data URLs) and audio clips (input_audio) of user messages, decoded, and
+  // their videos (video_url, decoded when the prompt is prepared), in message order; in
+  // `messages` each such part is {"type": "image"} / {"type": "audio"} / {"type": "video"}, the
   // parts the chat template writes a placeholder for.
   std::vector<ChatInputPart> media;
 };

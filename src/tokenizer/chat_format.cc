@@ -25,12 +25,13 @@ constexpr std::string_view kImageCloseText = "<image|>";
 constexpr std::string_view kAudioOpenText = "<|audio>";
 constexpr std::string_view kAudioSoftText = "<|audio|>";
 constexpr std::string_view kAudioCloseText = "<audio|>";
+constexpr std::string_view kVideoSoftText = "<|video|>";
 constexpr std::string_view kChannelOpenText = "<|channel>";
 constexpr std::string_view kChannelCloseText = "<channel|>";
 
 // One step of the rendered prompt: literal text, or a marker that is a single token.
 struct Piece {
-  enum class Kind { kText, kBos, kTurnOpen, kTurnClose, kThink, kImage, kAudio } kind;
+  enum class Kind { kText, kBos, kTurnOpen, kTurnClose, kThink, kImage, kAudio, kVideoFrame } kind;
   std::string text;
   int32_t image_tokens = 0;
 };
@@ -96,6 +97,20 @@ void render_content(PieceList& out, const ChatMessage& m, TurnRole role, size_t 
         fail("chat message ", index, ": audio part has ", part.audio_tokens,
              " soft tokens; pass the count the clip yields (> 0)");
       out.marker(Piece::Kind::kAudio, part.audio_tokens);
+      continue;
+    }
+    if (part.kind == ChatPart::Kind::kVideo) {
+      if (role != TurnRole::kUser)
+        fail("chat message ", index, " (", m.role, "): videos are only supported in user messages");
+      if (part.image_tokens <= 0 || part.frame_timestamps.empty())
+        fail("chat message ", index, ": video part has ", part.frame_timestamps.size(),
+             " frames of ", part.image_tokens, " soft tokens; both must be positive");
+      for (size_t f = 0; f < part.frame_timestamps.size(); ++f) {
+        if (f) out.text(" ");
+        out.text(part.frame_timestamps[f]);
+        out.text(" ");
+        out.marker(Piece::Kind::kVideoFrame, part.image_tokens);
+      }
       continue;
     }
     if (role != TurnRole::kUser)
@@ -224,6 +239,11 @@ std::string render_chat_text(std::span<const ChatMessage> messages, const ChatOp
         for (int32_t i = 0; i < p.image_tokens; ++i) out += kAudioSoftText;
         out += kAudioCloseText;
         break;
+      case Piece::Kind::kVideoFrame:
+        out += kImageOpenText;
+        for (int32_t i = 0; i < p.image_tokens; ++i) out += kVideoSoftText;
+        out += kImageCloseText;
+        break;
     }
   }
   return out;
@@ -242,6 +262,7 @@ ChatTokenIds resolve_chat_token_ids(const Tokenizer& tokenizer,
   ids.audio_open = tokenizer.token_to_id(kAudioOpenText);
   ids.audio_soft = tokenizer.token_to_id(kAudioSoftText);
   ids.audio_close = tokenizer.token_to_id(kAudioCloseText);
+  ids.video_soft = tokenizer.token_to_id(kVideoSoftText);
   if (config_json_path.empty()) return ids;
   const json config = read_json(config_json_path);
   if (!config.is_object()) fail(config_json_path, ": top level is not a JSON object");
@@ -263,6 +284,7 @@ ChatTokenIds resolve_chat_token_ids(const Tokenizer& tokenizer,
   take("boa_token_id", kAudioOpenText, ids.audio_open);
   take("audio_token_id", kAudioSoftText, ids.audio_soft);
   take("eoa_token_index", kAudioCloseText, ids.audio_close);
+  take("video_token_id", kVideoSoftText, ids.video_soft);
   take("eoa_token_id", kAudioCloseText, ids.audio_close);
   return ids;
 }
@@ -312,6 +334,15 @@ ChatPrompt render_chat(const Tokenizer& tokenizer, const ChatTokenIds& ids,
         prompt.ids.push_back(*ids.audio_open);
         prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(p.image_tokens), *ids.audio_soft);
         prompt.ids.push_back(*ids.audio_close);
+        break;
+      case Piece::Kind::kVideoFrame:
+        if (!ids.image_open || !ids.video_soft || !ids.image_close)
+          fail(tokenizer.source_path(),
+               ": lacks the video markers <|image>, <|video|>, <image|> (and config.json gives no "
+               "boi/video/eoi token ids), so video parts cannot be rendered");
+        prompt.ids.push_back(*ids.image_open);
+        prompt.ids.insert(prompt.ids.end(), static_cast<size_t>(p.image_tokens), *ids.video_soft);
+        prompt.ids.push_back(*ids.image_close);
         break;
     }
   }

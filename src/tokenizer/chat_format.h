@@ -18,16 +18,23 @@
 namespace gemstage {
 
 struct ChatPart {
-  enum class Kind { kText, kImage, kAudio };
+  enum class Kind { kText, kImage, kAudio, kVideo };
   Kind kind = Kind::kText;
   std::string text;          // kText
-  int32_t image_tokens = 0;  // kImage: N, the soft-token count the image processor produced
+  int32_t image_tokens = 0;  // kImage: N, the soft-token count of the image; kVideo: per frame
   int32_t audio_tokens = 0;  // kAudio: N, the soft-token count of the clip
+  std::vector<std::string> frame_timestamps;  // kVideo: "MM:SS" of each sampled frame
 
   static ChatPart Text(std::string t) { return {Kind::kText, std::move(t), 0}; }
   static ChatPart Image(int32_t soft_tokens) { return {Kind::kImage, {}, soft_tokens}; }
   // Rendered <|audio> + N × <|audio|> + <audio|> (the processor's expansion of one <|audio|>).
   static ChatPart Audio(int32_t soft_tokens) { return {Kind::kAudio, {}, 0, soft_tokens}; }
+  // Rendered as Gemma4Processor expands one <|video|>: per frame "MM:SS " + <|image> +
+  // N × <|video|> + <image|>, frames joined by single spaces (docs/video.md). The timestamp text
+  // joins the text around it before tokenization, as the processor's text replacement does.
+  static ChatPart Video(int32_t soft_tokens_per_frame, std::vector<std::string> timestamps) {
+    return {Kind::kVideo, {}, soft_tokens_per_frame, 0, std::move(timestamps)};
+  }
 };
 
 struct ChatMessage {
@@ -41,7 +48,8 @@ struct ChatOptions {
 };
 
 // The ids the format writes as markers, looked up by their strings in the loaded tokenizer;
-// image ids come from config.json (boi_token_id, image_token_id, eoi_token_id) where it has them.
+// image ids come from config.json (boi_token_id, image_token_id, eoi_token_id, video_token_id)
+// where it has them.
 struct ChatTokenIds {
   int32_t bos = -1;
   int32_t turn_open = -1;              // <|turn>
@@ -53,6 +61,7 @@ struct ChatTokenIds {
   std::optional<int32_t> audio_open;   // <|audio>
   std::optional<int32_t> audio_soft;   // <|audio|>
   std::optional<int32_t> audio_close;  // <audio|>
+  std::optional<int32_t> video_soft;   // <|video|> (config video_token_id)
 };
 
 // config_json_path may be empty (no config): then every id comes from the tokenizer.
