@@ -33,6 +33,7 @@ ARM64_PACKAGES=(
   libssl-dev libpng-dev libjpeg62-turbo-dev zlib1g-dev
   libsndfile1-dev libsamplerate0-dev libfftw3-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcpp-httplib-dev
+  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev
 )
 for p in "${ARM64_PACKAGES[@]}"; do
   DEBIAN_PACKAGES+=("$p:arm64")

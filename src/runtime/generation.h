@@ -96,6 +96,8 @@ class TokenStream {
                                        std::span<const int32_t> drafts,
                                        const std::function<bool(int64_t)>& has_room,
                                        const TextCallback& on_text, int* accepted);
+  // Drafts can be verified: no JSON or tool-call constraint (drafts are not constrained).
+  bool can_verify() const { return !constraint_; }
   // Generated tokens so far.
   int steps() const { return step_; }
   const GenerationOptions& options() const { return opt_; }
