@@ -46,3 +46,9 @@ if [[ "${GEMSTAGE_ALLOW_MPI_SKIP:-0}" == "1" ]]; then
   echo "test.sh: WARNING: GEMSTAGE_ALLOW_MPI_SKIP=1: the MPI tests this machine cannot run" \
        "(two hosts in network namespaces, or mpirun itself) were SKIPPED, not passed" >&2
 fi
+if [[ ! -f tests/fixtures/chat-template/chat_template.jinja ]]; then
+  echo "test.sh: NOTE: the 27 checkpoint-template cases (tests/chat_template_cases_test.cc) did" \
+       "NOT run: Google's chat_template.jinja is not in the repository (it is gated and under the" \
+       "Gemma terms); put it at tests/fixtures/chat-template/chat_template.jinja and set" \
+       "GEMSTAGE_REQUIRE_CHECKPOINT_TEMPLATE=1 to run them" >&2
+fi

@@ -676,7 +676,8 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
                     log),
             0);
   EXPECT_NE(
-      read_file(log).find("0 image/audio/video placeholder tokens but the 1 image(s) yield 56"),
+      read_file(log).find(
+          "0 image/audio/video placeholder tokens but the 1 image(s), 0 video frame(s) yield 56"),
       std::string::npos)
       << read_file(log);
   // --pixel-values / --image-position-ids repeat, one pair per image.
@@ -686,8 +687,8 @@ TEST(DumpCli, MultimodalDumpWithChunksMatchesTheFixture) {
                         " --out " + out,
                     log),
             0);
-  EXPECT_NE(read_file(log).find("56 image/audio/video placeholder tokens but the 2 image(s) yield "
-                                "112"),
+  EXPECT_NE(read_file(log).find("56 image/audio/video placeholder tokens but the 2 image(s), 0 "
+                                "video frame(s) yield 112"),
             std::string::npos)
       << read_file(log);
   std::filesystem::remove_all(tmp);
