@@ -70,12 +70,14 @@ int main(int argc, char** argv) {
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);
   // So are -ub (--ubatch-size) and --batch-size (the -b all generation commands share).
-  static char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk";
+  static char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk",
+              timeout[] = "--timeout";
   if (argc > 1 && std::strcmp(argv[1], "serve") == 0)
     for (char*& arg : args) {
       if (std::strcmp(arg, "-np") == 0) arg = parallel;
       if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
+      if (std::strcmp(arg, "-to") == 0) arg = timeout;
     }
   // llama.cpp's -md (--model-draft) likewise.
   static char model_draft[] = "--model-draft";
