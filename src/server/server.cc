@@ -315,11 +315,13 @@ void Server::Impl::prepare(Job& job) {
                    "invalid_request_error", field, "invalid_value");
   }
   job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
-  for (size_t i = 0; i < job.gen.sampling.logit_bias.size(); ++i)
-    if (const int32_t id = job.gen.sampling.logit_bias[i].first; !assistant->tokenizer().has_id(id))
+  // Against the model's vocabulary (it may hold ids the tokenizer does not name).
+  const int64_t vocab = assistant->model().config().text.vocab_size;
+  for (const auto& [id, bias] : job.gen.sampling.logit_bias)
+    if (id < 0 || id >= vocab)
       throw ApiError(400,
                      "'logit_bias' names token " + std::to_string(id) +
-                         ", which is not in this model's vocabulary",
+                         ", outside this model's vocabulary of " + std::to_string(vocab) + " ids",
                      "invalid_request_error", "logit_bias", "invalid_value");
   if (job.sampling.ignore_eos)
     job.gen.stop_ids = *job.sampling.ignore_eos ? std::vector<int32_t>{} : assistant->stop_ids();
