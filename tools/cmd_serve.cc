@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <atomic>
+#include <fstream>
 #include <iostream>
 #include <thread>
 
@@ -32,6 +33,10 @@ struct ServeArgs : CommonArgs {
   int draft_max = 4, draft_min = 0;
   bool no_draft_adapt = false;
   bool no_bundle_drafter = false;
+  // llama-server's spellings.
+  std::string alias, api_key_file, cors;
+  bool slots = false, no_slots = false, metrics = false, jinja = false;
+  int timeout = 0;
 };
 
 // The signal that arrived within `wait`, or 0.
@@ -67,6 +72,24 @@ int run_serve(const ServeArgs& a, const RunContext& cx) {
   o.ubatch = a.ubatch;
   o.kv_type = cache_type_of(a.cache_type);
   o.api_key = a.api_key;
+  if (!a.api_key_file.empty()) {
+    // llama-server's --api-key-file: one key per line; this server takes one key, the first.
+    std::ifstream in(a.api_key_file);
+    if (!in) fail("--api-key-file ", a.api_key_file, ": cannot read the file");
+    std::string line;
+    while (std::getline(in, line)) {
+      while (!line.empty() && (line.back() == '\r' || line.back() == ' ')) line.pop_back();
+      if (!line.empty()) break;
+    }
+    if (line.empty()) fail("--api-key-file ", a.api_key_file, ": the file holds no key");
+    if (!o.api_key.empty() && o.api_key != line)
+      fail("--api-key and --api-key-file name different keys; give one");
+    o.api_key = line;
+  }
+  o.alias = a.alias;
+  o.slots_endpoint = a.slots && !a.no_slots;
+  o.cors_origins = a.cors;
+  o.io_timeout_seconds = a.timeout;
   o.max_body = a.max_body;
   o.threads = a.threads;
   o.http_threads = a.http_threads;
@@ -199,6 +222,26 @@ void add_serve_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--no-draft-adapt", a->no_draft_adapt,
                 "keep every round's draft length at the request's maximum instead of adapting it "
                 "to the measured acceptance");
+  // llama-server's flags, for scripts written for it (docs/server.md, "llama-server
+  // compatibility").
+  sub->add_option("-a,--alias", a->alias,
+                  "the model's name in replies, /v1/models and /props (default: the checkpoint's)");
+  sub->add_option("--api-key-file", a->api_key_file,
+                  "read the API key from this file's first non-empty line");
+  sub->add_flag("--slots", a->slots, "serve GET /slots (each slot's state, read-only)");
+  sub->add_flag("--no-slots", a->no_slots, "do not serve GET /slots (the default)");
+  sub->add_flag("--metrics", a->metrics,
+                "accepted for llama-server scripts; /metrics is always on");
+  sub->add_flag("--jinja", a->jinja,
+                "accepted for llama-server scripts; the checkpoint's chat template always runs");
+  sub->add_option("--cors", a->cors,
+                  "browser origins allowed to call the API: comma-separated (http://host:port) "
+                  "or *; default: none (no CORS headers)");
+  // -to is mapped to --timeout in main (CLI11 takes one-letter short names).
+  sub->add_option("--timeout", a->timeout,
+                  "seconds a connection may wait on a read or a write (-to; default: the HTTP "
+                  "library's, 5 s)")
+      ->check(CLI::Range(1, 86400));
   reg.add(sub, [a, &cx = reg.context] { return run_serve(*a, cx); });
 }
 

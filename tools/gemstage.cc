@@ -67,12 +67,14 @@ int main(int argc, char** argv) {
   // one spelling is translated before parsing.
   std::vector<char*> args(argv, argv + argc);
   // So are -ub (--ubatch-size) and --batch-size (the -b all generation commands share).
-  char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk";
+  char parallel[] = "--parallel", ubatch[] = "--ubatch-size", batch[] = "--chunk",
+       timeout[] = "--timeout";
   if (argc > 1 && std::strcmp(argv[1], "serve") == 0)
     for (char*& arg : args) {
       if (std::strcmp(arg, "-np") == 0) arg = parallel;
       if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
+      if (std::strcmp(arg, "-to") == 0) arg = timeout;
     }
   // llama.cpp's -md (--model-draft) and -hf (a Hub model, here any --model) likewise.
   char model_draft[] = "--model-draft", model[] = "--model";

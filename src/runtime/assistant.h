@@ -80,6 +80,8 @@ class Assistant {
   // generation_config.json suppress_tokens (SamplingParams::suppress_tokens).
   const std::vector<int32_t>& suppress_tokens() const { return suppress_tokens_; }
   const std::string& model_name() const { return name_; }
+  // The chat template prepare_conversation renders with (llama-server's /apply-template, /props).
+  const ConversationRenderer& renderer() const { return renderer_; }
 
   // Renders the Gemma 4 chat format (images decoded into soft tokens by the vision tower, audio
   // clips by the audio tower, each spliced at its own placeholder rows).

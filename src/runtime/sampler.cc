@@ -6,6 +6,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "core/error.h"
@@ -19,6 +20,10 @@ Sampler::Sampler(const SamplingParams& p) : p_(p), state_(p.seed ^ 0x853c49e6748
   if (!(p.top_p > 0 && p.top_p <= 1)) fail("top_p must be in (0, 1]");
   if (!(p.min_p >= 0 && p.min_p <= 1)) fail("min_p must be in [0, 1]");
   if (!(p.repetition_penalty > 0)) fail("repetition penalty must be > 0");
+  if (!(std::abs(p.frequency_penalty) <= 2) || !(std::abs(p.presence_penalty) <= 2))
+    fail("frequency and presence penalties must be in [-2, 2]");
+  for (const auto& [id, bias] : p.logit_bias)
+    if (!std::isfinite(bias)) fail("logit bias of token ", id, " is not a finite number");
 }
 
 double Sampler::uniform() {
@@ -79,6 +84,20 @@ double Sampler::distribution(const float* logits, int64_t V, std::span<const int
       l = l > 0 ? l / p_.repetition_penalty : l * p_.repetition_penalty;
     }
   }
+  if (p_.frequency_penalty != 0.0f || p_.presence_penalty != 0.0f) {
+    const size_t n = p_.repeat_last_n < 0
+                         ? history.size()
+                         : std::min(history.size(), static_cast<size_t>(p_.repeat_last_n));
+    std::unordered_map<int32_t, int> count;
+    for (auto it = history.end() - static_cast<std::ptrdiff_t>(n); it != history.end(); ++it)
+      ++count[*it];
+    for (const auto& [t, c] : count)
+      if (t >= 0 && t < V)
+        work_[static_cast<size_t>(t)] -=
+            p_.frequency_penalty * static_cast<float>(c) + p_.presence_penalty;
+  }
+  for (const auto& [t, bias] : p_.logit_bias)
+    if (t >= 0 && t < V) work_[static_cast<size_t>(t)] += bias;
   for (int32_t t : p_.suppress_tokens)
     if (t >= 0 && t < V) work_[static_cast<size_t>(t)] = -std::numeric_limits<float>::infinity();
   if (p_.temperature == 0.0f) {

@@ -1,11 +1,13 @@
-// Token sampling with the Hugging Face logits-processor order: repetition penalty, then
-// temperature, top-k, top-p, min-p, then a draw. temperature 0 is greedy (first index on ties).
+// Token sampling with the Hugging Face logits-processor order: repetition penalty (then OpenAI's
+// frequency / presence penalties and logit_bias), then temperature, top-k, top-p, min-p, then a
+// draw. temperature 0 is greedy (first index on ties).
 // A seeded generator of our own makes runs reproducible across machines and library versions.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace gemstage {
@@ -17,6 +19,12 @@ struct SamplingParams {
   float min_p = 0.0f;               // 0: off
   float repetition_penalty = 1.0f;  // 1: off (HF/CTRL style: divide positive, multiply negative)
   int repeat_last_n = 64;           // how much history the penalty sees; -1: all
+  // OpenAI's penalties, over the same window of history as the repetition penalty:
+  // logit -= frequency_penalty x (times the token occurs) + presence_penalty x (it occurs at all).
+  float frequency_penalty = 0.0f, presence_penalty = 0.0f;  // 0: off; each in [-2, 2]
+  // OpenAI's logit_bias: added to the token's logit after the penalties (+100 all but forces it,
+  // -100 all but bans it); ids outside the vocabulary are ignored.
+  std::vector<std::pair<int32_t, float>> logit_bias;
   uint64_t seed = 0;
   // generation_config.json suppress_tokens: their logits are -inf at every step, greedy
   // included (gemma4_unified suppresses <audio|> and <image|>, which are never generated).

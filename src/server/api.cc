@@ -185,6 +185,57 @@ std::shared_ptr<const JsonGrammar> parse_response_format(const json& rf) {
   }
 }
 
+// logit_bias: OpenAI's {"token id": bias} or llama.cpp's [[id, bias], ...], each bias -100 to
+// 100 (llama.cpp's false, "never", is -100's ban). Ids are checked against the vocabulary when
+// the request is prepared.
+std::vector<std::pair<int32_t, float>> parse_logit_bias(const json& lb) {
+  std::vector<std::pair<int32_t, float>> out;
+  auto add = [&](const std::string& param, int64_t id, const json& v) {
+    float bias = 0;
+    if (v.is_boolean() && !v.get<bool>())
+      bias = -100;
+    else if (!v.is_number())
+      wrong_type(param, "a number from -100 to 100", v);
+    else
+      bias = v.get<float>();
+    if (!(bias >= -100 && bias <= 100))
+      bad_request(param, "invalid_value", "'" + param + "' must be from -100 to 100");
+    if (id < 0 || id > std::numeric_limits<int32_t>::max())
+      bad_request(param, "invalid_value", "'" + param + "' names no token id");
+    out.emplace_back(static_cast<int32_t>(id), bias);
+  };
+  constexpr size_t kMaxEntries = 1 << 16;
+  if (lb.size() > kMaxEntries)
+    bad_request("logit_bias", "invalid_value", "'logit_bias' holds more than 65536 entries");
+  if (lb.is_object()) {
+    for (const auto& [key, v] : lb.items()) {
+      const std::string param = "logit_bias." + key;
+      size_t used = 0;
+      int64_t id = -1;
+      try {
+        id = std::stoll(key, &used);
+      } catch (const std::exception&) {
+        used = 0;
+      }
+      if (used != key.size() || key.empty())
+        bad_request(param, "invalid_value",
+                    "'logit_bias' keys must be token ids, not '" + key + "'");
+      add(param, id, v);
+    }
+  } else if (lb.is_array()) {
+    for (size_t i = 0; i < lb.size(); ++i) {
+      const std::string param = "logit_bias[" + std::to_string(i) + "]";
+      const json& e = lb[i];
+      if (!e.is_array() || e.size() != 2 || !e[0].is_number_integer())
+        wrong_type(param, "an [id, bias] pair", e);
+      add(param, e[0].get<int64_t>(), e[1]);
+    }
+  } else {
+    wrong_type("logit_bias", "an object of token id -> bias", lb);
+  }
+  return out;
+}
+
 // The fields chat and text completions share: sampling, n, streaming, and the features we refuse
 // rather than silently ignore.
 void parse_common(const json& body, GenerationRequest& r) {
@@ -223,12 +274,11 @@ void parse_common(const json& body, GenerationRequest& r) {
     r.include_usage =
         get_bool(*so, "include_usage", "stream_options.include_usage").value_or(false);
   }
-  for (const char* penalty : {"frequency_penalty", "presence_penalty"})
-    if (const auto p = get_number(body, penalty, -2, 2); p && *p != 0)
-      bad_request(penalty, "unsupported_value",
-                  std::string("'") + penalty +
-                      "' is not supported (the sampler has no frequency/presence penalty); "
-                      "omit it or send 0");
+  if (const auto p = get_number(body, "frequency_penalty", -2, 2))
+    s.frequency_penalty = static_cast<float>(*p);
+  if (const auto p = get_number(body, "presence_penalty", -2, 2))
+    s.presence_penalty = static_cast<float>(*p);
+  if (const json* lb = member(body, "logit_bias")) s.logit_bias = parse_logit_bias(*lb);
   if (const json* rf = member(body, "response_format")) s.json_grammar = parse_response_format(*rf);
   // llama.cpp's names, keys with a dot in them (not a nested object).
   if (const auto n = get_int(body, "speculative.n_max", 0, kMaxDraftsPerRound))
@@ -658,6 +708,9 @@ GenerationOptions apply_overrides(const GenerationOptions& defaults, const Sampl
   if (o.top_k) g.sampling.top_k = *o.top_k;
   if (o.min_p) g.sampling.min_p = *o.min_p;
   g.sampling.seed = o.seed.value_or(fallback_seed);
+  if (o.frequency_penalty) g.sampling.frequency_penalty = *o.frequency_penalty;
+  if (o.presence_penalty) g.sampling.presence_penalty = *o.presence_penalty;
+  g.sampling.logit_bias = o.logit_bias;
   if (o.stop) g.stop_strings = *o.stop;
   g.json_grammar = o.json_grammar;
   g.top_logprobs = o.top_logprobs.value_or(-1);

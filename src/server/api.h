@@ -95,6 +95,10 @@ struct SamplingOverrides {
   // llama.cpp's "ignore_eos": true generates max_tokens even past the model's stop ids, false
   // stops on them; unset: the server's --ignore-eos.
   std::optional<bool> ignore_eos;
+  // OpenAI's frequency_penalty / presence_penalty (-2 to 2) and logit_bias ({"id": bias}, bias
+  // -100 to 100; llama.cpp's [[id, bias], ...] form too), applied by the sampler.
+  std::optional<float> frequency_penalty, presence_penalty;
+  std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
 // The most drafts one round may verify (the target's sliding rings keep room for this many rows

@@ -314,8 +314,14 @@ json stop_sequence_json(const std::string& stop_reason, const std::string& stop_
   return stop_reason == "stop_sequence" ? json(stop_sequence) : json(nullptr);
 }
 
-json usage(int64_t input_tokens, int64_t output_tokens) {
-  return {{"input_tokens", input_tokens}, {"output_tokens", output_tokens}};
+// Anthropic counts prompt tokens read from a cache apart from input_tokens: input_tokens +
+// cache_read_input_tokens + cache_creation_input_tokens is the whole prompt. Prefix reuse here is
+// automatic, so nothing is ever written to a cache on request (cache_creation_input_tokens 0).
+json usage(int64_t input_tokens, int64_t output_tokens, int64_t cached_tokens) {
+  return {{"input_tokens", input_tokens - cached_tokens},
+          {"cache_creation_input_tokens", 0},
+          {"cache_read_input_tokens", cached_tokens},
+          {"output_tokens", output_tokens}};
 }
 
 json tool_use_block(const ParsedToolCall& c, const std::string& id, bool streamed) {
@@ -331,7 +337,7 @@ json tool_use_block(const ParsedToolCall& c, const std::string& id, bool streame
 json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::string& stop_reason,
                   int64_t input_tokens, int64_t output_tokens,
                   const std::function<std::string()>& new_tool_use_id,
-                  const std::string& stop_sequence) {
+                  const std::string& stop_sequence, int64_t cached_tokens) {
   json content = json::array();
   if (parsed.reasoning)
     content.push_back({{"type", "thinking"}, {"thinking", *parsed.reasoning}, {"signature", ""}});
@@ -345,14 +351,15 @@ json message_json(const ResponseMeta& m, const ParsedOutput& parsed, const std::
           {"content", std::move(content)},
           {"stop_reason", stop_reason},
           {"stop_sequence", stop_sequence_json(stop_reason, stop_sequence)},
-          {"usage", usage(input_tokens, output_tokens)}};
+          {"usage", usage(input_tokens, output_tokens, cached_tokens)}};
 }
 
-std::string EventStream::begin(int64_t input_tokens) {
-  const json message = {{"id", meta_.id},           {"type", "message"},
-                        {"role", "assistant"},      {"model", meta_.model},
-                        {"content", json::array()}, {"stop_reason", nullptr},
-                        {"stop_sequence", nullptr}, {"usage", usage(input_tokens, 0)}};
+std::string EventStream::begin(int64_t input_tokens, int64_t cached_tokens) {
+  const json message = {
+      {"id", meta_.id},           {"type", "message"},
+      {"role", "assistant"},      {"model", meta_.model},
+      {"content", json::array()}, {"stop_reason", nullptr},
+      {"stop_sequence", nullptr}, {"usage", usage(input_tokens, 0, cached_tokens)}};
   return named_event("message_start", {{"type", "message_start"}, {"message", message}}) +
          named_event("ping", {{"type", "ping"}});
 }

@@ -41,7 +41,7 @@ nlohmann::json message_json(const ResponseMeta& m, const ParsedOutput& parsed,
                             const std::string& stop_reason, int64_t input_tokens,
                             int64_t output_tokens,
                             const std::function<std::string()>& new_tool_use_id,
-                            const std::string& stop_sequence = {});
+                            const std::string& stop_sequence = {}, int64_t cached_tokens = 0);
 
 // A streamed reply: message_start, then content_block_start / _delta / _stop per block (a block
 // opens when its kind of output first arrives and closes when another kind begins), message_delta
@@ -50,7 +50,9 @@ class EventStream {
  public:
   EventStream(ResponseMeta meta, std::function<std::string()> new_tool_use_id)
       : meta_(std::move(meta)), new_tool_use_id_(std::move(new_tool_use_id)) {}
-  std::string begin(int64_t input_tokens);
+  // input_tokens: the whole prompt; cached_tokens of it were reused (usage's
+  // cache_read_input_tokens).
+  std::string begin(int64_t input_tokens, int64_t cached_tokens = 0);
   std::string delta(const OutputDelta& d);
   std::string end(const std::string& stop_reason, int64_t output_tokens,
                   const std::string& stop_sequence = {});

@@ -355,10 +355,10 @@ json envelope(const ResponseMeta& m, const json& echo, const std::string& status
   return r;
 }
 
-json usage_json(int64_t input_tokens, int64_t output_tokens) {
+json usage_json(int64_t input_tokens, int64_t output_tokens, int64_t cached_tokens) {
   if (input_tokens < 0) return nullptr;
   return {{"input_tokens", input_tokens},
-          {"input_tokens_details", {{"cached_tokens", 0}}},
+          {"input_tokens_details", {{"cached_tokens", cached_tokens}}},
           {"output_tokens", output_tokens},
           {"output_tokens_details", {{"reasoning_tokens", 0}}},
           {"total_tokens", input_tokens + output_tokens}};
@@ -372,16 +372,18 @@ std::string status_of(const std::string& tool_finish_reason) {
 
 json response_json(const ResponseMeta& m, const json& echo, const ParsedOutput& parsed,
                    const std::string& tool_finish_reason, int64_t input_tokens,
-                   int64_t output_tokens, const NewId& new_id, const json& text_logprobs) {
+                   int64_t output_tokens, const NewId& new_id, const json& text_logprobs,
+                   int64_t cached_tokens) {
   json output = json::array();
   if (parsed.reasoning) output.push_back(reasoning_item(new_id("rs_"), *parsed.reasoning));
+  // A reply cut by max_output_tokens leaves its message incomplete, as the response is.
   if (parsed.content)
-    output.push_back(message_item(new_id("msg_"), "completed",
+    output.push_back(message_item(new_id("msg_"), status_of(tool_finish_reason),
                                   json::array({output_text_part(*parsed.content, text_logprobs)})));
   for (const ParsedToolCall& c : parsed.tool_calls)
     output.push_back(function_call_item(new_id("fc_"), new_id("call_"), c, "completed", true));
   return envelope(m, echo, status_of(tool_finish_reason), std::move(output),
-                  usage_json(input_tokens, output_tokens));
+                  usage_json(input_tokens, output_tokens, cached_tokens));
 }
 
 std::string EventStream::event(const std::string& type, json data) {
@@ -437,7 +439,7 @@ std::string EventStream::close() {
       event(reasoning ? "response.reasoning_text.done" : "response.output_text.done", text_done);
   out += event("response.content_part.done", part_done);
   item = reasoning ? reasoning_item(id, open_text_)
-                   : message_item(id, "completed", json::array({part}));
+                   : message_item(id, message_status_, json::array({part}));
   return out + event("response.output_item.done", {{"output_index", index}, {"item", item}});
 }
 
@@ -485,13 +487,14 @@ std::string EventStream::delta(const OutputDelta& d, const json& text_logprobs) 
 }
 
 std::string EventStream::end(const std::string& tool_finish_reason, int64_t input_tokens,
-                             int64_t output_tokens) {
-  std::string out = close();
+                             int64_t output_tokens, int64_t cached_tokens) {
   const std::string status = status_of(tool_finish_reason);
+  message_status_ = status;  // the message still open is the one the limit cut
+  std::string out = close();
   json output = json::array();
   for (const json& item : output_) output.push_back(item);
-  const json r =
-      envelope(meta_, echo_, status, std::move(output), usage_json(input_tokens, output_tokens));
+  const json r = envelope(meta_, echo_, status, std::move(output),
+                          usage_json(input_tokens, output_tokens, cached_tokens));
   return out + event(status == "completed" ? "response.completed" : "response.incomplete",
                      {{"response", r}});
 }

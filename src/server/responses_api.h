@@ -39,7 +39,8 @@ using NewId = std::function<std::string(const char* prefix)>;
 nlohmann::json response_json(const ResponseMeta& m, const nlohmann::json& echo,
                              const ParsedOutput& parsed, const std::string& tool_finish_reason,
                              int64_t input_tokens, int64_t output_tokens, const NewId& new_id,
-                             const nlohmann::json& text_logprobs = nlohmann::json::array());
+                             const nlohmann::json& text_logprobs = nlohmann::json::array(),
+                             int64_t cached_tokens = 0);
 
 // A streamed reply: response.created / in_progress, then per output item output_item.added,
 // its part and text (or arguments) deltas and their done events, output_item.done, and last
@@ -54,11 +55,13 @@ class EventStream {
   // "logprobs"; they also add up to the output_text part's).
   std::string delta(const OutputDelta& d,
                     const nlohmann::json& text_logprobs = nlohmann::json::array());
+  // cached_tokens: prompt tokens reused from a slot's caches (input_tokens_details).
   std::string end(const std::string& tool_finish_reason, int64_t input_tokens,
-                  int64_t output_tokens);
+                  int64_t output_tokens, int64_t cached_tokens = 0);
   std::string error(const ApiError& e);
 
  private:
+  std::string message_status_ = "completed";  // the status close() gives a message item
   enum class Item { kNone, kReasoning, kMessage };
   std::string event(const std::string& type, nlohmann::json data);
   std::string open(Item kind);

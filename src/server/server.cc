@@ -28,8 +28,10 @@
 #include "runtime/engine.h"
 #include "runtime/speculative.h"
 #include "server/chat_page.h"
+#include "server/llama_api.h"
 #include "server/messages_api.h"
 #include "server/responses_api.h"
+#include "server/server_impl.h"
 #include "stage/bundle.h"
 #include "stage/call_pipeline.h"
 #include "trace/taps.h"
@@ -115,29 +117,44 @@ class ClientSocket {
   int fd_ = -1;
 };
 
-// Which API a generation request came in through; it decides the reply's shape.
-enum class Route { kChat, kCompletion, kMessages, kResponses };
+// Constant-time comparison, so response timing does not leak how much of a guessed key matched.
+bool same_key(const std::string& a, const std::string& b) {
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < a.size(); ++i)
+    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
+  return diff == 0;
+}
 
-// One request on its way: what its API asked for, the prompt and options it was prepared into,
-// and, once submitted, the engine's handle of its generation (runtime/engine.h).
-struct Job {
-  bool chat = true;
-  std::vector<ChatInput> messages;          // chat
-  std::optional<ToolRequest> tool_request;  // chat with tools / tool history (api.h)
-  nlohmann::json response_echo;             // /v1/responses: request fields the reply repeats
-  std::string prompt_text;                  // completion
-  std::optional<std::vector<int32_t>> prompt_ids;  // completion sent as token ids
-  SamplingOverrides sampling;
+// The routes behind the API key and the loading / draining checks: the /v1 API and llama-server's
+// endpoints; the page, /health and /metrics stay open.
+bool is_api_path(const std::string& path) {
+  static constexpr std::array<std::string_view, 9> kLlama = {
+      "/completion",     "/completions", "/chat/completions",
+      "/models",         "/tokenize",    "/detokenize",
+      "/apply-template", "/props",       "/slots"};
+  return path.rfind("/v1/", 0) == 0 ||
+         std::find(kLlama.begin(), kLlama.end(), path) != kLlama.end();
+}
 
-  // Rendered before the request queues (Impl::prepare).
-  PreparedPrompt prompt;
-  GenerationOptions gen;
-  std::optional<SpeculativeOptions> draft;  // this request's drafting; nullopt: plain decoding
-  std::shared_ptr<Generation> generation;   // the engine's handle, once submitted
-};
+// --cors: "*" allows every origin, else a comma-separated list of exact origins.
+bool cors_allows(const std::string& origins, const std::string& origin) {
+  size_t at = 0;
+  while (at <= origins.size() && !origins.empty()) {
+    size_t comma = origins.find(',', at);
+    if (comma == std::string::npos) comma = origins.size();
+    std::string one = origins.substr(at, comma - at);
+    while (!one.empty() && one.front() == ' ') one.erase(0, 1);
+    while (!one.empty() && one.back() == ' ') one.pop_back();
+    if (one == "*" || one == origin) return true;
+    at = comma + 1;
+  }
+  return false;
+}
+
+}  // namespace
 
 // The Messages routes answer in Anthropic's error shape, every other route in OpenAI's.
-bool is_messages_route(const std::string& path) {
+static bool is_messages_route(const std::string& path) {
   return path == "/v1/messages" || path.rfind("/v1/messages/", 0) == 0;
 }
 
@@ -150,107 +167,6 @@ void set_error(const httplib::Request& req, httplib::Response& res, const ApiErr
 ApiError shutting_down_error() {
   return ApiError(503, "the server is shutting down", "server_error", {}, "server_shutting_down");
 }
-
-// Constant-time comparison, so response timing does not leak how much of a guessed key matched.
-bool same_key(const std::string& a, const std::string& b) {
-  unsigned char diff = a.size() == b.size() ? 0 : 1;
-  for (size_t i = 0; i < a.size(); ++i)
-    diff |= static_cast<unsigned char>(a[i] ^ (i < b.size() ? b[i] : 0));
-  return diff == 0;
-}
-
-}  // namespace
-
-struct Server::Impl {
-  explicit Impl(ServerOptions o) : opt(std::move(o)), seed_rng(std::random_device{}()) {}
-
-  ServerOptions opt;
-  httplib::Server http;
-  std::thread listener, loader;
-  int port = -1;
-  int listen_fd = -1;  // the library's listening socket, seen as it is created
-
-  std::atomic<bool> ready{false}, draining{false}, listener_done{false};
-  std::once_flag shutdown_once;
-
-  mutable std::mutex load_mu;
-  std::condition_variable load_cv;
-  bool load_finished = false;
-  std::string load_error;
-  std::string model_name;
-  int64_t created = 0;  // when the model was loaded, for /v1/models
-  GenerationOptions defaults;
-
-  std::unique_ptr<Assistant> assistant;  // the model and tokenizer every request shares
-  std::string drafter_name;              // -md DIR, or the bundle and its drafter stage
-  std::unique_ptr<ThreadPool> pool;      // all compute threads, the engine's alone
-  // Renders chat prompts (the vision tower for their images) beside the engine.
-  std::mutex prepare_mu;
-  std::unique_ptr<ThreadPool> prepare_pool;
-  // The scheduler every request goes through (runtime/engine.h), and the thread that steps it.
-  std::unique_ptr<Engine> engine;
-  std::thread engine_thread;
-  std::atomic<int64_t> refused{0};  // requests whose prompt could not start
-
-  // Streamed replies not yet fully written; the listener stays open until they are.
-  std::mutex streams_mu;
-  std::condition_variable streams_cv;
-  int open_streams = 0;
-
-  std::mutex seed_mu;
-  std::mt19937_64 seed_rng;
-
-  uint64_t random_u64() {
-    std::lock_guard<std::mutex> lk(seed_mu);
-    return seed_rng();
-  }
-  std::string new_id(const char* prefix) {
-    static constexpr char kHex[] = "0123456789abcdef";
-    std::string id = prefix;
-    for (uint64_t v = random_u64(), i = 0; i < 16; ++i, v >>= 4) id += kHex[v & 15];
-    return id;
-  }
-
-  // A weights file truncated or rewritten in place under the server (io/mapped_file.h). Every
-  // generation is then refused with a 503 naming the file, before anything reads the damaged
-  // mapping, and /health answers 503 with the same message so an orchestrator restarts the
-  // server; the first detection is also logged.
-  std::atomic<bool> files_change_logged{false};
-  std::string model_files_changed() {
-    try {
-      check_mapped_files();
-      return {};
-    } catch (const Error& e) {
-      if (!files_change_logged.exchange(true)) std::cerr << "serve: " << e.what() << "\n";
-      return e.what();
-    }
-  }
-  void ensure_model_files_intact() {
-    const std::string changed = model_files_changed();
-    if (!changed.empty()) throw ApiError(503, changed, "server_error", {}, "model_file_changed");
-    const std::string down = stage_failure();
-    if (!down.empty()) throw ApiError(503, down, "server_error", {}, "stage_failed");
-  }
-  // A stage on another rank of an MPI job that stopped answering (stage/remote_stage.h): every
-  // request is then refused with a 503 naming the stage, rank and host, and /health says so, so a
-  // supervisor restarts the job (docs/distributed.md, "Faults").
-  std::string stage_failure() const {
-    return ready.load() && assistant ? assistant->model().stage_failure() : std::string();
-  }
-
-  void setup_routes();
-  void load();
-  std::shared_ptr<const AssistantModel> open_drafter();
-  void prepare(Job& job);
-  std::string metrics_text();
-  void submit(Job& job);
-  void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
-  void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
-  std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
-                                 GenerationRequest& common);
-  void shutdown();
-  void end_idle_connections();
-};
 
 // ------------------------------------------------------------------------------------------
 // Loading and the engine.
@@ -273,7 +189,7 @@ void Server::Impl::load() {
     eo.before_step = opt.before_step;
     eo.drafter = open_drafter();
     engine = std::make_unique<Engine>(assistant->shared_model(), &a.tokenizer(), *pool, eo);
-    model_name = a.model_name();
+    model_name = opt.alias.empty() ? a.model_name() : opt.alias;
     created = static_cast<int64_t>(std::time(nullptr));
     defaults = opt.defaults;
     defaults.stop_ids = opt.ignore_eos ? std::vector<int32_t>{} : a.stop_ids();
@@ -399,6 +315,14 @@ void Server::Impl::prepare(Job& job) {
                    "invalid_request_error", field, "invalid_value");
   }
   job.gen = apply_overrides(defaults, job.sampling, opt.seed.value_or(random_u64()));
+  // Against the model's vocabulary (it may hold ids the tokenizer does not name).
+  const int64_t vocab = assistant->model().config().text.vocab_size;
+  for (const auto& [id, bias] : job.gen.sampling.logit_bias)
+    if (id < 0 || id >= vocab)
+      throw ApiError(400,
+                     "'logit_bias' names token " + std::to_string(id) +
+                         ", outside this model's vocabulary of " + std::to_string(vocab) + " ids",
+                     "invalid_request_error", "logit_bias", "invalid_value");
   if (job.sampling.ignore_eos)
     job.gen.stop_ids = *job.sampling.ignore_eos ? std::vector<int32_t>{} : assistant->stop_ids();
   job.gen.keep_special_text = job.tool_request.has_value();
@@ -563,6 +487,11 @@ struct StreamState {
   std::shared_ptr<Job> job;
   ResponseMeta meta;
   bool chat = true, include_usage = false, sent_role = false;
+  // llama-server's /completion stream: its last event (the whole reply's fields, content "").
+  std::function<json(const Generation::Result&)> native_final;
+  int n_probs = 0;
+  // Runs once when the generation ended well (the server's timing totals).
+  std::function<void(const Generation::Result&)> on_finished;
   std::unique_ptr<ClientSocket> client;
   const Tokenizer* tokenizer = nullptr;             // to name the logprobs' tokens
   std::function<void()> on_close;                   // the server's open-stream count
@@ -570,10 +499,10 @@ struct StreamState {
   std::function<std::string()> new_call_id;
   // A reply framed as named events (/v1/messages, /v1/responses): the dialect's writers.
   struct EventReply {
-    std::function<std::string(int64_t prompt_tokens)> begin;
+    std::function<std::string(int64_t prompt_tokens, int64_t cached_tokens)> begin;
     std::function<std::string(const OutputDelta&, const json& text_logprobs)> delta;
     std::function<std::string(const std::string& tool_finish, int64_t prompt, int64_t completion,
-                              const std::string& stop_sequence)>
+                              int64_t cached, const std::string& stop_sequence)>
         end;
     std::function<std::string(const ApiError&)> error;
   };
@@ -625,7 +554,8 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   };
   if (!st.sent_role) {
     st.sent_role = true;
-    if (!write(st.events->begin(j.generation->result().prompt_tokens))) return gone();
+    const Generation::Result started = j.generation->result();
+    if (!write(st.events->begin(started.prompt_tokens, started.cached_tokens))) return gone();
   }
   StreamProgress p = take_progress(j);
   if (!st.reply_tokens) p.logprobs.clear();
@@ -658,8 +588,50 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
     const std::string& raw = st.tool_parser->text();
     fr = tool_finish_reason(parse_model_output(raw), raw, p.finish == "stop");
   }
-  if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens, p.stop_sequence)))
+  if (st.on_finished) st.on_finished(j.generation->result());
+  if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens, p.cached_tokens,
+                            p.stop_sequence)))
     return gone();
+  sink.done();
+  return true;
+}
+
+// llama-server's /completion stream: {"content", "stop": false, ...} per piece, then the whole
+// reply's fields with "stop": true; no [DONE].
+bool native_stream_step(StreamState& st, httplib::DataSink& sink) {
+  Job& j = *st.job;
+  auto write = [&](const json& chunk) {
+    const std::string ev = sse_event(chunk);
+    return sink.write(ev.data(), ev.size());
+  };
+  auto gone = [&] {
+    j.generation->cancel();
+    return false;
+  };
+  StreamProgress p = take_progress(j);
+  if (!p.piece.empty() || !p.logprobs.empty()) {
+    json tokens = json::array();
+    for (const TokenLogprob& t : p.logprobs) tokens.push_back(t.id);
+    json chunk = {{"index", 0},
+                  {"content", p.piece},
+                  {"tokens", std::move(tokens)},
+                  {"stop", false},
+                  {"id_slot", -1},
+                  {"tokens_predicted", p.completion_tokens},
+                  {"tokens_evaluated", p.prompt_tokens}};
+    if (st.n_probs > 0)
+      chunk["completion_probabilities"] = completion_probabilities_json(*st.tokenizer, p.logprobs);
+    if (!write(chunk)) return gone();
+  }
+  if (!p.done) return st.client->alive() ? true : gone();
+  if (p.error || p.finish == "cancelled") {
+    write(error_json(p.error ? *p.error : shutting_down_error()));
+    sink.done();
+    return true;
+  }
+  const Generation::Result result = j.generation->result();
+  if (st.on_finished) st.on_finished(result);
+  if (!write(st.native_final(result))) return gone();
   sink.done();
   return true;
 }
@@ -677,6 +649,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     return false;
   };
   if (st.events) return event_stream_step(st, sink);
+  if (st.native_final) return native_stream_step(st, sink);
   if (!st.sent_role) {
     st.sent_role = true;
     // OpenAI's first chunk carries the role; clients key the message off it.
@@ -731,13 +704,18 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     const std::string& raw = st.tool_parser->text();
     fr = tool_finish_reason(parse_model_output(raw), raw, finish == "stop");
   }
-  const json last = st.chat ? chat_chunk_json(st.meta, json::object(), fr)
-                            : text_completion_chunk_json(st.meta, "", fr);
+  json last = st.chat ? chat_chunk_json(st.meta, json::object(), fr)
+                      : text_completion_chunk_json(st.meta, "", fr);
+  const Generation::Result result = j.generation->result();
+  if (st.on_finished) st.on_finished(result);
+  last["timings"] = timings_json(result, p.completion_tokens);  // as llama-server adds them
   if (!write(last)) return gone();
-  if (st.include_usage &&
-      !write(usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
-                              p.prompt_tokens, p.completion_tokens)))
-    return gone();
+  if (st.include_usage) {
+    json usage = usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
+                                  p.prompt_tokens, p.completion_tokens);
+    usage["usage"]["prompt_tokens_details"] = {{"cached_tokens", p.cached_tokens}};
+    if (!write(usage)) return gone();
+  }
   static constexpr std::string_view kDone = "data: [DONE]\n\n";
   if (!sink.write(kDone.data(), kDone.size())) return gone();
   sink.done();
@@ -752,7 +730,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
 std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
                                              GenerationRequest& common) {
   auto job = std::make_shared<Job>();
-  job->chat = route != Route::kCompletion;
+  job->chat = route != Route::kCompletion && route != Route::kNative;
   // The Messages and Responses dialects arrive as the equivalent chat body.
   std::optional<messages::Request> m;
   std::optional<responses::Request> rs;
@@ -763,9 +741,33 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
   }
   const bool dialect = m || rs;
   const json& chat_body = m ? m->chat_body : rs ? rs->chat_body : body;
-  if (route == Route::kCompletion) {
+  if (route == Route::kCompletion || route == Route::kNative) {
+    json native;  // llama-server's names translated to the completions parser's
+    if (route == Route::kNative) {
+      native = body;
+      if (const json* n = member(body, "n_predict")) {
+        if (!n->is_number_integer()) wrong_type("n_predict", "an integer", *n);
+        const int64_t v = n->get<int64_t>();
+        if (v == 0 || v < -1)
+          bad_request("n_predict", "invalid_value",
+                      "'n_predict' must be -1 (the server's default) or at least 1");
+        if (v > 0 && !member(body, "max_tokens")) native["max_tokens"] = v;
+      }
+      if (const json* n = member(body, "n_probs")) {
+        if (!n->is_number_integer() || n->get<int64_t>() < 0 || n->get<int64_t>() > 20)
+          bad_request("n_probs", "invalid_value", "'n_probs' must be an integer from 0 to 20");
+        job->n_probs = n->get<int>();
+      }
+      if (const json* c = member(body, "cache_prompt"); c && !c->is_boolean())
+        wrong_type("cache_prompt", "a boolean", *c);
+      if (const json* t = member(body, "return_tokens")) {
+        if (!t->is_boolean()) wrong_type("return_tokens", "a boolean", *t);
+        job->return_tokens = t->get<bool>();
+      }
+    }
     CompletionRequest r = parse_completion_request(
-        body, {assistant->model().config().text.vocab_size, engine->max_context()});
+        route == Route::kNative ? native : body,
+        {assistant->model().config().text.vocab_size, engine->max_context()});
     job->prompt_text = std::move(r.prompt);
     job->prompt_ids = std::move(r.prompt_ids);
     common = std::move(r);
@@ -778,6 +780,7 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
     common = std::move(r);
   }
   job->sampling = common.sampling;
+  if (job->n_probs > 0) job->sampling.top_logprobs = job->n_probs;
   if (dialect) common.stream = m ? m->stream : rs->stream;
   return job;
 }
@@ -794,7 +797,7 @@ void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Res
 
 void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
                                      Route route) {
-  const bool chat = route != Route::kCompletion;
+  const bool chat = route != Route::kCompletion && route != Route::kNative;
   GenerationRequest common;  // the shared part of every request, sliced off
   const std::shared_ptr<Job> job = parse_job(parse_json_body(req.body), route, common);
   const bool stream = common.stream, include_usage = common.include_usage;
@@ -824,6 +827,12 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     if (r.error) throw api_error(*r.error);
     const GenerationResult& g = r.generation;
     if (g.finish_reason == "cancelled") throw shutting_down_error();
+    record_finished(r);
+    if (route == Route::kNative) {
+      res.set_content(wire_json(native_completion_json(*job, r, g.text, false)),
+                      "application/json");
+      return;
+    }
     const std::string fr = openai_finish_reason(g.finish_reason);
     const auto completion_tokens = static_cast<int64_t>(g.tokens.size());
     auto ids = [this] { return new_id("call_"); };
@@ -841,13 +850,15 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
           route == Route::kMessages
               ? messages::message_json(
                     meta, parsed, messages::stop_reason(finish, g.stop_string), r.prompt_tokens,
-                    completion_tokens, [this] { return new_id("toolu_"); }, g.stop_string)
+                    completion_tokens, [this] { return new_id("toolu_"); }, g.stop_string,
+                    r.cached_tokens)
               : responses::response_json(
                     meta, job->response_echo, parsed, finish, r.prompt_tokens, completion_tokens,
                     [this](const char* p) { return new_id(p); },
                     job->gen.top_logprobs >= 0
                         ? ReplyTextTokens(assistant->tokenizer(), prefix).take_logprobs(g.logprobs)
-                        : json::array());
+                        : json::array(),
+                    r.cached_tokens);
       res.set_content(wire_json(out), "application/json");
       return;
     }
@@ -858,6 +869,8 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
                       : text_completion_json(meta, g.text, fr, r.prompt_tokens, completion_tokens);
     if (chat && job->gen.top_logprobs >= 0)
       out["choices"][0]["logprobs"] = logprobs_json(assistant->tokenizer(), g.logprobs);
+    out["usage"]["prompt_tokens_details"] = {{"cached_tokens", r.cached_tokens}};
+    out["timings"] = timings_json(r, completion_tokens);  // as llama-server adds them
     res.set_content(wire_json(out), "application/json");
     return;
   }
@@ -866,6 +879,12 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   st->job = job;
   st->meta = meta;
   st->chat = chat;
+  if (route == Route::kNative)
+    st->native_final = [this, job](const Generation::Result& r) {
+      return native_completion_json(*job, r, "", true);
+    };
+  st->n_probs = job->n_probs;
+  st->on_finished = [this](const Generation::Result& r) { record_finished(r); };
   st->include_usage = include_usage;
   st->tokenizer = &assistant->tokenizer();
   st->client = std::move(client);
@@ -876,9 +895,9 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   if (route == Route::kMessages) {
     auto es = std::make_shared<messages::EventStream>(meta, [this] { return new_id("toolu_"); });
     st->events = StreamState::EventReply{
-        [es](int64_t prompt) { return es->begin(prompt); },
+        [es](int64_t prompt, int64_t cached) { return es->begin(prompt, cached); },
         [es](const OutputDelta& d, const json&) { return es->delta(d); },
-        [es](const std::string& finish, int64_t, int64_t completion,
+        [es](const std::string& finish, int64_t, int64_t completion, int64_t,
              const std::string& stop_sequence) {
           return es->end(messages::stop_reason(finish, stop_sequence), completion, stop_sequence);
         },
@@ -887,13 +906,12 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     auto es = std::make_shared<responses::EventStream>(
         meta, job->response_echo, [this](const char* id_kind) { return new_id(id_kind); });
     st->events = StreamState::EventReply{
-        [es](int64_t) { return es->begin(); },
+        [es](int64_t, int64_t) { return es->begin(); },
         [es](const OutputDelta& d, const json& text_logprobs) {
           return es->delta(d, text_logprobs);
         },
-        [es](const std::string& finish, int64_t prompt, int64_t completion, const std::string&) {
-          return es->end(finish, prompt, completion);
-        },
+        [es](const std::string& finish, int64_t prompt, int64_t completion, int64_t cached,
+             const std::string&) { return es->end(finish, prompt, completion, cached); },
         [es](const ApiError& e) { return es->error(e); }};
     if (job->gen.top_logprobs >= 0) st->reply_tokens.emplace(assistant->tokenizer(), prefix);
   }
@@ -927,6 +945,18 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       });
 }
 
+httplib::Server::Handler Server::Impl::generation_handler(Route route) {
+  return [this, route](const httplib::Request& req, httplib::Response& res) {
+    answer(req, res, [&] {
+      ensure_model_files_intact();
+      if (route == Route::kMessages && req.path != "/v1/messages")
+        handle_count_tokens(req, res);
+      else
+        handle_generation(req, res, route);
+    });
+  };
+}
+
 void Server::Impl::setup_routes() {
   using httplib::Request;
   using httplib::Response;
@@ -940,11 +970,10 @@ void Server::Impl::setup_routes() {
         std::string msg = "HTTP error " + std::to_string(res.status);
         std::string code;
         if (res.status == 404) {
-          msg = "no such route: " + req.method + " " + req.path +
-                " (this server has GET /, GET /health, GET /metrics, GET /v1/models, POST "
-                "/v1/chat/completions, "
-                "POST /v1/completions, POST /v1/responses, POST /v1/messages and POST "
-                "/v1/messages/count_tokens)";
+          msg = "no such route: " + req.method + " " + req.path + " (this server has";
+          for (size_t i = 0; i < route_methods.size(); ++i)
+            msg += (i ? ", " : " ") + route_methods[i].second + " " + route_methods[i].first;
+          msg += ")";
           code = "not_found";
         } else if (res.status == 413) {
           msg = "the request body is larger than this server's limit of " +
@@ -968,8 +997,51 @@ void Server::Impl::setup_routes() {
     }
     set_error(req, res, ApiError(500, what, "server_error"));
   });
+  // Every route and its methods: the 405 and OPTIONS replies, and the 404's list, read this.
+  route_methods = {{"/", "GET"},
+                   {"/health", "GET"},
+                   {"/metrics", "GET"},
+                   {"/v1/models", "GET"},
+                   {"/v1/chat/completions", "POST"},
+                   {"/v1/completions", "POST"},
+                   {"/v1/responses", "POST"},
+                   {"/v1/messages", "POST"},
+                   {"/v1/messages/count_tokens", "POST"},
+                   {"/models", "GET"},
+                   {"/chat/completions", "POST"},
+                   {"/completions", "POST"},
+                   {"/completion", "POST"},
+                   {"/tokenize", "POST"},
+                   {"/detokenize", "POST"},
+                   {"/apply-template", "POST"},
+                   {"/props", "GET"},
+                   {"/slots", "GET"}};
   http.set_pre_routing_handler([this](const Request& req, Response& res) {
-    if (req.path.rfind("/v1/", 0) != 0) return HR::Unhandled;
+    // CORS (--cors): an allowed Origin is echoed on every reply, and a preflight is answered
+    // here, before the key check (browsers send preflights without credentials).
+    const std::string origin = req.get_header_value("Origin");
+    const bool cors = !origin.empty() && cors_allows(opt.cors_origins, origin);
+    if (cors) {
+      res.set_header("Access-Control-Allow-Origin", origin);
+      res.set_header("Vary", "Origin");
+    }
+    if (req.method == "OPTIONS") {
+      const auto route = std::find_if(route_methods.begin(), route_methods.end(),
+                                      [&](const auto& r) { return r.first == req.path; });
+      if (route == route_methods.end()) return HR::Unhandled;  // a 404
+      const std::string allow = route->second + ", OPTIONS";
+      res.status = 204;
+      res.set_header("Allow", allow);
+      if (cors) {
+        res.set_header("Access-Control-Allow-Methods", allow);
+        const std::string asked = req.get_header_value("Access-Control-Request-Headers");
+        res.set_header("Access-Control-Allow-Headers",
+                       asked.empty() ? "Authorization, Content-Type, x-api-key" : asked);
+        res.set_header("Access-Control-Max-Age", "86400");
+      }
+      return HR::Handled;
+    }
+    if (!is_api_path(req.path)) return HR::Unhandled;
     if (!opt.api_key.empty()) {
       // OpenAI clients send the key as a bearer token, Anthropic clients as x-api-key.
       const std::string auth = req.get_header_value("Authorization");
@@ -1008,30 +1080,11 @@ void Server::Impl::setup_routes() {
     return HR::Unhandled;
   });
 
-  auto guarded = [this](Route route) {
-    return [this, route](const Request& req, Response& res) {
-      try {
-        ensure_model_files_intact();
-        if (route == Route::kMessages && req.path != "/v1/messages")
-          handle_count_tokens(req, res);
-        else
-          handle_generation(req, res, route);
-      } catch (const ApiError& e) {
-        set_error(req, res, e);
-      } catch (const Error& e) {
-        set_error(req, res, ApiError(400, e.what()));
-      } catch (const std::bad_alloc&) {
-        set_error(req, res,
-                  ApiError(503, "out of memory while serving this request", "server_error", {},
-                           "out_of_memory"));
-      }
-    };
-  };
-  http.Post("/v1/chat/completions", guarded(Route::kChat));
-  http.Post("/v1/completions", guarded(Route::kCompletion));
-  http.Post("/v1/messages", guarded(Route::kMessages));
-  http.Post("/v1/messages/count_tokens", guarded(Route::kMessages));
-  http.Post("/v1/responses", guarded(Route::kResponses));
+  http.Post("/v1/chat/completions", generation_handler(Route::kChat));
+  http.Post("/v1/completions", generation_handler(Route::kCompletion));
+  http.Post("/v1/messages", generation_handler(Route::kMessages));
+  http.Post("/v1/messages/count_tokens", generation_handler(Route::kMessages));
+  http.Post("/v1/responses", generation_handler(Route::kResponses));
   http.Get("/v1/models", [this](const Request&, Response& res) {
     res.set_content(wire_json(models_json(model_name, created)), "application/json");
   });
@@ -1077,7 +1130,7 @@ void Server::Impl::setup_routes() {
       res.set_content("# the model is still loading\n", "text/plain; version=0.0.4");
       return;
     }
-    res.set_content(metrics_text(), "text/plain; version=0.0.4");
+    res.set_content(metrics_text() + llama_metrics_text(), "text/plain; version=0.0.4");
   });
   http.Get("/", [](const Request&, Response& res) {
     res.set_content(std::string(chat_page_html()), "text/html; charset=utf-8");
@@ -1092,13 +1145,11 @@ void Server::Impl::setup_routes() {
                          "invalid_request_error", {}, "method_not_allowed"));
     };
   };
-  for (const auto& [path, allow] :
-       {std::pair{"/v1/chat/completions", "POST"}, std::pair{"/v1/completions", "POST"},
-        std::pair{"/v1/messages", "POST"}, std::pair{"/v1/messages/count_tokens", "POST"},
-        std::pair{"/v1/responses", "POST"}, std::pair{"/v1/models", "GET"},
-        std::pair{"/health", "GET"}, std::pair{"/metrics", "GET"}, std::pair{"/", "GET"}}) {
-    if (std::string_view(allow) != "GET") http.Get(path, not_allowed(allow));
-    if (std::string_view(allow) != "POST") http.Post(path, not_allowed(allow));
+  setup_llama_routes();
+  for (const auto& [path, allow_str] : route_methods) {
+    const char* allow = allow_str.c_str();  // route_methods lives as long as the server
+    if (allow_str != "GET") http.Get(path, not_allowed(allow));
+    if (allow_str != "POST") http.Post(path, not_allowed(allow));
     http.Put(path, not_allowed(allow));
     http.Patch(path, not_allowed(allow));
     http.Delete(path, not_allowed(allow));
@@ -1173,6 +1224,10 @@ void Server::start() {
   // included), so there are many more of them than slots; they sleep while they wait.
   m.http.new_task_queue = [http_threads] { return new httplib::ThreadPool(http_threads); };
   m.http.set_payload_max_length(m.opt.max_body);
+  if (m.opt.io_timeout_seconds > 0) {
+    m.http.set_read_timeout(m.opt.io_timeout_seconds, 0);
+    m.http.set_write_timeout(m.opt.io_timeout_seconds, 0);
+  }
   m.http.set_tcp_nodelay(true);  // stream chunks are small; send each at once
   m.setup_routes();
   // The library's default socket options set SO_REUSEPORT, which lets a second server bind the

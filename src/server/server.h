@@ -71,6 +71,14 @@ struct ServerOptions {
   // Without model_draft, a bundle's drafter stage (export -md) drafts, unless this is false
   // (--no-bundle-drafter).
   bool bundle_drafter = true;
+  // llama-server's switches: the model's name in replies and /v1/models (-a / --alias; empty: the
+  // checkpoint's name), GET /slots (--slots), browser origins allowed to call the API (--cors:
+  // comma-separated origins or "*"; empty: no CORS headers), and the seconds a connection may
+  // wait on a read or write (-to / --timeout; 0: the library's default).
+  std::string alias;
+  bool slots_endpoint = false;
+  std::string cors_origins;
+  int io_timeout_seconds = 0;
   double shutdown_grace_seconds = 5;  // how long shutdown() lets running generations finish
   // Run on the loader thread before the model is opened: lets a test hold the server in its
   // "loading" state.

@@ -31,6 +31,10 @@ async function expectApiError(promise, status, type, pattern) {
   check(false, `expected HTTP ${status} (${type}), but the request succeeded`);
 }
 
+// The whole prompt: Anthropic counts tokens read from a cache apart from input_tokens.
+const promptTokens = (u) =>
+  u.input_tokens + (u.cache_read_input_tokens ?? 0) + (u.cache_creation_input_tokens ?? 0);
+
 const textOf = (msg) => msg.content.filter((b) => b.type === "text").map((b) => b.text).join("");
 
 const server = await startServer(cli, model, ["-np", "2", "-t", "2", "--api-key", "test-key"]);
@@ -50,7 +54,7 @@ await step("non-streamed message equals gemstage generate (greedy)", async () =>
   check(/^msg_/.test(whole.id), `id ${whole.id}`);
   eq(textOf(whole), want.text.trim(), "text");
   eq(whole.stop_reason, want.finish_reason === "stop" ? "end_turn" : "max_tokens", "stop_reason");
-  eq(whole.usage.input_tokens, want.prompt_tokens, "input_tokens");
+  eq(promptTokens(whole.usage), want.prompt_tokens, "input_tokens");
   eq(whole.usage.output_tokens, want.completion_tokens, "output_tokens");
 });
 
@@ -70,11 +74,24 @@ await step("streamed message: the events the SDK assembles into the same message
   eq(final.usage.output_tokens, whole.usage.output_tokens, "output_tokens");
 });
 
+await step("a repeated prompt reports the tokens read from the cache", async () => {
+  const again = await client.messages.create({
+    model: "model", max_tokens: 12, temperature: 0,
+    messages: [{ role: "user", content: prompt }],
+  });
+  eq(whole.usage.cache_read_input_tokens, 0, "first request: nothing cached");
+  check(again.usage.cache_read_input_tokens > 0,
+        `cache_read_input_tokens ${again.usage.cache_read_input_tokens}`);
+  eq(again.usage.cache_creation_input_tokens, 0, "cache_creation_input_tokens");
+  eq(promptTokens(again.usage), whole.usage.input_tokens, "input + cache_read = the prompt");
+  eq(textOf(again), textOf(whole), "same text");
+});
+
 await step("count_tokens equals the message's input_tokens", async () => {
   const n = await client.messages.countTokens({
     model: "model", messages: [{ role: "user", content: prompt }],
   });
-  eq(n.input_tokens, whole.usage.input_tokens, "input_tokens");
+  eq(n.input_tokens, promptTokens(whole.usage), "input_tokens");
 });
 
 await step("image block equals gemstage generate --image (greedy)", async () => {
@@ -90,7 +107,7 @@ await step("image block equals gemstage generate --image (greedy)", async () => 
     ] }],
   });
   eq(textOf(r), wantImage.text.trim(), "text");
-  eq(r.usage.input_tokens, wantImage.prompt_tokens, "input_tokens (with the image's tokens)");
+  eq(promptTokens(r.usage), wantImage.prompt_tokens, "input_tokens (with the image's tokens)");
 });
 
 await step("image block with tools and thinking: the image's rows are in the prompt", async () => {
@@ -108,9 +125,9 @@ await step("image block with tools and thinking: the image's rows are in the pro
   const withImage = await client.messages.create(request(true));
   const without = await client.messages.create(request(false));
   // The fixture image is 56 soft tokens (gemma4-tiny/multimodal/manifest.json) plus its markers.
-  eq(withImage.usage.input_tokens, without.usage.input_tokens + 58, "input_tokens with the image");
+  eq(promptTokens(withImage.usage), promptTokens(without.usage) + 58, "input_tokens with the image");
   const final = await client.messages.stream(request(true)).finalMessage();
-  eq(final.usage.input_tokens, withImage.usage.input_tokens, "streamed input_tokens");
+  eq(promptTokens(final.usage), promptTokens(withImage.usage), "streamed input_tokens");
   // An image in a tool_result (a screenshot tool, an image file an agent's Read tool returns).
   const roundTrip = (result) => client.messages.create({
     model: "model", max_tokens: 4, tools, messages: [
@@ -122,7 +139,7 @@ await step("image block with tools and thinking: the image's rows are in the pro
   const shot = await roundTrip([{ type: "text", text: "Done." }, { type: "image", source: {
     type: "base64", media_type: "image/png", data: fs.readFileSync(image).toString("base64") } }]);
   const text = await roundTrip([{ type: "text", text: "Done." }]);
-  eq(shot.usage.input_tokens, text.usage.input_tokens + 58, "input_tokens with the tool_result image");
+  eq(promptTokens(shot.usage), promptTokens(text.usage) + 58, "input_tokens with the tool_result image");
 });
 
 await step("a matched stop sequence is the stop_reason, with its string", async () => {
@@ -185,7 +202,7 @@ await step("thinking enabled renders and completes", async () => {
   });
   const on = await count({ type: "enabled", budget_tokens: 1024 });
   const off = await count({ type: "disabled" });
-  eq(on.input_tokens, r.usage.input_tokens, "count_tokens with thinking");
+  eq(on.input_tokens, promptTokens(r.usage), "count_tokens with thinking");
   check(on.input_tokens > off.input_tokens, `thinking on ${on.input_tokens} <= off ${off.input_tokens}`);
 });
 

@@ -91,7 +91,13 @@ await step("streamed chat: role first, same content, finish, usage", async () =>
   eq(role, "assistant", "role");
   eq(content, want.text, "streamed content");
   eq(finish, want.finish_reason, "finish_reason");
-  eq(usage, whole.usage, "usage");
+  eq(usage.prompt_tokens, whole.usage.prompt_tokens, "prompt_tokens");
+  eq(usage.completion_tokens, whole.usage.completion_tokens, "completion_tokens");
+  eq(usage.total_tokens, whole.usage.total_tokens, "total_tokens");
+  // The same prompt again: its prefix came back from a slot's caches, and usage says so.
+  eq(whole.usage.prompt_tokens_details.cached_tokens, 0, "first request: nothing cached");
+  check(usage.prompt_tokens_details.cached_tokens > 0,
+        `cached_tokens ${usage.prompt_tokens_details.cached_tokens}`);
 });
 
 await step("streamed chat without include_usage has no usage chunk", async () => {

@@ -1,0 +1,389 @@
+// `gemstage serve` as a drop-in for llama-server: /tokenize and /detokenize against the fixture
+// tokenizer.json's own vocabulary, the native /completion (reply, stream, timings, n_probs) against
+// the OpenAI route's reply, /props, /slots, /apply-template, the unprefixed aliases, the
+// llamacpp:* metrics, OPTIONS and CORS, and cached-token usage after a repeated prompt.
+#include <gtest/gtest.h>
+#include <httplib.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "runtime/sampler.h"
+#include "server/server.h"
+#include "test_util.h"
+
+using namespace gemstage;
+using namespace gemstage::server;
+using namespace gemstage::testing;
+using json = nlohmann::json;
+
+namespace {
+
+ServerOptions options() {
+  ServerOptions o;
+  o.model_path = fixture("model");
+  o.port = 0;
+  o.parallel = 2;
+  o.threads = 2;
+  o.defaults.max_tokens = 16;
+  o.shutdown_grace_seconds = 1;
+  return o;
+}
+
+std::unique_ptr<Server> start(ServerOptions o) {
+  auto s = std::make_unique<Server>(std::move(o));
+  s->start();
+  EXPECT_TRUE(s->wait_loaded()) << s->load_error();
+  return s;
+}
+
+httplib::Client client(const Server& s) {
+  httplib::Client c("127.0.0.1", s.port());
+  c.set_read_timeout(120, 0);
+  return c;
+}
+
+json post_ok(const Server& s, const std::string& path, const json& body) {
+  auto r = client(s).Post(path.c_str(), body.dump(), "application/json");
+  EXPECT_TRUE(r) << path;
+  if (!r) return json();
+  EXPECT_EQ(r->status, 200) << path << ": " << r->body;
+  return json::parse(r->body);
+}
+
+// The fixture tokenizer.json's vocabulary, read here, not through our tokenizer.
+int32_t vocab_id(const std::string& piece) {
+  std::ifstream in(fixture("model") + "/tokenizer.json");
+  const json j = json::parse(in);
+  if (j["model"]["vocab"].contains(piece)) return j["model"]["vocab"][piece].get<int32_t>();
+  for (const json& t : j["added_tokens"])
+    if (t["content"] == piece) return t["id"].get<int32_t>();
+  ADD_FAILURE() << "no such piece " << piece;
+  return -1;
+}
+
+std::vector<json> sse_events(const std::string& body) {
+  std::vector<json> out;
+  size_t at = 0;
+  while (at < body.size()) {
+    size_t end = body.find("\n\n", at);
+    if (end == std::string::npos) end = body.size();
+    const std::string ev = body.substr(at, end - at);
+    EXPECT_EQ(ev.rfind("data: ", 0), 0u) << ev;
+    EXPECT_NE(ev, "data: [DONE]");
+    if (ev.rfind("data: {", 0) == 0) out.push_back(json::parse(ev.substr(6)));
+    at = end + 2;
+  }
+  return out;
+}
+
+TEST(LlamaServer, TokenizeAndDetokenize) {
+  auto s = start(options());
+  const std::vector<int32_t> want = {vocab_id("\u2581the"), vocab_id("\u2581and"),
+                                     vocab_id("\u2581of")};
+  json r = post_ok(*s, "/tokenize", {{"content", " the and of"}});
+  EXPECT_EQ(r["tokens"], json(want));
+  r = post_ok(*s, "/tokenize", {{"content", " the and of"}, {"with_pieces", true}});
+  ASSERT_EQ(r["tokens"].size(), 3u);
+  EXPECT_EQ(r["tokens"][0], json({{"id", want[0]}, {"piece", " the"}}));
+  EXPECT_EQ(r["tokens"][2], json({{"id", want[2]}, {"piece", " of"}}));
+  // add_special inserts what the tokenizer's config asks for: the fixture's says no <bos>.
+  {
+    std::ifstream in(fixture("model") + "/tokenizer_config.json");
+    ASSERT_EQ(json::parse(in)["add_bos_token"], false);
+  }
+  r = post_ok(*s, "/tokenize", {{"content", " the"}, {"add_special", true}});
+  EXPECT_EQ(r["tokens"], json::array({want[0]}));
+  // Special tokens in the text are parsed unless parse_special is false.
+  r = post_ok(*s, "/tokenize", {{"content", "<bos>"}});
+  EXPECT_EQ(r["tokens"], json::array({vocab_id("<bos>")}));
+  r = post_ok(*s, "/tokenize", {{"content", "<bos>"}, {"parse_special", false}});
+  EXPECT_GT(r["tokens"].size(), 1u);
+  r = post_ok(*s, "/detokenize", {{"tokens", want}});
+  EXPECT_EQ(r["content"], " the and of");
+  auto bad =
+      client(*s).Post("/detokenize", json({{"tokens", {want[0], -3}}}).dump(), "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(json::parse(bad->body)["error"]["param"], "tokens[1]");
+  bad = client(*s).Post("/tokenize", json({{"text", "x"}}).dump(), "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+}
+
+TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
+  auto s = start(options());
+  const std::string prompt = "Once upon a time";
+  const json oai =
+      post_ok(*s, "/v1/completions",
+              {{"prompt", prompt}, {"temperature", 0}, {"max_tokens", 6}, {"ignore_eos", true}});
+  for (const char* path : {"/completion", "/completions"}) {
+    SCOPED_TRACE(path);
+    const json r = post_ok(*s, path,
+                           {{"prompt", prompt},
+                            {"temperature", 0},
+                            {"n_predict", 6},
+                            {"ignore_eos", true},
+                            {"cache_prompt", true},
+                            {"n_probs", 3},
+                            {"return_tokens", true}});
+    EXPECT_EQ(r["content"], oai["choices"][0]["text"]);
+    EXPECT_EQ(r["stop"], true);
+    EXPECT_EQ(r["stop_type"], "limit");
+    EXPECT_EQ(r["tokens_predicted"], 6);
+    EXPECT_EQ(r["tokens"].size(), 6u);
+    EXPECT_EQ(r["tokens_evaluated"], oai["usage"]["prompt_tokens"]);
+    EXPECT_EQ(r["model"], "model");
+    EXPECT_EQ(r["generation_settings"]["n_predict"], 6);
+    EXPECT_GT(r["generation_settings"]["n_ctx"].get<int64_t>(), 0);
+    const json& t = r["timings"];
+    EXPECT_EQ(t["predicted_n"], 6);
+    EXPECT_EQ(t["prompt_n"].get<int64_t>() + t["cache_n"].get<int64_t>(),
+              r["tokens_evaluated"].get<int64_t>());
+    EXPECT_EQ(r["tokens_cached"], t["cache_n"]);
+    EXPECT_GT(t["predicted_ms"].get<double>(), 0);
+    EXPECT_GT(t["predicted_per_second"].get<double>(), 0);
+    for (const char* k :
+         {"prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_per_token_ms"})
+      EXPECT_TRUE(t.contains(k)) << k;
+    ASSERT_EQ(r["completion_probabilities"].size(), 6u);
+    for (size_t i = 0; i < 6; ++i) {
+      const json& p = r["completion_probabilities"][i];
+      EXPECT_EQ(p["id"], r["tokens"][i]);
+      EXPECT_LE(p["logprob"].get<double>(), 0);
+      ASSERT_EQ(p["top_logprobs"].size(), 3u);
+      EXPECT_TRUE(p["top_logprobs"][0].contains("id"));
+    }
+  }
+  // Streamed: pieces with "stop": false, then the reply's fields with "stop": true; no [DONE].
+  auto r = client(*s).Post("/completion",
+                           json({{"prompt", prompt},
+                                 {"temperature", 0},
+                                 {"n_predict", 6},
+                                 {"ignore_eos", true},
+                                 {"stream", true}})
+                               .dump(),
+                           "application/json");
+  ASSERT_TRUE(r);
+  ASSERT_EQ(r->status, 200) << r->body;
+  const std::vector<json> events = sse_events(r->body);
+  ASSERT_GE(events.size(), 2u);
+  std::string text;
+  for (size_t i = 0; i + 1 < events.size(); ++i) {
+    EXPECT_EQ(events[i]["stop"], false);
+    text += events[i]["content"].get<std::string>();
+  }
+  EXPECT_EQ(text, oai["choices"][0]["text"]);
+  EXPECT_EQ(events.back()["stop"], true);
+  EXPECT_EQ(events.back()["tokens_predicted"], 6);
+  EXPECT_EQ(events.back()["timings"]["predicted_n"], 6);
+  // n_predict 0 and n_probs out of range are refused, naming the field.
+  for (const auto& [field, value] : {std::pair{"n_predict", 0}, std::pair{"n_probs", 21}}) {
+    auto bad = client(*s).Post("/completion", json({{"prompt", "x"}, {field, value}}).dump(),
+                               "application/json");
+    ASSERT_TRUE(bad);
+    EXPECT_EQ(bad->status, 400);
+    EXPECT_EQ(json::parse(bad->body)["error"]["param"], field);
+  }
+}
+
+TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
+  ServerOptions o = options();
+  o.alias = "my-gemma";
+  auto s = start(o);
+  auto c = client(*s);
+  auto p = c.Get("/props");
+  ASSERT_TRUE(p);
+  ASSERT_EQ(p->status, 200) << p->body;
+  const json props = json::parse(p->body);
+  EXPECT_EQ(props["total_slots"], 2);
+  EXPECT_EQ(props["model_path"], fixture("model"));
+  EXPECT_EQ(props["model_alias"], "my-gemma");
+  EXPECT_EQ(props["default_generation_settings"]["n_ctx"], props["n_ctx"]);
+  EXPECT_EQ(props["default_generation_settings"]["params"]["n_predict"], 16);
+  EXPECT_EQ(props["bos_token"], "<bos>");
+  EXPECT_TRUE(props["chat_template"].is_string());
+  auto slots = c.Get("/slots");
+  ASSERT_TRUE(slots);
+  EXPECT_EQ(slots->status, 501);  // off without --slots
+  auto models = c.Get("/models");
+  ASSERT_TRUE(models);
+  EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "my-gemma");
+
+  // /apply-template's prompt, tokenized and completed natively, is the chat reply.
+  const json messages = json::array({{{"role", "user"}, {"content", "Tell me about the sea"}}});
+  const json tpl = post_ok(*s, "/apply-template", {{"messages", messages}});
+  const std::string prompt = tpl["prompt"];
+  EXPECT_NE(prompt.find("Tell me about the sea"), std::string::npos);
+  const json ids = post_ok(*s, "/tokenize", {{"content", prompt}})["tokens"];
+  const json native =
+      post_ok(*s, "/completion", {{"prompt", ids}, {"temperature", 0}, {"n_predict", 8}});
+  const json chat = post_ok(*s, "/chat/completions",
+                            {{"messages", messages}, {"temperature", 0}, {"max_tokens", 8}});
+  EXPECT_EQ(chat["model"], "my-gemma");
+  EXPECT_EQ(native["content"], chat["choices"][0]["message"]["content"]);
+  EXPECT_EQ(native["tokens_evaluated"], chat["usage"]["prompt_tokens"]);
+  // llama-server's timings on the OpenAI reply too.
+  EXPECT_EQ(chat["timings"]["predicted_n"], chat["usage"]["completion_tokens"]);
+
+  ServerOptions so = options();
+  so.slots_endpoint = true;
+  auto s2 = start(so);
+  slots = client(*s2).Get("/slots");
+  ASSERT_TRUE(slots);
+  ASSERT_EQ(slots->status, 200);
+  const json sj = json::parse(slots->body);
+  ASSERT_EQ(sj.size(), 2u);
+  EXPECT_EQ(sj[1]["id"], 1);
+  EXPECT_EQ(sj[0]["is_processing"], false);
+}
+
+TEST(LlamaServer, CachedTokensAreReported) {
+  auto s = start(options());
+  const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me about the mountains"}}}},
+                     {"temperature", 0},
+                     {"max_tokens", 4}};
+  const json first = post_ok(*s, "/v1/chat/completions", body);
+  EXPECT_EQ(first["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
+  const json second = post_ok(*s, "/v1/chat/completions", body);
+  const int64_t cached = second["usage"]["prompt_tokens_details"]["cached_tokens"];
+  EXPECT_GT(cached, 0);
+  EXPECT_LT(cached, second["usage"]["prompt_tokens"].get<int64_t>());
+  EXPECT_EQ(second["timings"]["cache_n"], cached);
+}
+
+double metric(const std::string& body, const std::string& series) {
+  const size_t at = body.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(body.substr(at + series.size() + 2));
+}
+
+TEST(LlamaServer, LlamaCppMetricNames) {
+  auto s = start(options());
+  post_ok(*s, "/completion", {{"prompt", "Hello"}, {"n_predict", 5}, {"ignore_eos", true}});
+  auto m = client(*s).Get("/metrics");
+  ASSERT_TRUE(m);
+  EXPECT_EQ(metric(m->body, "llamacpp:tokens_predicted_total"), 5);
+  EXPECT_EQ(metric(m->body, "llamacpp:tokens_predicted_total"),
+            metric(m->body, "gemstage_generated_tokens_total"));
+  EXPECT_EQ(metric(m->body, "llamacpp:prompt_tokens_total"),
+            metric(m->body, "gemstage_prompt_tokens_total") -
+                metric(m->body, "gemstage_prompt_tokens_reused_total"));
+  EXPECT_GT(metric(m->body, "llamacpp:tokens_predicted_seconds_total"), 0);
+  EXPECT_EQ(metric(m->body, "llamacpp:requests_processing"), 0);
+  EXPECT_GT(metric(m->body, "llamacpp:n_decode_total"), 0);
+}
+
+TEST(LlamaServer, OptionsAndCors) {
+  for (bool cors : {false, true}) {
+    SCOPED_TRACE(cors ? "--cors" : "no cors");
+    ServerOptions o = options();
+    o.api_key = "k";  // a preflight carries no key and must still be answered
+    if (cors) o.cors_origins = "http://a.example, http://b.example";
+    auto s = start(o);
+    auto c = client(*s);
+    const httplib::Headers preflight = {{"Origin", "http://b.example"},
+                                        {"Access-Control-Request-Method", "POST"}};
+    auto r = c.Options("/v1/chat/completions", preflight);
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 204);
+    EXPECT_EQ(r->get_header_value("Allow"), "POST, OPTIONS");
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), cors ? "http://b.example" : "");
+    r = c.Options("/props", {{"Origin", "http://evil.example"}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 204);
+    EXPECT_EQ(r->get_header_value("Allow"), "GET, OPTIONS");
+    EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin"));
+    r = c.Options("/no/such/route");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 404);
+    // An allowed origin sees its header on real replies too, an error included.
+    r = c.Get("/props", {{"Origin", "http://a.example"}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 401);  // the key is required on llama-server's routes too
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), cors ? "http://a.example" : "");
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(SamplerBiasAndPenalties, OpenAISemantics) {
+  const std::vector<float> logits = {1.0f, 2.0f, 3.0f, 0.5f};
+  auto greedy = [&](SamplingParams p, std::vector<int32_t> history) {
+    p.temperature = 0;
+    return Sampler(p).sample(logits.data(), 4, history);
+  };
+  SamplingParams p;
+  EXPECT_EQ(greedy(p, {}), 2);
+  p.logit_bias = {{3, 100.0f}};
+  EXPECT_EQ(greedy(p, {}), 3);
+  p.logit_bias = {{2, -100.0f}};
+  EXPECT_EQ(greedy(p, {}), 1);
+  p.logit_bias = {{99, 100.0f}};  // outside the vocabulary: ignored
+  EXPECT_EQ(greedy(p, {}), 2);
+  p = SamplingParams{};
+  p.frequency_penalty = 0.6f;  // token 2 seen twice: 3 - 1.2 = 1.8 < 2
+  EXPECT_EQ(greedy(p, {2, 2}), 1);
+  EXPECT_EQ(greedy(p, {2}), 2);  // once: 2.4 > 2
+  p = SamplingParams{};
+  p.presence_penalty = 1.5f;  // once is enough: 1.5 < 2
+  EXPECT_EQ(greedy(p, {2}), 1);
+  p.presence_penalty = -2.0f;  // a negative penalty favours what was seen
+  EXPECT_EQ(greedy(p, {0}), 0);
+  p = SamplingParams{};
+  p.frequency_penalty = 3;
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
+TEST(LlamaServer, LogitBiasForcesAndBans) {
+  auto s = start(options());
+  const json base = {{"prompt", "Once upon a time"},
+                     {"temperature", 0},
+                     {"n_predict", 4},
+                     {"ignore_eos", true},
+                     {"return_tokens", true}};
+  const json plain = post_ok(*s, "/completion", base);
+  ASSERT_EQ(plain["tokens"].size(), 4u);
+  const int32_t first = plain["tokens"][0];
+  const int32_t forced =
+      vocab_id("\u2581the") == first ? vocab_id("\u2581and") : vocab_id("\u2581the");
+  json b = base;
+  b["logit_bias"] = {{std::to_string(forced), 100}};
+  const json f = post_ok(*s, "/completion", b);
+  EXPECT_EQ(f["tokens"], json::array({forced, forced, forced, forced}));
+  b["logit_bias"] = json::array({json::array({first, -100})});  // llama.cpp's form
+  const json banned = post_ok(*s, "/completion", b);
+  ASSERT_EQ(banned["tokens"].size(), 4u);
+  for (const json& t : banned["tokens"]) EXPECT_NE(t.get<int32_t>(), first);
+  // Also on the OpenAI routes, and in the constrained path (a JSON object is forced; its text
+  // can hold no banned token).
+  const json chat = post_ok(*s, "/v1/chat/completions",
+                            {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                             {"temperature", 0},
+                             {"max_tokens", 3},
+                             {"logit_bias", {{std::to_string(forced), 100}}}});
+  const json tok =
+      post_ok(*s, "/tokenize", {{"content", chat["choices"][0]["message"]["content"]}});
+  EXPECT_EQ(tok["tokens"], json::array({forced, forced, forced}));
+  const json brace = post_ok(*s, "/tokenize", {{"content", "{"}});
+  ASSERT_EQ(brace["tokens"].size(), 1u);
+  const json constrained =
+      post_ok(*s, "/v1/chat/completions",
+              {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+               {"temperature", 0},
+               {"max_tokens", 8},
+               {"response_format", {{"type", "json_object"}}},
+               {"logit_bias", {{std::to_string(brace["tokens"][0].get<int>()), -100}}}});
+  const std::string text = constrained["choices"][0]["message"]["content"];
+  EXPECT_EQ(text.find('{'), 0u) << text;  // the grammar still opens the object
+  auto bad = client(*s).Post("/completion",
+                             json({{"prompt", "x"}, {"logit_bias", {{"99999999", 1}}}}).dump(),
+                             "application/json");
+  ASSERT_TRUE(bad);
+  EXPECT_EQ(bad->status, 400);
+  EXPECT_EQ(json::parse(bad->body)["error"]["param"], "logit_bias");
+}
+
+}  // namespace
