@@ -201,7 +201,8 @@ TEST_P(LargeMultimodal, VisionTapsImageBlockExpertsAndGreedyDecodeMatch) {
     // The multimodal manifest's tolerances_atol_computed puts both router taps at 5e-4, 20x the
     // reference's own float32-vs-float64 difference, so that difference is 2.5e-5: a 2e-5 gate
     // sat under it. aarch64's NEON summation order measures 2.2e-5 on router_topk_weights (the x86
-    // tiers stay under 2e-5); 5e-5 is twice the reference's noise and still 10x under the computed gate.
+    // tiers stay under 2e-5); 5e-5 is twice the reference's noise and still 10x under the computed
+    // gate.
     expect_close(taps.get("router_probs"), dir + "router_probs.npy", 5e-5, "router_probs");
     expect_close(taps.get("router_topk_weights"), dir + "router_topk_weights.npy", 5e-5,
                  "router_topk_weights");

@@ -158,7 +158,10 @@ TEST(MessagesApi, ReplyBecomesThinkingTextAndToolUseBlocks) {
   const json m = messages::message_json({"msg_1", "tiny", 1}, parsed, stop, 10, 20, counter_ids());
   EXPECT_EQ(m["type"], "message");
   EXPECT_EQ(m["stop_reason"], "tool_use");
-  EXPECT_EQ(m["usage"], json::parse(R"({"input_tokens":10,"output_tokens":20})"));
+  EXPECT_EQ(
+      m["usage"],
+      json::parse(
+          R"({"input_tokens":10,"output_tokens":20,"cache_creation_input_tokens":0,"cache_read_input_tokens":0})"));
   ASSERT_EQ(m["content"].size(), 3u);
   EXPECT_EQ(m["content"][0]["type"], "thinking");
   EXPECT_EQ(m["content"][0]["thinking"], "Hm.");
