@@ -192,6 +192,40 @@ TEST(Cli, BenchDrafterSpeedCurveAgainstAcceptance) {
   EXPECT_EQ(rows, 3) << out;
 }
 
+// The compute probe: each row's multiply-adds against the int8 peak of the instruction its GEMM
+// runs, probed on this machine with every thread busy; a q8_0 bundle so the GEMMs are the int8
+// kernels the peak is for.
+TEST(Cli, BenchReportsTheInt8Peak) {
+  const std::string dir = temp_dir("cli_bench_peak");
+  ASSERT_EQ(
+      run("export -m " + fixture("model") + " --out " + dir + "/b --weights q8_0 --max-context 64",
+          dir + "/l1"),
+      0)
+      << slurp(dir + "/l1");
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + dir +
+                          "/b -p 16 -n 4 --parallel 1,2 -r 1 --json > " + dir + "/out.json 2> " +
+                          dir + "/log";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
+  const auto j = nlohmann::json::parse(std::ifstream(dir + "/out.json"));
+  ASSERT_EQ(j.size(), 4u);
+  for (const auto& e : j) {
+    ASSERT_TRUE(e.contains("int8_peak_gmacs")) << e;
+    ASSERT_TRUE(e.contains("int8_peak_fraction")) << e;
+    const double peak = e["int8_peak_gmacs"], fraction = e["int8_peak_fraction"];
+    EXPECT_GT(peak, 0.0) << e;  // NaN fails too
+    EXPECT_GT(fraction, 0.0) << e;
+    EXPECT_LE(fraction, 1.5) << e;
+    EXPECT_GT(e["macs_per_token"].get<double>(), 0.0) << e;
+  }
+  // The table prints the same columns.
+  const std::string table = std::string(GEMSTAGE_CLI) + " bench -m " + dir +
+                            "/b -p 8 -n 0 -r 1 > " + dir + "/table 2> " + dir + "/log";
+  ASSERT_EQ(std::system(table.c_str()), 0) << slurp(dir + "/log");
+  const std::string out = slurp(dir + "/table");
+  EXPECT_NE(out.find("% int8 peak"), std::string::npos) << out;
+  EXPECT_NE(out.find("G MAC/s ("), std::string::npos) << out;
+}
+
 TEST(Cli, BenchDecodesSeveralSequencesTogether) {
   const std::string dir = temp_dir("cli_bench_sequences");
   // llama-batched-bench's convention: --parallel (the older --sequences spelling still works).
