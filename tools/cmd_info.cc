@@ -145,6 +145,12 @@ int run_info(const InfoArgs& a) {
                 << (bs.decl.role == StageRole::TransformerLayers ? bs.decl.layers.str() : "-")
                 << std::right << std::setw(14) << human_bytes(static_cast<double>(bs.bytes)) << "  "
                 << bs.weights_file << "\n";
+    if (!bundle->kept_bf16.empty()) {
+      std::cout << "kept in bf16 (input width not a multiple of the 32-wide "
+                << bundle->weights_format << " block): " << bundle->kept_bf16.size()
+                << " tensor(s)\n";
+      for (const std::string& k : bundle->kept_bf16) std::cout << "  " << k << "\n";
+    }
     std::cout << "\n";
   }
   std::cout << "layers\n   #  type                head_dim kv_heads  mlp    kv\n";
