@@ -2,8 +2,12 @@
 // for f32 and bf16 weights, whole-prompt and chunked prefill, plus incremental decode.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <iostream>
 #include <memory>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "stage/sequence.h"
 #include "test_util.h"
@@ -127,6 +131,102 @@ TEST(TextDecode, Bf16CacheIncrementalMatchesFullRecomputeAndStaysNearReference) 
   EXPECT_GT(d, 0.0) << "the bf16 cache changed nothing: is it really bf16?";
   EXPECT_LE(d, 0.05);
   EXPECT_LT(bf16.cache_bytes(), f32.cache_bytes());
+}
+
+// A q8_0 cache quantizes the chunk's own keys exactly as the cached ones, so token-by-token decode
+// equals recomputing the sequence, as with bf16.
+TEST(TextDecode, Q8CacheIncrementalMatchesFullRecompute) {
+  auto model = Model::open(fixture("model"));
+  const std::vector<int32_t> seq = load_ids(fixture("long/sequence_ids.npy"));
+  ThreadPool pool(2);
+  const size_t prompt = 20;
+  Sequence cache(model, 64, KvType::Q8_0);
+  ASSERT_EQ(cache.kv_type(), KvType::Q8_0);
+  FloatTensor inc =
+      cache.forward(pool, std::span<const int32_t>(seq).first(prompt), nullptr, false, nullptr);
+  for (size_t n = prompt; n < seq.size(); ++n) {
+    Sequence fresh(model, 64, KvType::Q8_0);
+    FloatTensor full =
+        fresh.forward(pool, std::span<const int32_t>(seq).first(n), nullptr, false, nullptr);
+    EXPECT_LE(max_abs_diff(inc.data, full.data), 2e-5) << "at length " << n;
+    inc = cache.forward(pool, std::span<const int32_t>(&seq[n], 1), nullptr, false, nullptr);
+  }
+}
+
+// q8_0 against bf16 on each fixture's long prompt and a greedy continuation of it: the same
+// greedy ids (and the golden reference's first decoded ids), logits within a few hundredths and
+// a small KL divergence, on every tier this CPU runs. Prints the max-abs and the mean KL
+// (bench/RESULTS.md and docs/kv-cache.md quote them).
+TEST(TextDecode, Q8CacheKeepsTheBf16GreedyIdsOnTheLongPrompts) {
+  for (const char* fx : {"gemma4-tiny", "gemma4-tiny-moe"}) {
+    const std::string dir = std::string(GEMSTAGE_FIXTURES) + "/" + fx;
+    auto model = Model::open(dir + "/model");
+    const std::vector<int32_t> prompt = load_ids(dir + "/long/input_ids.npy");
+    const std::vector<int32_t> golden = load_ids(dir + "/long/decode_ids.npy");
+    for (CpuTier tier : cpu_supported_tiers()) {
+      ThreadPool pool(2, tier);
+      const int64_t n_gen = 40;
+      // Every row's logits: the prompt's, then each greedy step's.
+      auto run = [&](KvType kv, std::vector<int32_t>* ids) {
+        Sequence s(model, 256, kv);
+        FloatTensor all = s.forward(pool, prompt, nullptr, true, nullptr);
+        const int64_t V = all.dim(1);
+        std::vector<float> rows = all.data;
+        const float* last = rows.data() + (all.dim(0) - 1) * V;
+        int32_t next = static_cast<int32_t>(std::max_element(last, last + V) - last);
+        for (int64_t i = 0; i < n_gen; ++i) {
+          ids->push_back(next);
+          const FloatTensor l =
+              s.forward(pool, std::span<const int32_t>(&next, 1), nullptr, false, nullptr);
+          rows.insert(rows.end(), l.data.begin(), l.data.end());
+          next =
+              static_cast<int32_t>(std::max_element(l.data.begin(), l.data.end()) - l.data.begin());
+        }
+        return std::pair{rows, V};
+      };
+      std::vector<int32_t> ids_bf16, ids_q8;
+      const auto [ref, V] = run(KvType::BF16, &ids_bf16);
+      const auto [got, V2] = run(KvType::Q8_0, &ids_q8);
+      ASSERT_EQ(V, V2);
+      EXPECT_EQ(ids_q8, ids_bf16) << fx << " " << cpu_tier_name(tier);
+      for (size_t i = 0; i < golden.size(); ++i)
+        EXPECT_EQ(ids_q8[i], golden[i]) << fx << " step " << i << " " << cpu_tier_name(tier);
+      const double d = max_abs_diff(got, ref);
+      // KL(bf16 || q8_0) per row, from the softmax of each row's logits.
+      double kl_sum = 0, kl_max = 0;
+      const size_t rows = ref.size() / static_cast<size_t>(V);
+      for (size_t r = 0; r < rows; ++r) {
+        const float* a = ref.data() + r * static_cast<size_t>(V);
+        const float* b = got.data() + r * static_cast<size_t>(V);
+        const double ma = *std::max_element(a, a + V), mb = *std::max_element(b, b + V);
+        double za = 0, zb = 0;
+        for (int64_t v = 0; v < V; ++v) za += std::exp(a[v] - ma), zb += std::exp(b[v] - mb);
+        double kl = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const double la = a[v] - ma - std::log(za), lb = b[v] - mb - std::log(zb);
+          kl += std::exp(la) * (la - lb);
+        }
+        kl_sum += kl;
+        kl_max = std::max(kl_max, kl);
+      }
+      std::cout << fx << " " << cpu_tier_name(tier) << ": q8_0 vs bf16 cache over " << rows
+                << " rows: logits max-abs " << d << ", KL mean " << kl_sum / rows << " max "
+                << kl_max << "\n";
+      EXPECT_GT(d, 0.0) << "the q8_0 cache changed nothing: is it really q8_0?";
+      EXPECT_LE(d, 0.25) << fx;
+      EXPECT_LE(kl_max, 1e-3) << fx;
+      EXPECT_TRUE(std::isfinite(kl_sum));
+    }
+  }
+}
+
+// q8_0 rows need each head to start on a 32-value block: a model whose head_dim is 16 is refused
+// up front with a message that names the cause and the way out.
+TEST(TextDecode, Q8CacheRefusesHeadsNotAMultipleOf32) {
+  auto model = Model::open(std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-dense/model");
+  const std::string msg = error_of([&] { Sequence s(model, 64, KvType::Q8_0); });
+  EXPECT_NE(msg.find("head_dim"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("bf16"), std::string::npos) << msg;
 }
 
 // bf16 compute mode rounds sqrt(D) to bf16 before the multiply, as HF running in bf16 does.

@@ -77,10 +77,14 @@ int main(int argc, char** argv) {
       if (std::strcmp(arg, "-ub") == 0) arg = ubatch;
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
     }
-  // llama.cpp's -md (--model-draft) likewise.
-  static char model_draft[] = "--model-draft";
-  for (char*& arg : args)
+  // llama.cpp's -md (--model-draft), -ctk (--cache-type-k) and -ctv (--cache-type-v) likewise.
+  static char model_draft[] = "--model-draft", cache_k[] = "--cache-type-k",
+              cache_v[] = "--cache-type-v";
+  for (char*& arg : args) {
     if (std::strcmp(arg, "-md") == 0) arg = model_draft;
+    if (std::strcmp(arg, "-ctk") == 0) arg = cache_k;
+    if (std::strcmp(arg, "-ctv") == 0) arg = cache_v;
+  }
   try {
     app.parse(argc, args.data());
   } catch (const CLI::ParseError& e) {
