@@ -3,8 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -23,6 +25,11 @@ int run(const std::string& args, const std::string& log) {
 
 std::string slurp(const std::string& p) {
   std::ifstream in(p);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+std::string slurp_binary(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(in), {});
 }
 
@@ -192,6 +199,40 @@ TEST(Cli, BenchDrafterSpeedCurveAgainstAcceptance) {
   EXPECT_EQ(rows, 3) << out;
 }
 
+// The compute probe: each row's multiply-adds against the int8 peak of the instruction its GEMM
+// runs, probed on this machine with every thread busy; a q8_0 bundle so the GEMMs are the int8
+// kernels the peak is for.
+TEST(Cli, BenchReportsTheInt8Peak) {
+  const std::string dir = temp_dir("cli_bench_peak");
+  ASSERT_EQ(
+      run("export -m " + fixture("model") + " --out " + dir + "/b --weights q8_0 --max-context 64",
+          dir + "/l1"),
+      0)
+      << slurp(dir + "/l1");
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " bench -m " + dir +
+                          "/b -p 16 -n 4 --parallel 1,2 -r 1 --json > " + dir + "/out.json 2> " +
+                          dir + "/log";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir + "/log");
+  const auto j = nlohmann::json::parse(std::ifstream(dir + "/out.json"));
+  ASSERT_EQ(j.size(), 4u);
+  for (const auto& e : j) {
+    ASSERT_TRUE(e.contains("int8_peak_gmacs")) << e;
+    ASSERT_TRUE(e.contains("int8_peak_fraction")) << e;
+    const double peak = e["int8_peak_gmacs"], fraction = e["int8_peak_fraction"];
+    EXPECT_GT(peak, 0.0) << e;  // NaN fails too
+    EXPECT_GT(fraction, 0.0) << e;
+    EXPECT_LE(fraction, 1.5) << e;
+    EXPECT_GT(e["macs_per_token"].get<double>(), 0.0) << e;
+  }
+  // The table prints the same columns.
+  const std::string table = std::string(GEMSTAGE_CLI) + " bench -m " + dir +
+                            "/b -p 8 -n 0 -r 1 > " + dir + "/table 2> " + dir + "/log";
+  ASSERT_EQ(std::system(table.c_str()), 0) << slurp(dir + "/log");
+  const std::string out = slurp(dir + "/table");
+  EXPECT_NE(out.find("% int8 peak"), std::string::npos) << out;
+  EXPECT_NE(out.find("G MAC/s ("), std::string::npos) << out;
+}
+
 TEST(Cli, BenchDecodesSeveralSequencesTogether) {
   const std::string dir = temp_dir("cli_bench_sequences");
   // llama-batched-bench's convention: --parallel (the older --sequences spelling still works).
@@ -266,6 +307,161 @@ TEST(Cli, BenchProfileSplitsTheTimeByKindOfWork) {
 }  // namespace
 
 namespace {
+
+// The tiny MoE checkpoint rewritten with a 48-wide expert MLP and an 80-wide dense MLP, widths
+// the 32-wide quantization blocks do not divide (as a pruned or fine-tuned checkpoint may have).
+// The widened matrices repeat the original's columns and rows (halved where repeated), so the
+// model stays a plausible one; only their shapes matter to the export.
+std::string write_odd_width_checkpoint(const std::string& dir) {
+  const std::string src = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-moe/model";
+  std::filesystem::create_directories(dir);
+  auto cfg = nlohmann::json::parse(std::ifstream(src + "/config.json"));
+  const int64_t old_i = cfg["text_config"]["intermediate_size"], new_i = 80;
+  const int64_t old_e = cfg["text_config"]["moe_intermediate_size"], new_e = 48;
+  cfg["text_config"]["intermediate_size"] = new_i;
+  cfg["text_config"]["moe_intermediate_size"] = new_e;
+  std::ofstream(dir + "/config.json") << cfg.dump(2);
+  std::filesystem::copy_file(src + "/preprocessor_config.json", dir + "/preprocessor_config.json",
+                             std::filesystem::copy_options::overwrite_existing);
+  const std::string bytes = slurp_binary(src + "/model.safetensors");
+  uint64_t hlen = 0;
+  std::memcpy(&hlen, bytes.data(), 8);
+  const auto header = nlohmann::json::parse(bytes.substr(8, hlen));
+  const char* data = bytes.data() + 8 + hlen;
+  nlohmann::json out_header = nlohmann::json::object();
+  std::string out_data;
+  for (const auto& [key, meta] : header.items()) {
+    if (key == "__metadata__") continue;
+    std::vector<int64_t> shape = meta["shape"].get<std::vector<int64_t>>();
+    const auto offsets = meta["data_offsets"].get<std::vector<uint64_t>>();
+    const float* w = reinterpret_cast<const float*>(data + offsets[0]);
+    const bool lm = key.find("language_model.layers.") != std::string::npos;
+    // (old, new) of the row dimension (for gate_up: each half) and of the column dimension.
+    int64_t ro = 0, rn = 0, co = 0, cn = 0, halves = 1;
+    if (lm && key.ends_with("mlp.down_proj.weight")) co = old_i, cn = new_i;
+    if (lm && (key.ends_with("mlp.gate_proj.weight") || key.ends_with("mlp.up_proj.weight")))
+      ro = old_i, rn = new_i;
+    if (lm && key.ends_with("experts.down_proj")) co = old_e, cn = new_e;
+    if (lm && key.ends_with("experts.gate_up_proj")) ro = old_e, rn = new_e, halves = 2;
+    std::string t;
+    if (ro == 0 && co == 0) {
+      t.assign(data + offsets[0], offsets[1] - offsets[0]);
+    } else {
+      const int64_t batch = shape.size() == 3 ? shape[0] : 1;
+      const int64_t rows = shape[shape.size() - 2], cols = shape.back();
+      const int64_t out_rows = ro ? rn * halves : rows, out_cols = co ? cn : cols;
+      std::vector<float> v(static_cast<size_t>(batch * out_rows * out_cols));
+      for (int64_t b = 0; b < batch; ++b)
+        for (int64_t r = 0; r < out_rows; ++r)
+          for (int64_t c = 0; c < out_cols; ++c) {
+            const int64_t sr = ro ? (r / rn) * ro + (r % rn) % ro : r;
+            const int64_t sc = co ? c % co : c;
+            const float scale = (ro && r % rn >= ro) || (co && c >= co) ? 0.5f : 1.0f;
+            v[static_cast<size_t>((b * out_rows + r) * out_cols + c)] =
+                scale * w[(b * rows + sr) * cols + sc];
+          }
+      shape[shape.size() - 2] = out_rows;
+      shape.back() = out_cols;
+      t.assign(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
+    }
+    out_header[key] = {{"dtype", meta["dtype"]},
+                       {"shape", shape},
+                       {"data_offsets", {out_data.size(), out_data.size() + t.size()}}};
+    out_data += t;
+  }
+  const std::string h = out_header.dump();
+  const uint64_t n = h.size();
+  std::ofstream out(dir + "/model.safetensors", std::ios::binary);
+  out.write(reinterpret_cast<const char*>(&n), 8);
+  out << h << out_data;
+  return dir;
+}
+
+// A q8_0 / q4_0 export keeps the tensors whose input width is not a multiple of 32 in bf16 (per
+// tensor, as llama-quantize falls back) instead of refusing the model; export and info name them,
+// and the bundle runs, its logits close to the f32 checkpoint's.
+TEST(Cli, QuantizedExportKeepsOddWidthTensorsInBf16) {
+  const std::string dir = temp_dir("cli_odd_width");
+  const std::string ckpt = write_odd_width_checkpoint(dir + "/ckpt");
+  ASSERT_EQ(run("dump --model " + ckpt + " --ids " + fixture("text/input_ids.npy") +
+                    " --taps logits --out " + dir + "/ref",
+                dir + "/l0"),
+            0)
+      << slurp(dir + "/l0");
+  const std::vector<float> ref = load_npy(dir + "/ref/logits.npy").to_f32();
+  for (const char* w : {"q8_0", "q4_0"}) {
+    const std::string b = dir + "/" + w;
+    ASSERT_EQ(run("export -m " + ckpt + " --out " + b + " --weights " + w, dir + "/l1"), 0)
+        << slurp(dir + "/l1");
+    const std::string export_log = slurp(dir + "/l1");
+    EXPECT_NE(export_log.find("kept in bf16"), std::string::npos) << export_log;
+    const auto manifest = nlohmann::json::parse(std::ifstream(b + "/manifest.json"));
+    ASSERT_TRUE(manifest.contains("kept_bf16")) << manifest.dump();
+    std::set<std::string> kept;
+    for (const auto& k : manifest["kept_bf16"]) kept.insert(k.get<std::string>());
+    const int layers = manifest["model_config"]["text_config"]["num_hidden_layers"];
+    EXPECT_EQ(kept.size(), 2u * static_cast<size_t>(layers)) << manifest["kept_bf16"];
+    EXPECT_TRUE(kept.count("model.language_model.layers.0.mlp.down_proj.weight"));
+    EXPECT_TRUE(kept.count("model.language_model.layers.0.experts.down_proj"));
+    EXPECT_FALSE(kept.count("model.language_model.layers.0.mlp.gate_proj.weight"));
+    ASSERT_EQ(run("info -m " + b, dir + "/l2"), 0) << slurp(dir + "/l2");
+    const std::string info = slurp(dir + "/l2");
+    EXPECT_NE(info.find("kept in bf16"), std::string::npos) << info;
+    EXPECT_NE(info.find("layers.0.experts.down_proj"), std::string::npos) << info;
+    ASSERT_EQ(run("check " + b, dir + "/l3"), 0) << slurp(dir + "/l3");
+    ASSERT_EQ(run("dump --model " + b + " --ids " + fixture("text/input_ids.npy") +
+                      " --taps logits --out " + dir + "/out_" + w,
+                  dir + "/l4"),
+              0)
+        << slurp(dir + "/l4");
+    const std::vector<float> got = load_npy(dir + "/out_" + w + "/logits.npy").to_f32();
+    // The weight quantization's own error on this model (the q8_0 / q4_0 tolerances of the
+    // stage tests); a NaN fails it.
+    EXPECT_LT(max_abs_diff(got, ref), std::string(w) == "q8_0" ? 0.5 : 2.0) << w;
+  }
+  // Widths of a multiple of 32 keep the whole model quantized: no kept_bf16 entry.
+  ASSERT_EQ(
+      run("export -m " + fixture("model") + " --out " + dir + "/even --weights q8_0", dir + "/l5"),
+      0)
+      << slurp(dir + "/l5");
+  EXPECT_FALSE(
+      nlohmann::json::parse(std::ifstream(dir + "/even/manifest.json")).contains("kept_bf16"));
+}
+
+// llama.cpp's -ctk / -ctv spell the cache type: q8_0 runs (logits near the bf16 cache's), two
+// different types are refused (gemstage keeps K and V in one type), and info prints the KV bytes
+// a token takes in each type.
+TEST(Cli, CacheTypeKAndVSelectAQ8Cache) {
+  const std::string dir = temp_dir("cli_ctk");
+  const std::string ids = fixture("long/input_ids.npy");
+  for (const char* t : {"bf16", "q8_0"})
+    ASSERT_EQ(run("dump --model " + fixture("model") + " --ids " + ids + " -ctk " + t + " -ctv " +
+                      t + " --taps logits --out " + dir + "/" + t,
+                  dir + "/log_" + t),
+              0)
+        << slurp(dir + "/log_" + t);
+  const double d = max_abs_diff(load_npy(dir + "/q8_0/logits.npy").to_f32(),
+                                load_npy(dir + "/bf16/logits.npy").to_f32());
+  EXPECT_GT(d, 0.0);
+  EXPECT_LE(d, 0.25);
+  ASSERT_EQ(run("dump --model " + fixture("model") + " --ids " + ids +
+                    " --cache-type-k q8_0 --taps logits --out " + dir + "/k_only",
+                dir + "/log_k"),
+            0)
+      << slurp(dir + "/log_k");
+  EXPECT_EQ(load_npy(dir + "/k_only/logits.npy").to_f32(),
+            load_npy(dir + "/q8_0/logits.npy").to_f32());  // either flag alone sets both
+  EXPECT_NE(run("dump --model " + fixture("model") + " --ids " + ids +
+                    " -ctk q8_0 -ctv bf16 --taps logits --out " + dir + "/mixed",
+                dir + "/log_mixed"),
+            0);
+  EXPECT_NE(slurp(dir + "/log_mixed").find("one cache type"), std::string::npos)
+      << slurp(dir + "/log_mixed");
+  ASSERT_EQ(run("info -m " + fixture("model"), dir + "/info"), 0) << slurp(dir + "/info");
+  const std::string info = slurp(dir + "/info");
+  for (const char* t : {"f32", "bf16", "q8_0"})
+    EXPECT_NE(info.find(std::string("\n  ") + t + " "), std::string::npos) << t << "\n" << info;
+}
 
 TEST(Cli, InfoAndDumpAcceptBundles) {
   const std::string dir = temp_dir("cli_bundle_info");

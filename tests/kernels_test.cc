@@ -243,6 +243,78 @@ TEST(Attention, QueriesMatchDoubleReferenceOnOddSizes) {
       }
 }
 
+TEST(Attention, Q8CacheRowsRoundTripWithinHalfACode) {
+  // Each 32-value block: codes in [-127, 127], values back within half a step of the f16 scale
+  // (plus the scale's own f16 rounding), the block's largest value exact to that step; a zero
+  // block decodes to zeros, not NaN.
+  auto x = randn(32 * 9, 51, 3.0f);
+  for (int i = 0; i < 32; ++i) x[static_cast<size_t>(64 + i)] = 0.0f;  // block 2: all zero
+  x[5] = 1e4f;                                                         // one outlier
+  std::vector<KvQ8Block> q(9);
+  quantize_kv_q8(x.data(), static_cast<int64_t>(x.size()), q.data());
+  for (int b = 0; b < 9; ++b) {
+    float amax = 0;
+    for (int i = 0; i < 32; ++i)
+      amax = std::max(amax, std::fabs(x[static_cast<size_t>(b * 32 + i)]));
+    const float d = f16_to_f32(q[static_cast<size_t>(b)].d);
+    EXPECT_NEAR(d, amax / 127, amax / 127 * 1e-3 + 1e-30) << "block " << b;
+    for (int i = 0; i < 32; ++i) {
+      const float got = kv_q8_value(q.data(), b * 32 + i);
+      ASSERT_TRUE(std::isfinite(got));
+      EXPECT_LE(std::fabs(got - x[static_cast<size_t>(b * 32 + i)]), 0.5f * d + amax * 2e-3f)
+          << "block " << b << " value " << i;
+    }
+  }
+  EXPECT_EQ(kv_q8_value(q.data(), 64), 0.0f);
+}
+
+TEST(Attention, Q8RowsMatchTheDoubleReferenceOnEveryTier) {
+  // q8_0 key/value rows read block by block (the AVX-512 and AVX2 twins, the portable loops on
+  // the scalar and NEON tiers) against the double reference over the same rows widened to f32:
+  // the kernels may not widen differently, so the tolerance is the f32 one. Head sizes are the
+  // multiples of 32 a q8_0 cache allows; query and key counts off the tiles, a span past
+  // kPrefetchMinBytes.
+  for (CpuTier tier : cpu_supported_tiers())
+    for (auto [M, hd, n] :
+         {std::tuple{1, 32, 13}, std::tuple{8, 64, 1}, std::tuple{3, 96, 129},
+          std::tuple{11, 256, 37}, std::tuple{17, 512, 70}, std::tuple{8, 512, 1100}}) {
+      const float qs = 2.0f / std::sqrt(static_cast<float>(hd));
+      const auto q = randn(static_cast<size_t>(M * hd), 61, qs);
+      auto k = randn(static_cast<size_t>(n * hd), 62), v = randn(static_cast<size_t>(n * hd), 63);
+      std::vector<KvQ8Block> kq(k.size() / 32), vq(v.size() / 32);
+      quantize_kv_q8(k.data(), static_cast<int64_t>(k.size()), kq.data());
+      quantize_kv_q8(v.data(), static_cast<int64_t>(v.size()), vq.data());
+      for (size_t i = 0; i < k.size(); ++i) {
+        k[i] = kv_q8_value(kq.data(), static_cast<int64_t>(i));
+        v[i] = kv_q8_value(vq.data(), static_cast<int64_t>(i));
+      }
+      std::vector<float> out(static_cast<size_t>(M * hd), std::nanf("")),
+          ref(static_cast<size_t>(hd));
+      std::mt19937 rng(static_cast<uint32_t>(M * 1000 + n));
+      QueryBlock queries;
+      queries.tier = tier;
+      for (int64_t m = 0; m < M; ++m) {
+        int64_t lo = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+        int64_t hi = std::uniform_int_distribution<int64_t>(0, n - 1)(rng);
+        if (lo > hi) std::swap(lo, hi);
+        if (m == 0) lo = 0, hi = n - 1;
+        queries.add(q.data() + m * hd, out.data() + m * hd, lo, hi);
+      }
+      AttentionScratch scratch;
+      attend_contiguous(queries, hd, kq.data(), vq.data(), scratch);
+      for (int64_t m = 0; m < M; ++m) {
+        const int64_t lo = queries.lo[static_cast<size_t>(m)],
+                      hi = queries.hi[static_cast<size_t>(m)];
+        attention_reference(q.data() + m * hd, k.data() + lo * hd, v.data() + lo * hd, hd,
+                            hi - lo + 1, ref.data());
+        for (int64_t i = 0; i < hd; ++i)
+          ASSERT_NEAR(out[static_cast<size_t>(m * hd + i)], ref[static_cast<size_t>(i)], 1e-5)
+              << "M " << M << " query " << m << " hd " << hd << " n " << n << " tier "
+              << cpu_tier_name(tier);
+      }
+    }
+}
+
 TEST(Attention, KeySplitPartsMergeToTheWholeRange) {
   // Decode splits one row's keys into parts, one per thread, and merges their unnormalized
   // states; a part past the last key (sum 0, output never written) must not count.

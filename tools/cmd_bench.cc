@@ -16,6 +16,9 @@
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/op_profile.h"
+#include "gemma4/tensor_table.h"
+#include "kernels/int8_peak.h"
+#include "kernels/quant.h"
 #include "kernels/vec_kernels.h"
 #include "runtime/engine.h"
 #include "runtime/speculative.h"
@@ -244,6 +247,22 @@ double bytes_per_token(const Sequence& p) {
   return b + p.decode_weight_bytes();
 }
 
+// Multiply-adds a token costs in the matrices: those the tensor table marks as read whole per
+// decoded token (their elements times the share read, as the byte count above), plus the per-layer
+// input projection of the embeddings stage. From the config's table, so stages on other ranks
+// count too.
+double macs_per_token(const Sequence& p) {
+  double macs = 0;
+  for (const TensorSpec& s : tensor_table(p.config())) {
+    if (s.role != TensorRole::Required || s.shape.size() != 2) continue;
+    const bool projection = s.key.ends_with("per_layer_model_projection.weight");
+    if (s.decode_read_in == 0 && !projection) continue;
+    macs += static_cast<double>(s.shape[0]) * static_cast<double>(s.shape[1]) *
+            (projection ? 1.0 : s.decode_share);
+  }
+  return macs;
+}
+
 int run_bench(const BenchArgs& a, const RunContext& cx) {
   const CpuTier isa =
       a.isa.empty() ? cpu_tier_from_environment() : checked_cpu_tier(a.isa, "bench --isa");
@@ -414,6 +433,19 @@ int run_bench(const BenchArgs& a, const RunContext& cx) {
   const double rss_gb = mem.peak_gb;
   const double gbs = measure_read_gbs(pool);
   const double bpt = bytes_per_token(*p);
+  // The int8 ceiling of each row: the peak of the instruction its GEMM calls run (prefill: up to
+  // 512 prompt rows per sequence in one call; batched decode: one row per sequence), probed once
+  // per instruction with every pool thread busy.
+  const double mpt = macs_per_token(*p);
+  std::map<std::string, Int8Peak> peaks;
+  auto peak_of = [&](const Row& r) {
+    const int64_t call_rows =
+        r.n_prompt > 0 ? std::min<int64_t>(r.n_prompt, 512) * r.n_seq : r.n_seq;
+    const std::string isa_name = quant_isa(pool.tier(), call_rows);
+    auto it = peaks.find(isa_name);
+    if (it == peaks.end()) it = peaks.emplace(isa_name, probe_int8_peak(pool, call_rows)).first;
+    return it->second;
+  };
   auto stats = [](const std::vector<double>& v) {
     double m = 0, s = 0;
     for (double x : v) m += x;
@@ -425,6 +457,7 @@ int run_bench(const BenchArgs& a, const RunContext& cx) {
     nlohmann::json out = nlohmann::json::array();
     for (const Row& r : rows) {
       const auto [m, sd] = stats(r.ts);
+      const Int8Peak peak = peak_of(r);
       out.push_back({{"model_filename", a.model},
                      {"n_threads", pool.size()},
                      {"isa", tier},
@@ -444,7 +477,12 @@ int run_bench(const BenchArgs& a, const RunContext& cx) {
                      {"final_rss_file_gb", mem.file_gb},
                      {"final_rss_anon_gb", mem.anon_gb},
                      {"read_bandwidth_gbs", gbs},
-                     {"decode_bound_ts", gbs * 1e9 / bpt}});
+                     {"decode_bound_ts", gbs * 1e9 / bpt},
+                     {"macs_per_token", mpt},
+                     {"gmacs", m * mpt / 1e9},
+                     {"int8_peak_gmacs", peak.gmacs},
+                     {"int8_peak_instruction", peak.instruction},
+                     {"int8_peak_fraction", m * mpt / 1e9 / peak.gmacs}});
       if (a.profile) {
         nlohmann::json prof = {{"timed_seconds", r.timed_s}};
         for (size_t k = 0; k < r.op_s.size(); ++k)
@@ -456,11 +494,15 @@ int run_bench(const BenchArgs& a, const RunContext& cx) {
     if (!a.model_draft.empty()) bench_drafter(a, pool, *p, random_ids(32), gens, std::cerr);
     return 0;
   }
-  std::cout << "| model | threads | isa | test | t/s |\n| --- | ---: | --- | ---: | ---: |\n";
+  std::cout << "| model | threads | isa | test | t/s | G MAC/s | % int8 peak |\n"
+               "| --- | ---: | --- | ---: | ---: | ---: | ---: |\n";
   for (const Row& r : rows) {
     const auto [m, sd] = stats(r.ts);
+    const Int8Peak peak = peak_of(r);
     std::cout << "| " << a.model << " | " << pool.size() << " | " << tier << " | " << test_name(r)
-              << " | " << std::fixed << std::setprecision(2) << m << " ± " << sd << " |\n";
+              << " | " << std::fixed << std::setprecision(2) << m << " ± " << sd << " | "
+              << std::setprecision(1) << m * mpt / 1e9 << " | " << 100 * m * mpt / 1e9 / peak.gmacs
+              << "% |\n";
   }
   std::cout << std::setprecision(3) << "ISA tier " << tier << " (CPU: " << cpu_features_string()
             << "); KV cache " << kv_type_name(p->kv_type()) << "; load " << t_load
@@ -470,7 +512,11 @@ int run_bench(const BenchArgs& a, const RunContext& cx) {
               << mem.anon_gb << " GB anonymous: KV cache, activations, heap)";
   std::cout << "; read bandwidth " << gbs << " GB/s with " << pool.size()
             << " threads; a decoded token reads " << bpt / 1e9
-            << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt << " t/s\n";
+            << " GB of weights, so the decode bound is " << gbs * 1e9 / bpt
+            << " t/s; a token costs " << mpt / 1e9 << " G multiply-adds; int8 peak";
+  for (const auto& [isa_name, peak] : peaks)
+    std::cout << " " << peak.gmacs << " G MAC/s (" << peak.instruction << ", " << isa_name << ")";
+  std::cout << " with " << pool.size() << " threads\n";
   if (a.profile) {
     // Shares of each test's timed wall time; "other" is what no op timer covers (norms, RoPE,
     // activations, residual adds, copies, thread hand-offs).

@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 
+#include "cache/kv_cache.h"
 #include "core/error.h"
 #include "gemma4/tensor_table.h"
 #include "gemma4/unified_embedder.h"
@@ -145,6 +146,12 @@ int run_info(const InfoArgs& a) {
                 << (bs.decl.role == StageRole::TransformerLayers ? bs.decl.layers.str() : "-")
                 << std::right << std::setw(14) << human_bytes(static_cast<double>(bs.bytes)) << "  "
                 << bs.weights_file << "\n";
+    if (!bundle->kept_bf16.empty()) {
+      std::cout << "kept in bf16 (input width not a multiple of the 32-wide "
+                << bundle->weights_format << " block): " << bundle->kept_bf16.size()
+                << " tensor(s)\n";
+      for (const std::string& k : bundle->kept_bf16) std::cout << "  " << k << "\n";
+    }
     std::cout << "\n";
   }
   std::cout << "layers\n   #  type                head_dim kv_heads  mlp    kv\n";
@@ -161,19 +168,32 @@ int run_info(const InfoArgs& a) {
               << layer_type_name(s.type) << std::right << std::setw(8) << s.head_dim << std::setw(9)
               << s.num_kv_heads << std::setw(7) << s.mlp_width << "    " << kv << "\n";
     if (!s.kv_shared && s.type == LayerType::Full)
-      kv_per_token += 2.0 * s.num_kv_heads * s.head_dim * 4;
+      kv_per_token += 2.0 * s.num_kv_heads * s.head_dim;  // K and V values
   }
-  double sliding_bytes = 0;
-  for (const LayerSpec& s : t.layers)
+  double sliding_values = 0;
+  bool q8_fits = true;  // every head a whole number of q8_0 blocks
+  for (const LayerSpec& s : t.layers) {
     if (!s.kv_shared && s.type == LayerType::Sliding)
-      sliding_bytes += 2.0 * s.num_kv_heads * s.head_dim * 4 * t.sliding_window;
+      sliding_values += 2.0 * s.num_kv_heads * s.head_dim * t.sliding_window;
+    q8_fits = q8_fits && s.head_dim % kKvQ8Values == 0;
+  }
   const int64_t ctx = a.ctx > 0 ? a.ctx : t.max_position_embeddings;
-  std::cout << "\nmemory (f32 KV cache)\n"
+  std::cout << "\nmemory\n"
             << "  weights (mmapped)         " << human_bytes(total_b) << "\n"
-            << "  sliding caches (fixed)    " << human_bytes(sliding_bytes) << "\n"
-            << "  full caches per token     " << human_bytes(kv_per_token) << "\n"
-            << "  KV at context " << std::left << std::setw(11) << ctx << std::right
-            << human_bytes(sliding_bytes + kv_per_token * static_cast<double>(ctx)) << "\n";
+            << "  KV cache (--cache-type)   sliding (fixed)  full per token  KV at context " << ctx
+            << "\n";
+  for (const KvType kt : {KvType::F32, KvType::BF16, KvType::Q8_0}) {
+    std::cout << "  " << std::left << std::setw(26) << kv_type_name(kt) << std::right;
+    if (kt == KvType::Q8_0 && !q8_fits) {
+      std::cout << "n/a (a head_dim is not a multiple of 32)\n";
+      continue;
+    }
+    const double b = kv_bytes_per_value(kt);
+    std::cout << std::setw(15) << human_bytes(sliding_values * b) << std::setw(16)
+              << human_bytes(kv_per_token * b) << std::setw(16)
+              << human_bytes((sliding_values + kv_per_token * static_cast<double>(ctx)) * b)
+              << "\n";
+  }
   return 0;
 }
 

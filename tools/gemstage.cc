@@ -76,11 +76,15 @@ int main(int argc, char** argv) {
       if (std::strcmp(arg, "--batch-size") == 0) arg = batch;
       if (std::strcmp(arg, "-to") == 0) arg = timeout;
     }
-  // llama.cpp's -md (--model-draft) and -hf (a Hub model, here any --model) likewise.
-  char model_draft[] = "--model-draft", model[] = "--model";
+  // llama.cpp's -md (--model-draft), -hf (a Hub model, here any --model), -ctk (--cache-type-k)
+  // and -ctv (--cache-type-v) likewise.
+  char model_draft[] = "--model-draft", model[] = "--model", cache_k[] = "--cache-type-k",
+       cache_v[] = "--cache-type-v";
   for (char*& arg : args) {
     if (std::strcmp(arg, "-md") == 0) arg = model_draft;
     if (std::strcmp(arg, "-hf") == 0) arg = model;
+    if (std::strcmp(arg, "-ctk") == 0) arg = cache_k;
+    if (std::strcmp(arg, "-ctv") == 0) arg = cache_v;
   }
   try {
     app.parse(argc, args.data());

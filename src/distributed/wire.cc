@@ -166,7 +166,8 @@ WireMessage decode_wire_message(std::span<const uint8_t> bytes, const std::strin
   m.length = r.get<int64_t>("length");
   if (m.length < 0) fail(where, ": wire message length ", m.length, " is negative");
   const auto kv = r.get<uint8_t>("kv_type");
-  if (kv != static_cast<uint8_t>(KvType::F32) && kv != static_cast<uint8_t>(KvType::BF16))
+  if (kv != static_cast<uint8_t>(KvType::F32) && kv != static_cast<uint8_t>(KvType::BF16) &&
+      kv != static_cast<uint8_t>(KvType::Q8_0))
     fail(where, ": kv_type code ", int(kv), " unknown");
   m.kv_type = static_cast<KvType>(kv);
   const auto error_len = r.get<uint32_t>("error length");

@@ -275,11 +275,10 @@ void AssistantModel::attend(CpuTier tier, const LayerSpec& ls, const LayerKvCach
   if (n <= 0) return;
   std::vector<float> scores(static_cast<size_t>(n)), krow(static_cast<size_t>(hd));
   const int64_t group = H / Hkv;
-  const bool bf16 = cache.kv_type() == KvType::BF16;
+  const bool f32 = cache.kv_type() == KvType::F32;
   auto row = [&](bool is_k, int64_t pos, int64_t kvh) -> const float* {
-    if (!bf16) return (is_k ? cache.k_at<float>(pos) : cache.v_at<float>(pos)) + kvh * hd;
-    const uint16_t* r = (is_k ? cache.k_at<uint16_t>(pos) : cache.v_at<uint16_t>(pos)) + kvh * hd;
-    for (int64_t i = 0; i < hd; ++i) krow[static_cast<size_t>(i)] = bf16_to_f32(r[i]);
+    if (f32) return (is_k ? cache.k_at<float>(pos) : cache.v_at<float>(pos)) + kvh * hd;
+    cache.widen(is_k, pos, kvh * hd, hd, krow.data());  // bf16 or q8_0 rows
     return krow.data();
   };
   for (int64_t h = 0; h < H; ++h) {

@@ -45,6 +45,13 @@ std::vector<LayerCachePlan> kv_cache_plan(const TextConfig& t, int begin, int en
 
 KvCache make_kv_cache(const TextConfig& t, int64_t max_context, int begin, int end,
                       KvType kv_type) {
+  // A q8_0 row is read a head at a time, so each head's part must start on a 32-value block.
+  if (kv_type == KvType::Q8_0)
+    for (int i = begin; i < std::min(end, t.num_hidden_layers); ++i)
+      if (t.layers[static_cast<size_t>(i)].head_dim % kKvQ8Values != 0)
+        fail("a q8_0 KV cache needs a head_dim that is a multiple of ", kKvQ8Values, "; layer ", i,
+             "'s is ", t.layers[static_cast<size_t>(i)].head_dim,
+             " (use --cache-type-k/--cache-type-v bf16 or f32)");
   return KvCache(t.num_hidden_layers, kv_cache_plan(t, begin, end), max_context, kv_type);
 }
 
@@ -161,6 +168,7 @@ struct TextModel::LayerPass {
   // The same rounded to bf16 when the cache holds bf16, so the chunk's own keys enter attention
   // exactly as later chunks will read them back from the cache.
   std::vector<std::vector<uint16_t>> k16, v16;
+  std::vector<std::vector<KvQ8Block>> kq8, vq8;  // likewise quantized when the cache holds q8_0
   std::vector<float> x, q, attn, branch, gate, up, ple_gate;
   AttentionWorkspace attention;
   // Per segment, [rows]: the last key each row sees on sliding layers (the image block); empty
@@ -250,6 +258,7 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
   sized(q, S * H * hd);
   // A KV-shared layer reads its donor's K/V and computes none of its own.
   const bool bf16_kv = pass.kv_type == KvType::BF16;
+  const bool q8_kv = pass.kv_type == KvType::Q8_0;
   float* k = nullptr;
   float* v = nullptr;
   if (ls.kv_shared) {
@@ -265,6 +274,10 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
     if (bf16_kv) {
       sized(pass.k16[static_cast<size_t>(li)], S * kvw);
       sized(pass.v16[static_cast<size_t>(li)], S * kvw);
+    }
+    if (q8_kv) {
+      sized(pass.kq8[static_cast<size_t>(li)], S * kvw / kKvQ8Values);
+      sized(pass.vq8[static_cast<size_t>(li)], S * kvw / kKvQ8Values);
     }
     const OpTimer timer(pool.profile(), OpKind::AttentionProjections);
     if (ls.k_eq_v) {
@@ -285,6 +298,14 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
                  k + r0 * kvw);
     for (int64_t r = r0; r < r1; ++r) apply_rope(rope, r, k + r * kvw, static_cast<int>(Hkv));
     rmsnorm_rows(pool.tier(), v + r0 * kvw, (r1 - r0) * Hkv, hd, nullptr, eps, v + r0 * kvw);
+    if (q8_kv) {
+      const int64_t nb = kvw / kKvQ8Values;
+      quantize_kv_q8(k + r0 * kvw, (r1 - r0) * kvw,
+                     pass.kq8[static_cast<size_t>(li)].data() + r0 * nb);
+      quantize_kv_q8(v + r0 * kvw, (r1 - r0) * kvw,
+                     pass.vq8[static_cast<size_t>(li)].data() + r0 * nb);
+      return;
+    }
     if (!bf16_kv) return;
     auto& k16 = pass.k16[static_cast<size_t>(li)];
     auto& v16 = pass.v16[static_cast<size_t>(li)];
@@ -311,14 +332,15 @@ void TextModel::attention_block(ThreadPool& pool, int li, FloatTensor& hidden,
                                   : nullptr;
     const LayerKvCache* past = seg.cache->own(src);
     if (!past) fail("layer ", li, ": this stage's KV cache does not hold layer ", src);
+    const size_t s_src = static_cast<size_t>(src);
     const void* fk =
-        bf16_kv
-            ? static_cast<const void*>(pass.k16[static_cast<size_t>(src)].data() + seg.row0 * kvw)
-            : ck.data() + seg.row0 * kvw;
+        q8_kv     ? static_cast<const void*>(pass.kq8[s_src].data() + seg.row0 * kvw / kKvQ8Values)
+        : bf16_kv ? static_cast<const void*>(pass.k16[s_src].data() + seg.row0 * kvw)
+                  : static_cast<const void*>(ck.data() + seg.row0 * kvw);
     const void* fv =
-        bf16_kv
-            ? static_cast<const void*>(pass.v16[static_cast<size_t>(src)].data() + seg.row0 * kvw)
-            : cv.data() + seg.row0 * kvw;
+        q8_kv     ? static_cast<const void*>(pass.vq8[s_src].data() + seg.row0 * kvw / kKvQ8Values)
+        : bf16_kv ? static_cast<const void*>(pass.v16[s_src].data() + seg.row0 * kvw)
+                  : static_cast<const void*>(cv.data() + seg.row0 * kvw);
     attend_layer(pool,
                  {q.data() + seg.row0 * H * hd, seg.rows, H, Hkv, hd, seg.start, window, past, fk,
                   fv, attn.data() + seg.row0 * H * hd, last_key},
@@ -561,6 +583,8 @@ void TextModel::run_layers(ThreadPool& pool, int begin, int end,
   pass.v.resize(static_cast<size_t>(L));
   pass.k16.resize(static_cast<size_t>(L));
   pass.v16.resize(static_cast<size_t>(L));
+  pass.kq8.resize(static_cast<size_t>(L));
+  pass.vq8.resize(static_cast<size_t>(L));
   for (int li = begin; li < end; ++li) layer_forward(pool, li, hidden, pli, pass, taps);
   for (int li = begin; li < end; ++li)
     if (!cfg_.layers[static_cast<size_t>(li)].kv_shared)

@@ -32,17 +32,21 @@ void axpy_f32(CpuTier tier, float a, const float* x, float* y, int64_t n) {
 
 namespace {
 
-inline float to_f32(float x) {
-  return x;
+// Value i of a row of each cache type.
+inline float value_at(const float* row, int64_t i) {
+  return row[i];
 }
-inline float to_f32(uint16_t bf16) {
-  return bf16_to_f32(bf16);
+inline float value_at(const uint16_t* row, int64_t i) {
+  return bf16_to_f32(row[i]);
+}
+inline float value_at(const KvQ8Block* row, int64_t i) {
+  return kv_q8_value(row, i);
 }
 
 template <typename T>
 float portable_dot(const float* a, const T* b, int64_t n) {
   double s = 0;  // the reference: no reordering question at all
-  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * to_f32(b[i]);
+  for (int64_t i = 0; i < n; ++i) s += static_cast<double>(a[i]) * value_at(b, i);
   return static_cast<float>(s);
 }
 
@@ -68,7 +72,7 @@ void portable_key_block(const QueryBlock& qb, int64_t head_dim, const T* const* 
     for (int64_t j = a; j <= b; ++j) {
       const float p = std::exp(row[j] - new_max);
       added += p;
-      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * to_f32(v[j][d]);
+      for (int64_t d = 0; d < head_dim; ++d) o[d] += p * value_at(v[j], d);
     }
     s.sum[mi] = s.sum[mi] * scale + added;
     s.max[mi] = new_max;
@@ -84,11 +88,15 @@ void dispatch_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRo
     AttendKeyBlockFn<T> fn;
     if constexpr (std::is_same_v<T, float>)
       fn = kt->attend_key_block_f32;
-    else
+    else if constexpr (std::is_same_v<T, uint16_t>)
       fn = kt->attend_key_block_bf16;
-    return fn(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), qb.size(), head_dim,
-              rows.keys, rows.values, nk, first, s.scores.data(), kKeyBlock, s.max.data(),
-              s.sum.data(), next.keys, next.values, next_nk);
+    else
+      fn = kt->attend_key_block_q8;
+    // A tier without a q8_0 twin (NEON) runs the portable loops.
+    if (fn)
+      return fn(qb.q.data(), qb.out.data(), qb.lo.data(), qb.hi.data(), qb.size(), head_dim,
+                rows.keys, rows.values, nk, first, s.scores.data(), kKeyBlock, s.max.data(),
+                s.sum.data(), next.keys, next.values, next_nk);
   }
   portable_key_block(qb, head_dim, rows.keys, rows.values, nk, first, s);  // the reference
 }
@@ -103,6 +111,12 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows
 
 void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<uint16_t>& rows,
                       int64_t nk, const KeyBlockRows<uint16_t>& next, int64_t next_nk,
+                      int64_t first, AttentionScratch& s) {
+  dispatch_key_block(qb, head_dim, rows, nk, next, next_nk, first, s);
+}
+
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<KvQ8Block>& rows,
+                      int64_t nk, const KeyBlockRows<KvQ8Block>& next, int64_t next_nk,
                       int64_t first, AttentionScratch& s) {
   dispatch_key_block(qb, head_dim, rows, nk, next, next_nk, first, s);
 }

@@ -1,8 +1,9 @@
 // Causal attention of query heads against the keys and values of one KV head: out =
 // softmax(q·k_j)·v_j with scaling 1.0 (Gemma 4 has no 1/sqrt(d) and no attention soft-cap).
 // Keys and values are fetched by absolute position through callables, so the same kernel reads a
-// sliding ring, a growing full cache, or the current chunk's fresh rows. Their rows are f32 or
-// bf16 (uint16_t bit patterns, as cache/kv_cache.h stores them); queries and outputs are f32.
+// sliding ring, a growing full cache, or the current chunk's fresh rows. Their rows are f32, bf16
+// (uint16_t bit patterns) or q8_0 blocks (KvQ8Block), as cache/kv_cache.h stores them; queries and
+// outputs are f32. A q8_0 row is read a block at a time and widened in registers only.
 //
 // The kernel is flash-style: keys are taken in blocks of kKeyBlock with a running max and sum
 // per query, so its scratch stays in L1 at any depth (a 32k-key score row per query would not),
@@ -18,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cache/kv_cache.h"
 #include "core/cpu_features.h"
 #include "kernels/ops.h"
 
@@ -66,13 +68,16 @@ struct AttentionScratch {
   std::vector<float> max, sum;
   KeyBlockRows<float> f32[2];  // the block being attended and the next one, being prefetched
   KeyBlockRows<uint16_t> bf16[2];
+  KeyBlockRows<KvQ8Block> q8[2];
 
   template <typename T>
   KeyBlockRows<T>* rows() {
     if constexpr (std::is_same_v<T, float>)
       return f32;
-    else
+    else if constexpr (std::is_same_v<T, uint16_t>)
       return bf16;
+    else
+      return q8;
   }
 };
 
@@ -100,6 +105,9 @@ void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows
 void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<uint16_t>& rows,
                       int64_t nk, const KeyBlockRows<uint16_t>& next, int64_t next_nk,
                       int64_t first, AttentionScratch& s);
+void attend_key_block(const QueryBlock& qb, int64_t head_dim, const KeyBlockRows<KvQ8Block>& rows,
+                      int64_t nk, const KeyBlockRows<KvQ8Block>& next, int64_t next_nk,
+                      int64_t first, AttentionScratch& s);
 
 // The running softmax over the queries' keys, left unnormalized: out[m] holds sum_j p_j v_j with
 // p_j = exp(s_j - s.max[m]), and s.sum[m] holds sum_j p_j. Partial results over disjoint key
@@ -108,8 +116,9 @@ template <typename KeyFn, typename ValFn>
 void attend_queries_partial(const QueryBlock& qb, int64_t head_dim, KeyFn key, ValFn val,
                             AttentionScratch& s) {
   using Row = std::remove_cv_t<std::remove_pointer_t<decltype(key(int64_t{}))>>;
-  static_assert(std::is_same_v<Row, float> || std::is_same_v<Row, uint16_t>,
-                "key rows are f32 or bf16 bits");
+  static_assert(
+      std::is_same_v<Row, float> || std::is_same_v<Row, uint16_t> || std::is_same_v<Row, KvQ8Block>,
+      "key rows are f32, bf16 bits or q8_0 blocks");
   const int64_t M = qb.size();
   if (M == 0) return;
   KeyBlockRows<Row>* rows = s.rows<Row>();
@@ -127,7 +136,7 @@ void attend_queries_partial(const QueryBlock& qb, int64_t head_dim, KeyFn key, V
     }
     return nk;
   };
-  const size_t row_bytes = static_cast<size_t>(head_dim) * sizeof(Row);
+  const size_t row_bytes = kv_row_bytes<Row>(head_dim);
   const bool prefetch = static_cast<size_t>(last - first + 1) * 2 * row_bytes > kPrefetchMinBytes;
   int64_t nk = fetch(rows[0], first);
   for (int64_t p0 = first, b = 0; p0 <= last; p0 += kKeyBlock, b ^= 1) {
@@ -154,8 +163,8 @@ template <typename T>
 void attend_contiguous(const QueryBlock& qb, int64_t head_dim, const T* k, const T* v,
                        AttentionScratch& s) {
   attend_queries(
-      qb, head_dim, [&](int64_t j) { return k + j * head_dim; },
-      [&](int64_t j) { return v + j * head_dim; }, s);
+      qb, head_dim, [&](int64_t j) { return kv_advance(k, j * head_dim); },
+      [&](int64_t j) { return kv_advance(v, j * head_dim); }, s);
 }
 
 // out = the attention over the union of n_parts disjoint key ranges, from each range's

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "core/error.h"
 #include "kernels/attention.h"
 
 namespace gemstage {
@@ -63,10 +64,12 @@ void attend_layer(ThreadPool& pool, const LayerAttention& a, AttentionWorkspace&
         if (queries.size() == 0) continue;
         // Keys before the call come from the cache, the rest from the call's fresh K/V.
         auto key = [&](int64_t p) {
-          return (p < start ? a.past->k_at<T>(p) : fresh_k + (p - start) * kvw) + kvh * hd;
+          return kv_advance(p < start ? a.past->k_at<T>(p) : kv_advance(fresh_k, (p - start) * kvw),
+                            kvh * hd);
         };
         auto val = [&](int64_t p) {
-          return (p < start ? a.past->v_at<T>(p) : fresh_v + (p - start) * kvw) + kvh * hd;
+          return kv_advance(p < start ? a.past->v_at<T>(p) : kv_advance(fresh_v, (p - start) * kvw),
+                            kvh * hd);
         };
         if (key_parts == 1) {
           attend_queries(queries, hd, key, val, scratch);
@@ -81,8 +84,14 @@ void attend_layer(ThreadPool& pool, const LayerAttention& a, AttentionWorkspace&
       }
     });
   };
+  if (a.past->kv_type() == KvType::Q8_0 && hd % kKvQ8Values != 0)
+    fail("a q8_0 KV cache needs a head_dim that is a multiple of ", kKvQ8Values,
+         "; this layer's is ", hd, " (use --cache-type-k/-v bf16)");
   if (a.past->kv_type() == KvType::BF16)
     attend_tasks(static_cast<const uint16_t*>(a.fresh_k), static_cast<const uint16_t*>(a.fresh_v));
+  else if (a.past->kv_type() == KvType::Q8_0)
+    attend_tasks(static_cast<const KvQ8Block*>(a.fresh_k),
+                 static_cast<const KvQ8Block*>(a.fresh_v));
   else
     attend_tasks(static_cast<const float*>(a.fresh_k), static_cast<const float*>(a.fresh_v));
   if (key_parts > 1)

@@ -18,7 +18,8 @@ struct LayerAttention {
   int64_t start = 0;   // position of row 0; rows before it come from `past`
   int64_t window = 0;  // sliding window (keys in (pos - window, pos]); 0: full causal
   const LayerKvCache* past = nullptr;
-  // [rows, kv_heads * head_dim] in past->kv_type()'s row type (float, or bf16 bits as uint16_t)
+  // [rows, kv_heads * head_dim] in past->kv_type()'s row type (float, bf16 bits as uint16_t,
+  // or q8_0 KvQ8Block rows of kv_heads * head_dim / 32 blocks)
   const void* fresh_k = nullptr;
   const void* fresh_v = nullptr;
   float* out = nullptr;  // [rows, heads, head_dim]

@@ -27,13 +27,25 @@ void without_next(const float* const* q, float* const* out, const int64_t* lo, c
 }
 
 #if defined(__x86_64__) || defined(__i386__)
-constexpr VecKernels kAvx512{
-    avx512::scale_row, avx512::gelu_tanh_mul, avx512::softcap,          avx512::softmax_inplace,
-    avx512::dot,       avx512::axpy,          avx512::attend_key_block, avx512::attend_key_block};
+constexpr VecKernels kAvx512{avx512::scale_row,
+                             avx512::gelu_tanh_mul,
+                             avx512::softcap,
+                             avx512::softmax_inplace,
+                             avx512::dot,
+                             avx512::axpy,
+                             avx512::attend_key_block,
+                             avx512::attend_key_block,
+                             avx512::attend_key_block};
 
-constexpr VecKernels kAvx2{
-    avx2::scale_row, avx2::gelu_tanh_mul, avx2::softcap,          avx2::softmax_inplace,
-    avx2::dot,       avx2::axpy,          avx2::attend_key_block, avx2::attend_key_block};
+constexpr VecKernels kAvx2{avx2::scale_row,
+                           avx2::gelu_tanh_mul,
+                           avx2::softcap,
+                           avx2::softmax_inplace,
+                           avx2::dot,
+                           avx2::axpy,
+                           avx2::attend_key_block,
+                           avx2::attend_key_block,
+                           avx2::attend_key_block};
 #endif
 
 #if defined(__aarch64__)
@@ -44,7 +56,8 @@ constexpr VecKernels kNeon{neon::scale_row,
                            neon::dot,
                            neon::axpy,
                            without_next<float, static_cast<F32Block>(neon::attend_key_block)>,
-                           without_next<uint16_t, static_cast<Bf16Block>(neon::attend_key_block)>};
+                           without_next<uint16_t, static_cast<Bf16Block>(neon::attend_key_block)>,
+                           nullptr};
 #endif
 
 }  // namespace

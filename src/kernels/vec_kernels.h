@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cache/kv_cache.h"
 #include "core/cpu_features.h"
 
 namespace gemstage {
@@ -29,6 +30,7 @@ struct VecKernels {
   void (*axpy)(float a, const float* x, float* y, int64_t n);
   AttendKeyBlockFn<float> attend_key_block_f32;
   AttendKeyBlockFn<uint16_t> attend_key_block_bf16;  // bf16 bit patterns
+  AttendKeyBlockFn<KvQ8Block> attend_key_block_q8;   // null: the portable loops
 };
 
 // The table of `tier` (ops.h's vector_ops_path()); nullptr on the scalar path, where the callers

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <iostream>
 #include <random>
 #include <set>
 #include <sstream>
@@ -61,8 +62,22 @@ std::string stage_id(const LayerRange& r) {
 struct PlannedTensor {
   std::string key;
   DType dtype;
-  Shape shape;  // the table's (loading checked the source against it)
+  Shape shape;             // the table's (loading checked the source against it)
+  bool kept_bf16 = false;  // quantized in this bundle, but its input width is not a block multiple
 };
+
+// A Q8_0 / Q4_0 block covers 32 input columns. A matrix whose input width is not a multiple of
+// that (a pruned or fine-tuned checkpoint, an MoE with a 48-wide expert MLP) is stored in bf16
+// instead, as llama-quantize falls back per tensor, rather than refusing the whole export; the
+// matmuls pick their kernel per tensor (kernels/matmul.cc), so the bundle runs as is.
+DType stored_dtype(DType planned, const Shape& shape) {
+  const bool quantized = planned == DType::Q8_0 || planned == DType::Q4_0;
+  if (quantized && shape.size() >= 2 && shape.back() % 32 != 0) return DType::BF16;
+  return planned;
+}
+bool kept_in_bf16(DType planned, const Shape& shape) {
+  return stored_dtype(planned, shape) != planned;
+}
 
 // Which checkpoint tensors each stage holds, and in which format: the table's parts and storage
 // classes, in the table's order.
@@ -72,7 +87,8 @@ std::vector<PlannedTensor> plan_stage_tensors(const StageDecl& d, const ModelCon
   const PartSet held = stage_parts(d);
   for (const TensorSpec& s : tensor_table(c))
     if (s.role == TensorRole::Required && part_holds(held, s))
-      out.push_back({s.key, storage_dtype(s.storage, w, ple), s.shape});
+      out.push_back({s.key, stored_dtype(storage_dtype(s.storage, w, ple), s.shape), s.shape,
+                     kept_in_bf16(storage_dtype(s.storage, w, ple), s.shape)});
   return out;
 }
 
@@ -545,6 +561,14 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
     if (!w.is_string()) fail(path, ": weights must be a string");
     m.weights_format = w.get<std::string>();
     m.ple_weights_format = j.value("ple_weights", "bf16");
+    if (j.contains("kept_bf16")) {
+      const json& kept = j["kept_bf16"];
+      if (!kept.is_array()) fail(path, ": kept_bf16 must be a list of tensor names");
+      for (const json& k : kept) {
+        if (!k.is_string()) fail(path, ": kept_bf16 must be a list of tensor names");
+        m.kept_bf16.push_back(k.get<std::string>());
+      }
+    }
     const json& mc = need(j, "max_context", "manifest");
     if (!mc.is_number_unsigned() || mc.get<int64_t>() <= 0)
       fail(path, ": max_context must be a positive integer");
@@ -708,12 +732,6 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
         fail("the drafter ", opt.drafter, " reads the KV cache of layer ", layer,
              ", which is not in the last transformer stage ", last_layers.id,
              " (the drafter stage is placed with it)");
-    for (const std::string& key : drafter->tensor_keys()) {
-      const WeightView v = drafter_store->view(key);
-      if (v.shape.size() == 2 && (w == DType::Q8_0 || w == DType::Q4_0) && v.shape[1] % 32 != 0)
-        fail("drafter tensor ", key, " has ", v.shape[1],
-             " input columns, not a multiple of the 32-wide quantization block");
-    }
   }
 
   const std::vector<std::string> old_files = prepare_output_dir(out_dir, opt.force);
@@ -729,6 +747,7 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
       for (const PlannedTensor& t : plans.back()) total += store.nbytes(t.key);
     }
     Progress progress("export", total, opt.progress);
+    std::vector<std::string> kept_bf16;  // quantized matrices stored in bf16 instead (see above)
     json stages = json::array();
     for (size_t i = 0; i < decls.size(); ++i) {
       const StageDecl& d = decls[i];
@@ -737,11 +756,8 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
       const std::string path = partial.add(final_path);
       WeightsFileWriter writer(path);
       for (const PlannedTensor& t : plans[i]) {
-        const int64_t cols = t.shape.empty() ? 1 : t.shape.back();
-        if ((t.dtype == DType::Q8_0 || t.dtype == DType::Q4_0) && cols % 32 != 0)
-          fail("tensor ", t.key, " has ", cols,
-               " input columns, not a multiple of the 32-wide quantization block");
         writer.declare(t.key, t.dtype, t.shape);
+        if (t.kept_bf16) kept_bf16.push_back(t.key);
       }
       writer.begin_data();
       for (const PlannedTensor& t : plans[i]) {
@@ -777,12 +793,13 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
       WeightsFileWriter writer(path);
       auto stored = [&](const WeightView& v) {
         if (v.dtype == DType::I64) return DType::I64;
-        return v.shape.size() == 2 ? w : DType::F32;
+        return v.shape.size() == 2 ? stored_dtype(w, v.shape) : DType::F32;
       };
       uint64_t bytes = 0;
       for (const std::string& key : drafter->tensor_keys()) {
         const WeightView v = drafter_store->view(key);
         writer.declare(key, stored(v), v.shape);
+        if (v.shape.size() == 2 && kept_in_bf16(w, v.shape)) kept_bf16.push_back(key);
         bytes += v.nbytes;
       }
       writer.begin_data();
@@ -842,6 +859,15 @@ void export_bundle_from(const TensorSource& store, const std::string& hf_dir,
                      {"copied_files", copied},
                      {"stages", stages}};
     if (drafter) manifest["drafter"] = drafter_json;
+    if (!kept_bf16.empty()) {
+      manifest["kept_bf16"] = kept_bf16;
+      {
+        std::cerr << "export: " << kept_bf16.size() << " tensor(s) kept in bf16, their input width "
+                  << "not being a multiple of the 32-wide " << opt.weights << " block:";
+        for (const std::string& k : kept_bf16) std::cerr << " " << k;
+        std::cerr << "\n";
+      }
+    }
     const std::string manifest_final = (fs::path(out_dir) / "manifest.json").string();
     const std::string manifest_path = partial.add(manifest_final);
     write_file_synced(manifest_path, manifest.dump(2) + "\n");

@@ -60,6 +60,9 @@ struct BundleManifest {
   std::vector<BundleStage> stages;
   std::vector<std::pair<std::string, std::string>> copied_files;  // (name, sha256)
   std::optional<BundleDrafter> drafter;
+  // Matrices a q8_0 / q4_0 bundle stores in bf16: their input width is not a multiple of the
+  // 32-wide block (export's per-tensor fallback).
+  std::vector<std::string> kept_bf16;
 };
 
 bool is_bundle_dir(const std::string& path);

@@ -7,10 +7,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/x86/tile_prefetch.h"
 
-#define GEMSTAGE_AVX2 __attribute__((target("avx2,fma")))
+#define GEMSTAGE_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace gemstage::avx2 {
 
@@ -41,6 +42,31 @@ GEMSTAGE_AVX2 inline __m256 load(const uint16_t* p, int64_t n) {
     h = _mm_load_si128(reinterpret_cast<const __m128i*>(t));
   }
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// Values d..d+n-1 of a row (n <= 8): f32 and bf16 rows as above; a q8_0 row's codes widen and
+// take their block's scale (F16C converts its f16 bits). hd is a multiple of 32 on q8_0 rows, so
+// its vectors are always whole.
+GEMSTAGE_AVX2 inline __m256 load_at(const float* p, int64_t d, int64_t n) {
+  return load(p + d, n);
+}
+GEMSTAGE_AVX2 inline __m256 load_at(const uint16_t* p, int64_t d, int64_t n) {
+  return load(p + d, n);
+}
+GEMSTAGE_AVX2 inline __m256 load_at(const KvQ8Block* p, int64_t d, int64_t) {
+  const KvQ8Block& b = p[d / kKvQ8Values];
+  const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b.q + d % kKvQ8Values));
+  return _mm256_mul_ps(_mm256_set1_ps(_cvtsh_ss(b.d)),
+                       _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes)));
+}
+// The byte offset a tile's prefetches follow: a q8_0 row's bytes run 17/16 of its values,
+// rounded down to its values here (the hardware prefetcher takes the last line of a long row).
+template <typename T>
+int64_t prefetch_offset(int64_t d) {
+  if constexpr (std::is_same_v<T, KvQ8Block>)
+    return d;
+  else
+    return d * static_cast<int64_t>(sizeof(T));
 }
 
 GEMSTAGE_AVX2 inline float hsum(__m256 v) {
@@ -197,8 +223,8 @@ GEMSTAGE_AVX2 inline void accumulate_slice(const float* p, int64_t pstride, cons
     a1[g] = n1 > 0 ? load(out[g] + d + 8, n1) : _mm256_setzero_ps();
   }
   for (int64_t j = 0; j < nk; ++j) {
-    const __m256 v0 = load(v[j] + d, n0);
-    const __m256 v1 = n1 > 0 ? load(v[j] + d + 8, n1) : _mm256_setzero_ps();
+    const __m256 v0 = load_at(v[j], d, n0);
+    const __m256 v1 = n1 > 0 ? load_at(v[j], d + 8, n1) : _mm256_setzero_ps();
     for (int g = 0; g < NG; ++g) {
       const __m256 s = _mm256_broadcast_ss(pg[g] + j);
       a0[g] = _mm256_fmadd_ps(s, v0, a0[g]);
@@ -253,16 +279,16 @@ GEMSTAGE_AVX2 void score_tile(const float* const* q, int64_t M, int64_t m0, cons
   const __m256 z = _mm256_setzero_ps();
   __m256 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;  // a<key><query>
   for (int64_t d = 0; d < hd; d += 8) {
-    pf.line(d * static_cast<int64_t>(sizeof(T)));
+    pf.line(prefetch_offset<T>(d));
     const int64_t n = kFull ? 8 : hd - d;
     const __m256 q0 = load(qp[0] + d, n), q1 = load(qp[1] + d, n);
     const __m256 q2 = load(qp[2] + d, n), q3 = load(qp[3] + d, n);
-    __m256 kv = load(k0 + d, n);
+    __m256 kv = load_at(k0, d, n);
     a00 = _mm256_fmadd_ps(q0, kv, a00);
     a01 = _mm256_fmadd_ps(q1, kv, a01);
     a02 = _mm256_fmadd_ps(q2, kv, a02);
     a03 = _mm256_fmadd_ps(q3, kv, a03);
-    kv = load(k1 + d, n);
+    kv = load_at(k1, d, n);
     a10 = _mm256_fmadd_ps(q0, kv, a10);
     a11 = _mm256_fmadd_ps(q1, kv, a11);
     a12 = _mm256_fmadd_ps(q2, kv, a12);
@@ -358,6 +384,14 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
                       int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
                       const uint16_t* const* next_v, int64_t next_n) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
+}
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const KvQ8Block* const* k,
+                      const KvQ8Block* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum, const KvQ8Block* const* next_k,
+                      const KvQ8Block* const* next_v, int64_t next_n) {
   key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
 }
 

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/x86/tile_prefetch.h"
 
@@ -178,6 +179,32 @@ GEMSTAGE_AVX512F inline __m512 load_lanes(__mmask16 m, const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+// Lanes d..d+15 of a row (d a multiple of 16), through the overloads above for f32 and bf16 rows;
+// a q8_0 row's 16 codes widen to f32 and take their block's scale, its f16 bits converted by
+// VCVTPH2PS (AVX-512F). hd is a multiple of 32 on q8_0 rows, so the lanes are always whole.
+GEMSTAGE_AVX512F inline __m512 load_at(__mmask16 m, const float* p, int64_t d) {
+  return load_lanes(m, p + d);
+}
+GEMSTAGE_AVX512F inline __m512 load_at(__mmask16 m, const uint16_t* p, int64_t d) {
+  return load_lanes(m, p + d);
+}
+GEMSTAGE_AVX512F inline __m512 load_at(__mmask16, const KvQ8Block* p, int64_t d) {
+  const KvQ8Block& b = p[d / kKvQ8Values];
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b.q + d % kKvQ8Values));
+  const __m512 scale = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(b.d)));
+  return _mm512_mul_ps(scale, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+}
+// The byte offset whose crossing of a 64-byte line a tile prefetches at: a q8_0 row's bytes run
+// 17/16 of its values, rounded down here to whole lines of values (the last line of a long row is
+// left to the hardware prefetcher).
+template <typename T>
+int64_t prefetch_offset(int64_t d) {
+  if constexpr (std::is_same_v<T, KvQ8Block>)
+    return d;
+  else
+    return d * static_cast<int64_t>(sizeof(T));
+}
+
 // Two vectors (32 columns) of each of NG queries stay in registers across all nk value rows.
 template <int NG, typename T>
 GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const T* const* v,
@@ -190,7 +217,7 @@ GEMSTAGE_AVX512F void accumulate_values_n(const float* p, int64_t pstride, const
       a1[g] = _mm512_maskz_loadu_ps(m1, out[g] + d + 16);
     }
     for (int64_t j = 0; j < nk; ++j) {
-      const __m512 v0 = load_lanes(m0, v[j] + d), v1 = load_lanes(m1, v[j] + d + 16);
+      const __m512 v0 = load_at(m0, v[j], d), v1 = load_at(m1, v[j], d + 16);
       for (int g = 0; g < NG; ++g) {
         const __m512 s = _mm512_set1_ps(p[g * pstride + j]);
         a0[g] = _mm512_fmadd_ps(s, v0, a0[g]);
@@ -242,26 +269,26 @@ GEMSTAGE_AVX512F void score_tile(const float* const* q, int64_t M, int64_t m0, c
   __m512 a00 = z, a01 = z, a02 = z, a03 = z, a10 = z, a11 = z, a12 = z, a13 = z;  // a<key><query>
   __m512 a20 = z, a21 = z, a22 = z, a23 = z, a30 = z, a31 = z, a32 = z, a33 = z;
   for (int64_t d = 0; d < hd; d += 16) {
-    pf.line(d * static_cast<int64_t>(sizeof(T)));
+    pf.line(prefetch_offset<T>(d));
     const __mmask16 m = tail_mask(hd - d);
     const __m512 q0 = _mm512_maskz_loadu_ps(m, qp[0] + d), q1 = _mm512_maskz_loadu_ps(m, qp[1] + d);
     const __m512 q2 = _mm512_maskz_loadu_ps(m, qp[2] + d), q3 = _mm512_maskz_loadu_ps(m, qp[3] + d);
-    __m512 kv = load_lanes(m, kp[0] + d);
+    __m512 kv = load_at(m, kp[0], d);
     a00 = _mm512_fmadd_ps(q0, kv, a00);
     a01 = _mm512_fmadd_ps(q1, kv, a01);
     a02 = _mm512_fmadd_ps(q2, kv, a02);
     a03 = _mm512_fmadd_ps(q3, kv, a03);
-    kv = load_lanes(m, kp[1] + d);
+    kv = load_at(m, kp[1], d);
     a10 = _mm512_fmadd_ps(q0, kv, a10);
     a11 = _mm512_fmadd_ps(q1, kv, a11);
     a12 = _mm512_fmadd_ps(q2, kv, a12);
     a13 = _mm512_fmadd_ps(q3, kv, a13);
-    kv = load_lanes(m, kp[2] + d);
+    kv = load_at(m, kp[2], d);
     a20 = _mm512_fmadd_ps(q0, kv, a20);
     a21 = _mm512_fmadd_ps(q1, kv, a21);
     a22 = _mm512_fmadd_ps(q2, kv, a22);
     a23 = _mm512_fmadd_ps(q3, kv, a23);
-    kv = load_lanes(m, kp[3] + d);
+    kv = load_at(m, kp[3], d);
     a30 = _mm512_fmadd_ps(q0, kv, a30);
     a31 = _mm512_fmadd_ps(q1, kv, a31);
     a32 = _mm512_fmadd_ps(q2, kv, a32);
@@ -396,6 +423,14 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
                       int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
                       const uint16_t* const* next_v, int64_t next_n) {
+  key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
+}
+
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const KvQ8Block* const* k,
+                      const KvQ8Block* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum, const KvQ8Block* const* next_k,
+                      const KvQ8Block* const* next_v, int64_t next_n) {
   key_block(q, out, lo, hi, M, hd, k, v, nk, first, scores, ss, max, sum, next_k, next_v, next_n);
 }
 

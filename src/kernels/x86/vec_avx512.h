@@ -11,6 +11,8 @@
 
 #include <cstdint>
 
+#include "cache/kv_cache.h"
+
 namespace gemstage::avx512 {
 
 // y = x * inv * w (w == nullptr: y = x * inv); rmsnorm's scaling, its reduction being dot(x, x).
@@ -34,5 +36,13 @@ void attend_key_block(const float* const* q, float* const* out, const int64_t* l
                       const uint16_t* const* v, int64_t nk, int64_t first, float* scores,
                       int64_t ss, float* max, float* sum, const uint16_t* const* next_k,
                       const uint16_t* const* next_v, int64_t next_n);
+
+// The same with q8_0 key and value rows (cache/kv_cache.h's KvQ8Block; hd a multiple of 32),
+// each 16 or 8 values widened in registers as they are used.
+void attend_key_block(const float* const* q, float* const* out, const int64_t* lo,
+                      const int64_t* hi, int64_t M, int64_t hd, const KvQ8Block* const* k,
+                      const KvQ8Block* const* v, int64_t nk, int64_t first, float* scores,
+                      int64_t ss, float* max, float* sum, const KvQ8Block* const* next_k,
+                      const KvQ8Block* const* next_v, int64_t next_n);
 
 }  // namespace gemstage::avx512
