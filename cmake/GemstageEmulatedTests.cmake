@@ -14,7 +14,8 @@
 #                    set against its goldens; `generate`'s greedy ids against `dump`'s; a chat
 #                    completion answered by the server.
 #   label `full` (scripts/test_aarch64_full.sh): the whole of gemstage_tests in shards, the golden
-#                    group again on each lower tier, and the node tests (serve, tokenizer parity).
+#                    group again on each lower tier (scalar, neon, dotprod), and the node tests
+#                    (serve, tokenizer parity).
 #
 # QEMU_CPU picks the emulated CPU of qemu-user; the CLI, started by the tests through
 # build-aarch64/gemstage-emulated, inherits it.
@@ -67,8 +68,8 @@ foreach(shard RANGE ${last_shard})
   set_tests_properties(all_tests_${shard} PROPERTIES LABELS full TIMEOUT 7200 ENVIRONMENT
     "QEMU_CPU=max;GTEST_TOTAL_SHARDS=${GEMSTAGE_EMULATED_SHARDS};GTEST_SHARD_INDEX=${shard}")
 endforeach()
-# The golden group on the lower tier (the best one ran above).
-foreach(tier scalar)
+# The golden group on the lower tiers (the best one, i8mm on `max`, ran above).
+foreach(tier scalar neon dotprod)
   add_test(NAME golden_isa_${tier} COMMAND gemstage_tests --gtest_filter=${GEMSTAGE_GOLDEN_TEST_FILTER})
   set_tests_properties(golden_isa_${tier} PROPERTIES LABELS full TIMEOUT 3600
                        ENVIRONMENT "QEMU_CPU=max;GEMSTAGE_ISA=${tier}")

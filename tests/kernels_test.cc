@@ -386,7 +386,8 @@ class VectorOps : public ::testing::TestWithParam<CpuTier> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Tiers, VectorOps,
-                         ::testing::Values(CpuTier::Avx2, CpuTier::Avx512, CpuTier::Neon),
+                         ::testing::Values(CpuTier::Avx2, CpuTier::Avx512, CpuTier::Neon,
+                                           CpuTier::Dotprod, CpuTier::I8mm),
                          [](const ::testing::TestParamInfo<CpuTier>& i) {
                            return std::string(cpu_tier_name(i.param));
                          });

@@ -526,3 +526,43 @@ TEST(QuantMatmulShapes, ZeroAndNanActivations) {
       }
     }
 }
+
+// The i8mm tier's SMMLA prefill kernel (kernels/arm/quant_i8mm.h) against the dotprod tier's SDOT
+// kernel: the same integer block dots, scaled and summed in the same order, so the same floats
+// bit for bit; odd row counts, widths with a short last chunk and a short last quarter, weight
+// strips cut short. A decoded row (which runs the SDOT kernel on the i8mm tier) equals the same
+// row inside an SMMLA prefill, as the decoder's incremental-equals-recompute tests need.
+TEST(QuantMatmulShapes, I8mmEqualsDotprodBitForBit) {
+  if (!cpu_tier_supported(CpuTier::I8mm))
+    GTEST_SKIP() << "this CPU has no i8mm (it has " << cpu_features_string() << ")";
+  ThreadPool dot(2, CpuTier::Dotprod), mm(2, CpuTier::I8mm);
+  EXPECT_STREQ(quant_isa(CpuTier::I8mm, 1), "neon-dotprod");
+  EXPECT_STREQ(quant_isa(CpuTier::I8mm, 7), "neon-dotprod");
+  EXPECT_STREQ(quant_isa(CpuTier::I8mm, 8), "neon-i8mm");
+  struct Shape {
+    int64_t S, K, N;
+  };
+  for (DType t : {DType::Q8_0, DType::Q4_0})
+    for (const Shape sh : {Shape{8, 32, 7}, Shape{9, 96, 13}, Shape{13, 160, 1},
+                           Shape{17, 1056, 37}, Shape{40, 992, 5}, Shape{70, 4128, 13}}) {
+      const auto [S, K, N] = sh;
+      auto x = randn(static_cast<size_t>(S * K), 61 + static_cast<uint32_t>(K));
+      x[static_cast<size_t>(K / 2)] = 40.0f;
+      const auto wf = varied(N, K, 62 + static_cast<uint32_t>(N));
+      const auto q = quantize_matrix(t, wf.data(), N, K);
+      const WeightView w{"w", t, {N, K}, q.data(), q.size()};
+      std::vector<float> want(static_cast<size_t>(S * N)), got(want.size());
+      quant_matmul(dot, x.data(), S, w, want.data());
+      quant_matmul(mm, x.data(), S, w, got.data());
+      for (size_t i = 0; i < want.size(); ++i)
+        ASSERT_EQ(std::memcmp(&want[i], &got[i], sizeof(float)), 0)
+            << fmt(t) << " S=" << S << " K=" << K << " N=" << N << " at " << i << ": dotprod "
+            << want[i] << ", i8mm " << got[i];
+      // Row 4 decoded alone on the i8mm tier (SDOT) against its place in the prefill (SMMLA).
+      std::vector<float> row(static_cast<size_t>(N));
+      quant_matmul(mm, x.data() + 4 * K, 1, w, row.data());
+      for (int64_t r = 0; r < N; ++r)
+        ASSERT_EQ(row[static_cast<size_t>(r)], got[static_cast<size_t>(4 * N + r)])
+            << fmt(t) << " S=" << S << " K=" << K << " row " << r;
+    }
+}

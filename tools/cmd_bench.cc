@@ -596,8 +596,9 @@ void add_bench_command(CLI::App& app, Registry& reg) {
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0));
   sub->add_option("--isa", a->isa,
-                  "kernel tier: scalar, avx2, avx512, amx or neon (default: GEMSTAGE_ISA, else the "
-                  "best this CPU supports; one the CPU lacks is an error)");
+                  "kernel tier: scalar, avx2, avx512, amx (x86), neon, dotprod, i8mm (aarch64) "
+                  "(default: GEMSTAGE_ISA, else the best this CPU supports; one the CPU lacks is "
+                  "an error)");
   sub->add_option("-r,--repetitions", a->reps, "repetitions per test")
       ->capture_default_str()
       ->check(CLI::PositiveNumber);

@@ -5,10 +5,10 @@
 #include <memory>
 #include <vector>
 
+#include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/platform.h"
 #include "distributed/mpi_launch.h"
-#include "core/cpu_features.h"
 #include "io/mapped_file.h"
 #include "stage/call_pipeline.h"
 #include "tools/commands.h"

@@ -43,8 +43,8 @@ CpuFeatures probe() {
   return f;
 }
 
-constexpr CpuTier kAllTiers[] = {CpuTier::Scalar, CpuTier::Avx2, CpuTier::Avx512, CpuTier::Amx,
-                                 CpuTier::Neon};
+constexpr CpuTier kAllTiers[] = {CpuTier::Scalar, CpuTier::Avx2,    CpuTier::Avx512, CpuTier::Amx,
+                                 CpuTier::Neon,   CpuTier::Dotprod, CpuTier::I8mm};
 
 std::string supported_list() {
   std::string s;
@@ -66,8 +66,8 @@ CpuTier parse_or_fail(std::string_view name, std::string_view source) {
   const std::optional<CpuTier> t = parse_cpu_tier(name);
   if (!t)
     fail(source, ": unknown ISA tier '", name,
-         "'; expected scalar, avx2, avx512, amx or neon (this CPU supports: ", supported_list(),
-         ")");
+         "'; expected scalar, avx2, avx512, amx, neon, dotprod or i8mm (this CPU supports: ",
+         supported_list(), ")");
   return *t;
 }
 
@@ -109,6 +109,10 @@ const char* cpu_tier_name(CpuTier t) {
       return "amx";
     case CpuTier::Neon:
       return "neon";
+    case CpuTier::Dotprod:
+      return "dotprod";
+    case CpuTier::I8mm:
+      return "i8mm";
   }
   return "?";
 }
@@ -132,6 +136,11 @@ bool cpu_tier_supported(CpuTier t) {
       return f.amx_bf16;
     case CpuTier::Neon:
       return f.neon;
+    case CpuTier::Dotprod:
+      return f.neon && f.neon_dotprod;
+    case CpuTier::I8mm:
+      // Calls too short for SMMLA run the dot-product kernels (arm/quant_i8mm.h).
+      return f.neon && f.neon_dotprod && f.neon_i8mm;
   }
   return false;
 }

@@ -48,6 +48,9 @@ uint64_t neon_sdot(int64_t, int) {
 uint64_t neon_smull(int64_t, int) {
   return 0;
 }
+uint64_t neon_smmla(int64_t, int) {
+  return 0;
+}
 #endif
 
 }  // namespace peak_loops
@@ -74,6 +77,9 @@ Int8Peak probe_int8_peak(ThreadPool& pool, int64_t rows, double seconds) {
   } else if (isa == "amx-bf16") {
     loop = peak_loops::amx_bf16;
     peak.instruction = "TDPBF16PS";
+  } else if (isa == "neon-i8mm") {
+    loop = peak_loops::neon_smmla;
+    peak.instruction = "SMMLA";
   } else if (isa == "neon-dotprod") {
     loop = peak_loops::neon_sdot;
     peak.instruction = "SDOT";

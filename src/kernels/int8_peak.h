@@ -34,6 +34,7 @@ uint64_t maddubs_ymm(int64_t iters, int seed);
 uint64_t amx_bf16(int64_t iters, int seed);
 uint64_t neon_sdot(int64_t iters, int seed);
 uint64_t neon_smull(int64_t iters, int seed);
+uint64_t neon_smmla(int64_t iters, int seed);
 }  // namespace peak_loops
 
 }  // namespace gemstage

@@ -40,7 +40,7 @@ FloatRowsFn pick([[maybe_unused]] CpuTier tier, [[maybe_unused]] DType t) {
     fn = avx2::float_rows(t);
 #endif
 #if defined(__aarch64__)
-  if (tier == CpuTier::Neon) fn = neon::float_rows(t);
+  if (cpu_tier_is_arm(tier)) fn = neon::float_rows(t);
 #endif
   return fn ? fn : rows_scalar;
 }
@@ -50,7 +50,7 @@ FloatRowsFn pick([[maybe_unused]] CpuTier tier, [[maybe_unused]] DType t) {
 const char* matmul_isa(CpuTier tier) {
   if (cpu_tier_at_least(tier, CpuTier::Avx512)) return "avx512";
   if (cpu_tier_at_least(tier, CpuTier::Avx2)) return "avx2";
-  if (tier == CpuTier::Neon) return "neon";
+  if (cpu_tier_is_arm(tier)) return "neon";
   return "scalar";
 }
 

@@ -14,7 +14,7 @@ VecPath vector_ops_path([[maybe_unused]] CpuTier tier) {
   if (cpu_tier_at_least(tier, CpuTier::Avx2)) return VecPath::Avx2;
 #endif
 #if defined(__aarch64__)
-  if (tier == CpuTier::Neon) return VecPath::Neon;
+  if (cpu_tier_is_arm(tier)) return VecPath::Neon;
 #endif
   return VecPath::Scalar;
 }

@@ -94,10 +94,11 @@ inline constexpr int64_t kAmxMinRows = 32;
 
 // The kernels follow the tier of the caller's pool (ThreadPool::tier(), core/cpu_features.h): amx
 // runs prefill-sized calls (S >= kAmxMinRows) on AMX tiles and the rest as avx512; avx512 uses
-// AVX-512 VNNI when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; neon the NEON
-// kernels (SDOT with the dot-product extension, else SMULL); scalar the portable integer kernels.
-// The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2",
-// "neon-dotprod", "neon", "scalar".
+// AVX-512 VNNI when the CPU has it (else the AVX2 kernels); avx2 the AVX2 kernels; i8mm runs
+// calls of at least kI8mmMinRows rows (arm/quant_i8mm.h) on SMMLA and the rest as dotprod;
+// dotprod the NEON kernels on SDOT; neon the NEON kernels on SMULL; scalar the portable integer
+// kernels. The kernel quant_matmul runs for S activation rows: "amx-bf16", "avx512vnni", "avx2",
+// "neon-i8mm", "neon-dotprod", "neon", "scalar".
 const char* quant_isa(CpuTier tier, int64_t S);
 // y[S, out] = x[S, in] * W^T for a Q8_0/Q4_0 view (validated by the caller's shape checks;
 // this checks in % 32 and nbytes).

@@ -1,10 +1,11 @@
 // y = x * W^T for Q8_0 / Q4_0 weights, consumed in their stored, chunk-interleaved form: the
 // dispatch, the activation quantizer and the scalar reference kernels. The SIMD kernels live in
 // the folder of their architecture (x86/quant_avx512.cc, x86/quant_avx2.cc, x86/amx.cc,
-// arm/quant_neon.cc), compiled only there.
+// arm/quant_neon.cc, arm/quant_i8mm.cc), compiled only there.
 //
 // Every call first quantizes the activation rows per block of 32 (f32 scale dx = max|x| / 127,
-// int8 codes xq) into the same interleaved order as a Q8_0 row, plus per block the integer
+// int8 codes xq) into the same interleaved order as a Q8_0 row (natural order for the scalar and
+// SMMLA kernels), plus per block the integer
 // -z * sum(xq) (z = the weight format's zero point). A block's contribution is then
 //     d * dx * ( sum(u * xq) - z * sum(xq) )          (exact in int32)
 // and every kernel sums those exact block dots; they differ only in the f32 summation order
@@ -18,6 +19,7 @@
 
 #include "core/cpu_features.h"
 #include "core/error.h"
+#include "kernels/arm/quant_i8mm.h"
 #include "kernels/arm/quant_neon.h"
 #include "kernels/quant.h"
 #include "kernels/x86/amx.h"
@@ -102,14 +104,16 @@ void rows_scalar(DType t, const ActQ& a, int64_t S, const uint8_t* wdata, size_t
   }
 }
 
-// The kernel family for S rows under `tier`.
-enum class Kernel { Scalar, Avx2, Vnni, Amx, Neon, NeonDot };
+// The kernel family for S rows under `tier`: the one place that maps tiers to kernels.
+enum class Kernel { Scalar, Avx2, Vnni, Amx, Neon, NeonDot, NeonI8mm };
 Kernel kernel_for(CpuTier tier, int64_t S) {
   const CpuFeatures& f = cpu_features();
   if (tier == CpuTier::Amx && S >= kAmxMinRows) return Kernel::Amx;
   if ((tier == CpuTier::Amx || tier == CpuTier::Avx512) && f.avx512vnni) return Kernel::Vnni;
   if (cpu_tier_at_least(tier, CpuTier::Avx2)) return Kernel::Avx2;
-  if (tier == CpuTier::Neon) return f.neon_dotprod ? Kernel::NeonDot : Kernel::Neon;
+  if (tier == CpuTier::I8mm && S >= neon::kI8mmMinRows) return Kernel::NeonI8mm;
+  if (tier == CpuTier::I8mm || tier == CpuTier::Dotprod) return Kernel::NeonDot;
+  if (tier == CpuTier::Neon) return Kernel::Neon;
   return Kernel::Scalar;
 }
 
@@ -158,6 +162,8 @@ const char* quant_isa(CpuTier tier, int64_t S) {
       return "avx512vnni";
     case Kernel::Avx2:
       return "avx2";
+    case Kernel::NeonI8mm:
+      return "neon-i8mm";
     case Kernel::NeonDot:
       return "neon-dotprod";
     case Kernel::Neon:
@@ -208,7 +214,8 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
 #endif
   // AVX2's Q8_0 sign trick multiplies signed q directly, so its activations carry no z term.
   // The NEON kernels make the weights signed in registers: no z term either.
-  const bool neon = kernel == Kernel::Neon || kernel == Kernel::NeonDot;
+  const bool neon =
+      kernel == Kernel::Neon || kernel == Kernel::NeonDot || kernel == Kernel::NeonI8mm;
   const int z = (kernel == Kernel::Avx2 && t == DType::Q8_0) || neon ? 0 : zero_point(t);
   // The shared input is quantized once, on first use; a target with its own input gets its own.
   std::vector<ActQ> acts;
@@ -217,7 +224,8 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
   const ActQ* shared = nullptr;
   const auto quantize = [&](const float* in) {
     ActQ* a = &acts.emplace_back();
-    quantize_acts(pool, in, S, K, kernel == Kernel::Scalar ? 0 : z, kernel != Kernel::Scalar,
+    const bool natural = kernel == Kernel::Scalar || kernel == Kernel::NeonI8mm;
+    quantize_acts(pool, in, S, K, kernel == Kernel::Scalar ? 0 : z, !natural,
                   kernel == Kernel::Vnni, a);
     return a;
   };
@@ -237,6 +245,8 @@ void quant_matmul_many(ThreadPool& pool, const float* x, int64_t S,
 #if defined(__aarch64__)
   if (kernel == Kernel::NeonDot || kernel == Kernel::Neon)
     fn = neon::quant_rows(t, kernel == Kernel::NeonDot);
+  else if (kernel == Kernel::NeonI8mm)
+    fn = neon::quant_rows_i8mm(t);
 #endif
   // Rows [b, e) of the matrices stacked in order, each piece run by its own matrix.
   auto rows = [&](size_t b, size_t e) {

@@ -1,7 +1,7 @@
 // The integer matmul kernels' shared pieces, internal to the kernels library: the activation rows
 // quantized per call, the prefill loop order every SIMD tier walks, and the signature of the
-// per-ISA row kernels (x86/quant_avx512.h, x86/quant_avx2.h, arm/quant_neon.h) that quant_matmul
-// (quant_kernels.cc) picks from the tier in force.
+// per-ISA row kernels (x86/quant_avx512.h, x86/quant_avx2.h, arm/quant_neon.h, arm/quant_i8mm.h)
+// that quant_matmul (quant_kernels.cc) picks from the tier in force.
 #pragma once
 
 #include <algorithm>
