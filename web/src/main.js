@@ -1007,7 +1007,13 @@ function toggleSettings(open = $("settings").hidden) {
 
 async function start() {
   applyTheme(currentTheme());
-  if (window.matchMedia("(max-width: 520px)").matches) $("input").placeholder = "Message";
+  // The keyboard hint only where it fits on one line.
+  const narrow = window.matchMedia("(max-width: 520px)");
+  const placeholder = () => {
+    $("input").placeholder = narrow.matches ? "Message" : "Message (Enter sends, Shift+Enter for a new line)";
+  };
+  narrow.addEventListener("change", placeholder);
+  placeholder();
   loadSettings();
   wire();
   try {
