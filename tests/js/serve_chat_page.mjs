@@ -1,10 +1,10 @@
 // The chat page of `gemstage serve` in headless Chromium (Debian's chromium, driven by
 // playwright-core): type a message, send it, watch the reply stream in and match what the API
 // says for the same request (the page renders replies as markdown, so the text compared is what
-// the message's Copy button puts on the clipboard); then attach an image and send a second turn;
-// then, with Thinking on, a reply carrying reasoning and a tool call (canned server events, since
-// a random-weight model writes neither) shows the reasoning collapsed and the call; save a
-// screenshot. serve_chat_page_features.mjs covers the rest of the page.
+// the message's Copy button puts on the clipboard); then attach an image and send a second turn,
+// and a video for a third; then, with Thinking on, a reply carrying reasoning and a tool call
+// (canned server events, since a random-weight model writes neither) shows the reasoning
+// collapsed and the call; save a screenshot. serve_chat_page_features.mjs covers the rest.
 //
 //   node tests/js/serve_chat_page.mjs path/to/gemstage path/to/tests/fixtures screenshot.png
 import fs from "node:fs";
@@ -91,6 +91,28 @@ try {
   const got2 = await copied(bubble2);
   check(got2 === want2, `second reply ${JSON.stringify(got2)} != API reply ${JSON.stringify(want2)}`);
 
+  // A video turn: an MP4 attached is sent as a video_url part and shown with a player; the reply
+  // is the API's for the request the page sent.
+  const video = path.join(fixtures, "video", "h264_1fps_32x24.mp4");
+  await page.setInputFiles("#file", video);
+  await page.locator("#attachments .chip[data-kind=video]").waitFor({ state: "visible", timeout });
+  const sent = page.waitForRequest((r) => r.url().endsWith("/v1/chat/completions"));
+  await page.fill("#input", "What happens in this video?");
+  await page.press("#input", "Enter");
+  const videoRequest = JSON.parse((await sent).postData());
+  const videoPart = videoRequest.messages.at(-1).content.find((p) => p.type === "video_url");
+  check(videoPart?.video_url?.url === `data:video/mp4;base64,${fs.readFileSync(video).toString("base64")}`,
+        "the video is not sent as its bytes in a video_url part");
+  const bubbleVideo = page.locator(".msg.assistant").nth(2);
+  await bubbleVideo.locator(".meta").waitFor({ timeout });
+  check(await page.locator(".msg.error").count() === 0,
+        `error shown: ${await page.locator(".msg.error").allTextContents()}`);
+  check(await page.locator(".msg.user").nth(2).locator("video").count() === 1,
+        "the user message does not show its video");
+  const wantVideo = await api(videoRequest.messages);
+  const gotVideo = await copied(bubbleVideo);
+  check(gotVideo === wantVideo, `video reply ${JSON.stringify(gotVideo)} != API reply ${JSON.stringify(wantVideo)}`);
+
   // Third turn, Think on: the request asks for thinking, and the page shows the reasoning in a
   // collapsed block and the tool call. The reply is canned at the network layer.
   const sse = (chunk) => `data: ${JSON.stringify(chunk)}\n\n`;
@@ -140,4 +162,4 @@ try {
 }
 const status = await server.stop("SIGTERM");
 check(status.code === 0, `server exit status ${JSON.stringify(status)}\n${server.stderr()}`);
-console.log(`serve_chat_page: three replies in Chromium (text, image, reasoning + tool call); screenshot at ${screenshot}`);
+console.log(`serve_chat_page: four replies in Chromium (text, image, video, reasoning + tool call); screenshot at ${screenshot}`);

@@ -62,7 +62,12 @@ const TEXT_EXTENSIONS = new Set(("txt md markdown rst csv tsv json jsonl xml htm
   "cjs ts tsx jsx py rb go rs c cc cpp cxx h hh hpp java kt kts swift cs php pl sh bash zsh fish " +
   "ps1 bat sql yaml yml toml ini cfg conf log tex bib r m scala lua dart vue svelte cmake " +
   "makefile dockerfile gitignore env diff patch").split(" "));
-const MAX_IMAGE_BYTES = 20 << 20, MAX_AUDIO_BYTES = 25 << 20, MAX_TEXT_BYTES = 1 << 20;
+// The server decodes these containers (docs/video.md); a browser often gives no type for .mkv.
+const VIDEO_TYPES = { mp4: "video/mp4", m4v: "video/mp4", mov: "video/quicktime",
+                      webm: "video/webm", mkv: "video/x-matroska" };
+// The server takes request bodies up to 32 MiB by default (--max-body), and base64 adds a third.
+const MAX_IMAGE_BYTES = 20 << 20, MAX_AUDIO_BYTES = 20 << 20, MAX_VIDEO_BYTES = 20 << 20,
+      MAX_TEXT_BYTES = 1 << 20;
 
 function extension(name) {
   const dot = name.lastIndexOf(".");
@@ -73,10 +78,12 @@ export function classifyFile(file) {
   const ext = extension(file.name), type = (file.type || "").toLowerCase();
   if (type.startsWith("image/")) return "image";
   if (type.startsWith("audio/") || AUDIO_FORMATS[ext]) return "audio";
+  if (type.startsWith("video/") || VIDEO_TYPES[ext]) return "video";
   if (type.startsWith("text/") || TEXT_EXTENSIONS.has(ext) || /json|xml|javascript|yaml|toml/.test(type))
     return "text";
   if (!type) return "text";  // unknown: read it, and refuse it below if it is binary
-  throw new Error(`cannot attach a ${type} file: attach images, recordings (WAV, MP3, FLAC, OGG) or text files`);
+  throw new Error(`cannot attach a ${type} file: attach images, recordings (WAV, MP3, FLAC, OGG), ` +
+                  "videos (MP4, MOV, WebM, MKV) or text files");
 }
 
 export function readAsDataUrl(blob) {
@@ -116,6 +123,14 @@ export async function readAttachment(file, kind) {
     const format = AUDIO_FORMATS[extension(file.name)] || AUDIO_TYPES[(file.type || "").toLowerCase()];
     if (!format) throw new Error("send WAV, MP3, FLAC or OGG audio");
     return { kind, name: file.name, format, dataUrl: await readAsDataUrl(file) };
+  }
+  if (kind === "video") {
+    if (file.size > MAX_VIDEO_BYTES) throw new Error(`videos larger than ${size(MAX_VIDEO_BYTES)} are refused`);
+    // The server wants data:video/...; name the type from the extension where the browser gave none.
+    const type = (file.type || "").startsWith("video/") ? file.type : VIDEO_TYPES[extension(file.name)];
+    if (!type) throw new Error("send MP4, MOV, WebM or MKV video");
+    const url = await readAsDataUrl(file);
+    return { kind, name: file.name, dataUrl: `data:${type};base64,` + url.slice(url.indexOf(",") + 1) };
   }
   if (file.size > MAX_TEXT_BYTES) throw new Error(`text files larger than ${size(MAX_TEXT_BYTES)} are refused`);
   const text = await file.text();
@@ -176,6 +191,7 @@ export function userContent(m) {
     else if (a.kind === "audio")
       parts.push({ type: "input_audio",
                    input_audio: { data: a.dataUrl.slice(a.dataUrl.indexOf(",") + 1), format: a.format } });
+    else if (a.kind === "video") parts.push({ type: "video_url", video_url: { url: a.dataUrl } });
     else if (a.kind === "text") {
       const fence = a.text.includes("```") ? "~~~~" : "```";
       parts.push({ type: "text", text: `File ${a.name}:\n${fence}\n${a.text}\n${fence}` });

@@ -254,7 +254,7 @@ function renderConversation() {
   const messages = currentMessages();
   if (!messages.length) {
     box.append(el("div", { id: "empty", class: "empty" },
-                  el("p", { text: "Ask anything. Attach images, recordings or text files with the " +
+                  el("p", { text: "Ask anything. Attach images, recordings, videos or text files with the " +
                                   "paper clip, or drop them here." })));
   }
   const thread = currentThread();
@@ -272,6 +272,9 @@ function attachmentElements(attachments) {
       wrap.append(img);
     } else if (a.kind === "audio") {
       wrap.append(el("audio", { controls: true, src: a.dataUrl, "aria-label": "recording " + a.name }));
+    } else if (a.kind === "video") {
+      wrap.append(el("video", { controls: true, src: a.dataUrl, preload: "metadata",
+                                "aria-label": "video " + a.name }));
     } else if (a.kind === "text") {
       const d = el("details", { class: "file-part" },
                    el("summary", { text: `${a.name} (${a.text.length.toLocaleString()} characters)` }),
@@ -369,6 +372,8 @@ function updateContextUsed() {
   const messages = currentMessages();
   const last = [...messages].reverse().find((m) => m.stats && m.stats.promptTokens != null);
   const used = last ? last.stats.promptTokens + (last.stats.completionTokens || 0) : null;
+  // "context used 211 / 8,192 tokens" says the size too; the size alone shows until then.
+  $("context-size").hidden = used != null;
   $("context-used").textContent = used == null ? "" :
       "context used " + used.toLocaleString() + ((state.nCtx ?? state.kvBudget) ? " / " + (state.nCtx ?? state.kvBudget).toLocaleString() : "") + " tokens";
 }
@@ -680,7 +685,8 @@ function renderAttachments() {
     list.append(chip);
   });
 }
-// A note (audio) or a page (text) in the attachment's chip; drawn here, the page loads no icons.
+// A note (audio), a camera (video) or a page (text) in the attachment's chip; drawn here, the
+// page loads no icons.
 function fileIcon(kind) {
   const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
   svg.setAttribute("viewBox", "0 0 24 24");
@@ -691,8 +697,10 @@ function fileIcon(kind) {
   svg.setAttribute("stroke", "currentColor");
   svg.setAttribute("stroke-width", "1.8");
   const path = document.createElementNS("http://www.w3.org/2000/svg", "path");
-  path.setAttribute("d", kind === "audio" ? "M9 18V5l11-2v13M9 18a3 3 0 1 1-6 0 3 3 0 0 1 6 0zM20 16a3 3 0 1 1-6 0 3 3 0 0 1 6 0z"
-                                          : "M6 2h8l5 5v15H6zM14 2v5h5M9 12h7M9 16h7");
+  path.setAttribute("d", {
+    audio: "M9 18V5l11-2v13M9 18a3 3 0 1 1-6 0 3 3 0 0 1 6 0zM20 16a3 3 0 1 1-6 0 3 3 0 0 1 6 0z",
+    video: "M3 6h13v12H3zM16 10l5-3v10l-5-3",
+  }[kind] || "M6 2h8l5 5v15H6zM14 2v5h5M9 12h7M9 16h7");
   svg.append(path);
   return svg;
 }
@@ -1007,7 +1015,13 @@ function toggleSettings(open = $("settings").hidden) {
 
 async function start() {
   applyTheme(currentTheme());
-  if (window.matchMedia("(max-width: 520px)").matches) $("input").placeholder = "Message";
+  // The keyboard hint only where it fits on one line.
+  const narrow = window.matchMedia("(max-width: 520px)");
+  const placeholder = () => {
+    $("input").placeholder = narrow.matches ? "Message" : "Message (Enter sends, Shift+Enter for a new line)";
+  };
+  narrow.addEventListener("change", placeholder);
+  placeholder();
   loadSettings();
   wire();
   try {
