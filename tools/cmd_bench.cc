@@ -1,11 +1,9 @@
 // gemstage bench: llama-bench-style throughput (pp = prefill, tg = decode) at given depths,
 // plus load time, peak RSS, the machine's measured read bandwidth and the decode bound it implies.
-#include <sys/resource.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -16,6 +14,7 @@
 #include "core/cpu_features.h"
 #include "core/error.h"
 #include "core/op_profile.h"
+#include "core/platform.h"
 #include "gemma4/tensor_table.h"
 #include "kernels/int8_peak.h"
 #include "kernels/quant.h"
@@ -169,27 +168,15 @@ std::vector<int64_t> int_list(const std::string& s, const char* flag) {
 // Resident memory: the peak, and what the pages resident at the end are. File pages are the
 // mmapped bundle: the weights read per token plus every embedding and PLE row gathered so far
 // (random prompts gather rows all over the tables); anonymous pages are the KV cache,
-// activations and heap. From /proc/self/status on Linux; elsewhere only the peak (getrusage).
+// activations and heap. The split is known on Linux only (core/platform.h); -1 elsewhere.
 struct MemoryUse {
   double peak_gb = 0, file_gb = -1, anon_gb = -1;
 };
 
 MemoryUse memory_use() {
-  MemoryUse m;
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  m.peak_gb = static_cast<double>(ru.ru_maxrss) * 1024 / 1e9;
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    std::istringstream fields(line);
-    std::string key;
-    double kb = 0;
-    if (!(fields >> key >> kb)) continue;
-    if (key == "RssFile:") m.file_gb = kb * 1024 / 1e9;
-    if (key == "RssAnon:") m.anon_gb = kb * 1024 / 1e9;
-  }
-  return m;
+  const platform::ProcessMemory pm = platform::process_memory();
+  const auto gb = [](int64_t bytes) { return bytes < 0 ? -1.0 : static_cast<double>(bytes) / 1e9; };
+  return {std::max(0.0, gb(pm.peak_bytes)), gb(pm.resident_file_bytes), gb(pm.resident_anon_bytes)};
 }
 
 // Sustained read bandwidth: every thread sums its part of a buffer much larger than the caches

@@ -55,7 +55,10 @@ void accept_model_references(Registry& reg) {
           "-m/--model (and --model-draft) also take a model on the Hugging Face Hub, "
           "ORG/NAME[@REVISION] (-hf ORG/NAME is the same), from the shared Hugging Face cache "
           "(HF_HUB_CACHE) or downloaded into it; see docs/models-by-name.md.");
-    for (const char* name : {"--model", "--model-draft"}) {
+    // check's --reference is the source checkpoint too (parity's is a dump folder).
+    const bool check = sub->get_name() == "check";
+    for (const char* name : {"--model", "--model-draft", check ? "--reference" : nullptr}) {
+      if (name == nullptr) continue;
       CLI::Option* opt = sub->get_option_no_throw(name);
       if (opt == nullptr) continue;
       CLI::App* owner = sub;

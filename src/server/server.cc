@@ -1,9 +1,7 @@
 #include "server/server.h"
 
-#include <dirent.h>
 #include <httplib.h>
 #include <netdb.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -23,6 +21,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/platform.h"
 #include "gemma4/multimodal.h"
 #include "io/mapped_file.h"
 #include "runtime/engine.h"
@@ -61,17 +60,11 @@ bool numeric_address(const sockaddr_storage& ss, socklen_t len, std::string& hos
 // Calls fn(fd) for every socket among this process's open descriptors; fn returns false to stop.
 template <typename Fn>
 void for_each_socket_fd(Fn fn) {
-  DIR* dir = opendir("/proc/self/fd");
-  if (!dir) return;
-  while (const dirent* e = readdir(dir)) {
-    char* end = nullptr;
-    const long fd = std::strtol(e->d_name, &end, 10);
-    if (end == e->d_name || *end != '\0') continue;
+  platform::for_each_open_fd([&](int fd) {
     struct stat st;
-    if (fstat(static_cast<int>(fd), &st) != 0 || !S_ISSOCK(st.st_mode)) continue;
-    if (!fn(static_cast<int>(fd))) break;
-  }
-  closedir(dir);
+    if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) return true;
+    return fn(fd);
+  });
 }
 
 // The accepted socket behind a request. cpp-httplib 0.11 gives handlers no way to ask whether the
@@ -91,12 +84,7 @@ class ClientSocket {
 
   // False once the client closed or reset its end. Unknown (socket not found) counts as alive:
   // then a failed write is what notices a vanished client.
-  bool alive() const {
-    if (fd_ < 0) return true;
-    pollfd p{fd_, POLLRDHUP, 0};
-    if (poll(&p, 1, 0) < 0) return true;
-    return (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0;
-  }
+  bool alive() const { return fd_ < 0 || !platform::socket_peer_closed(fd_); }
 
  private:
   static bool matches(int fd, const httplib::Request& req) {

@@ -63,7 +63,13 @@ await step("streamed response: typed events the client assembles into the same o
         `last event ${types[types.length - 1]}`);
   eq(final.output_text, whole.output_text, "streamed output_text");
   eq(final.status, whole.status, "status");
-  eq(final.usage, whole.usage, "usage");
+  eq(final.usage.input_tokens, whole.usage.input_tokens, "input_tokens");
+  eq(final.usage.output_tokens, whole.usage.output_tokens, "output_tokens");
+  eq(final.usage.total_tokens, whole.usage.total_tokens, "total_tokens");
+  // The same input again: its prefix came back from a slot's caches, and usage says so.
+  eq(whole.usage.input_tokens_details.cached_tokens, 0, "first request: nothing cached");
+  check(final.usage.input_tokens_details.cached_tokens > 0,
+        `cached_tokens ${final.usage.input_tokens_details.cached_tokens}`);
 });
 
 await step("input_image equals gemstage generate --image (greedy)", async () => {
