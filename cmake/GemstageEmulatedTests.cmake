@@ -1,7 +1,8 @@
 # The tests of a cross build (the `aarch64` preset), run under the toolchain's emulator
 # (qemu-aarch64). Included from tests/CMakeLists.txt after gemstage_tests and the node tests are
 # declared. Instead of one ctest entry per test case (each a qemu start-up of the whole binary)
-# the cases run in a few groups, each one gemstage_tests process with a --gtest_filter:
+# the cases run in a few groups, each one test process with a --gtest_filter (the `ci` groups run
+# gemstage_ci_tests, the sources of their suites only; tests/CMakeLists.txt):
 #
 #   label `ci` (the test preset `aarch64`, scripts/test.sh):
 #     kernels_<cpu>  the kernel tests (every tier the emulated CPU has against its scalar twin, on
@@ -32,11 +33,11 @@ set(GEMSTAGE_GOLDEN_TEST_FILTER
 
 foreach(cpu cortex-a72 neoverse-n1 max)
   add_test(NAME kernels_${cpu}
-           COMMAND gemstage_tests --gtest_filter=${GEMSTAGE_KERNEL_TEST_FILTER})
+           COMMAND gemstage_ci_tests --gtest_filter=${GEMSTAGE_KERNEL_TEST_FILTER})
   set_tests_properties(kernels_${cpu} PROPERTIES LABELS ci TIMEOUT 1800
                        ENVIRONMENT QEMU_CPU=${cpu})
 endforeach()
-add_test(NAME golden COMMAND gemstage_tests --gtest_filter=${GEMSTAGE_GOLDEN_TEST_FILTER})
+add_test(NAME golden COMMAND gemstage_ci_tests --gtest_filter=${GEMSTAGE_GOLDEN_TEST_FILTER})
 set_tests_properties(golden PROPERTIES LABELS ci TIMEOUT 3600 ENVIRONMENT QEMU_CPU=max)
 
 # `gemstage parity` of every fixture set's model against the set's reference dumps: each tap
