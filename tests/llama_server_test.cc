@@ -6,7 +6,10 @@
 #include <httplib.h>
 
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
 
 #include "runtime/sampler.h"
 #include "server/server.h"
@@ -391,6 +394,106 @@ TEST(LlamaServer, LogitBiasForcesAndBans) {
   ASSERT_TRUE(bad);
   EXPECT_EQ(bad->status, 400);
   EXPECT_EQ(json::parse(bad->body)["error"]["param"], "logit_bias");
+}
+
+// The access log: one line per request once its reply went out, streamed replies included, with
+// the counts the reply's usage gives, the time to the first token and an error's code.
+TEST(LlamaServer, AccessLogWritesALinePerRequest) {
+  const std::string dir = temp_dir("access_log");
+  const json body = {
+      {"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"temperature", 0}, {"max_tokens", 4}};
+  json streamed = body;
+  streamed["stream"] = true;
+  json whole;
+  for (const std::string format : {"json", "text"}) {
+    ServerOptions o = options();
+    o.access_log_format = format;
+    o.access_log_path = dir + "/" + format + ".log";
+    auto s = start(o);
+    whole = post_ok(*s, "/v1/chat/completions", body);
+    auto r = client(*s).Post("/v1/chat/completions", streamed.dump(), "application/json");
+    ASSERT_TRUE(r && r->status == 200);
+    auto bad = client(*s).Post("/v1/chat/completions", R"({"messages": 3})", "application/json");
+    ASSERT_TRUE(bad);
+    EXPECT_EQ(bad->status, 400);
+    s.reset();  // the library's threads end, so every line is written
+  }
+  const int64_t prompt = whole["usage"]["prompt_tokens"],
+                generated = whole["usage"]["completion_tokens"];
+  std::vector<json> lines;
+  {
+    std::ifstream in(dir + "/json.log");
+    for (std::string line; std::getline(in, line);) lines.push_back(json::parse(line));
+  }
+  ASSERT_EQ(lines.size(), 3u);
+  for (int i = 0; i < 2; ++i) {
+    const json& l = lines[i];
+    EXPECT_EQ(l["method"], "POST");
+    EXPECT_EQ(l["path"], "/v1/chat/completions");
+    EXPECT_EQ(l["status"], 200);
+    EXPECT_EQ(l["remote"], "127.0.0.1");
+    EXPECT_EQ(l["prompt_tokens"], prompt) << l;
+    EXPECT_EQ(l["generated_tokens"], generated) << l;
+    // The streamed repeat found all its prompt rows but the last in a slot's caches.
+    EXPECT_EQ(l["cached_tokens"], i == 0 ? 0 : prompt - 1) << l;
+    EXPECT_GT(l["ttft_ms"].get<double>(), 0) << l;
+    EXPECT_GE(l["duration_ms"].get<double>(), l["ttft_ms"].get<double>()) << l;
+    if (generated > 1) {
+      EXPECT_GT(l["tokens_per_second"].get<double>(), 0) << l;
+    }
+    EXPECT_FALSE(l.contains("error")) << l;
+    EXPECT_EQ(l["time"].get<std::string>().back(), 'Z') << l;
+  }
+  EXPECT_EQ(lines[2]["status"], 400);
+  EXPECT_FALSE(lines[2]["error"].get<std::string>().empty()) << lines[2];
+  EXPECT_FALSE(lines[2].contains("prompt_tokens")) << lines[2];
+
+  std::ifstream text_file(dir + "/text.log");
+  const std::string text((std::istreambuf_iterator<char>(text_file)),
+                         std::istreambuf_iterator<char>());
+  const std::regex ok_line(R"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z 127\.0\.0\.1 POST )"
+                           R"(/v1/chat/completions 200 [\d.]+ms prompt=(\d+) cached=\d+ )"
+                           R"(generated=(\d+) ttft=[\d.]+ms.*)");
+  const std::regex bad_line(R"(.* POST /v1/chat/completions 400 [\d.]+ms error=\S+)");
+  std::istringstream in(text);
+  std::vector<std::string> text_lines;
+  for (std::string line; std::getline(in, line);) text_lines.push_back(line);
+  ASSERT_EQ(text_lines.size(), 3u) << text;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_match(text_lines[0], m, ok_line)) << text_lines[0];
+  EXPECT_EQ(std::stoll(m[1]), prompt);
+  EXPECT_EQ(std::stoll(m[2]), generated);
+  EXPECT_TRUE(std::regex_match(text_lines[1], ok_line)) << text_lines[1];
+  EXPECT_TRUE(std::regex_match(text_lines[2], bad_line)) << text_lines[2];
+}
+
+// A forced tool call on a model whose tokenizer lacks Gemma 4's call tokens (the tiny fixture's
+// 2k vocabulary) is refused when the request is checked, naming the missing token, instead of
+// failing mid-generation.
+TEST(LlamaServer, ForcedToolCallWithoutTheCallTokensIsA400) {
+  auto s = start(options());
+  const json tools = json::parse(R"([{"type":"function","function":{"name":"get_time",
+      "parameters":{"type":"object","properties":{"tz":{"type":"string"}}}}}])");
+  for (const json& choice :
+       {json("required"), json({{"type", "function"}, {"function", {{"name", "get_time"}}}})}) {
+    auto r = client(*s).Post("/v1/chat/completions",
+                             json({{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                                   {"tools", tools},
+                                   {"tool_choice", choice}})
+                                 .dump(),
+                             "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    const json e = json::parse(r->body)["error"];
+    EXPECT_EQ(e["param"], "tool_choice");
+    EXPECT_EQ(e["code"], "unsupported_value");
+    EXPECT_NE(e["message"].get<std::string>().find("<|tool_call>"), std::string::npos) << e;
+  }
+  // tool_choice auto still answers: the model may simply not call.
+  const json ok = post_ok(
+      *s, "/v1/chat/completions",
+      {{"messages", {{{"role", "user"}, {"content", "Hi"}}}}, {"tools", tools}, {"max_tokens", 4}});
+  EXPECT_EQ(ok["object"], "chat.completion");
 }
 
 }  // namespace

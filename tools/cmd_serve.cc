@@ -35,6 +35,8 @@ struct ServeArgs : CommonArgs {
   bool no_bundle_drafter = false;
   // llama-server's spellings.
   std::string alias, api_key_file, cors;
+  std::string log_format = "text", log_file;
+  bool log_disable = false;
   bool slots = false, no_slots = false, metrics = false, jinja = false;
   int timeout = 0;
 };
@@ -90,6 +92,8 @@ int run_serve(const ServeArgs& a, const RunContext& cx) {
   o.slots_endpoint = a.slots && !a.no_slots;
   o.cors_origins = a.cors;
   o.io_timeout_seconds = a.timeout;
+  o.access_log_format = a.log_disable ? "off" : a.log_format;
+  o.access_log_path = a.log_file;
   o.max_body = a.max_body;
   o.threads = a.threads;
   o.http_threads = a.http_threads;
@@ -237,6 +241,13 @@ void add_serve_command(CLI::App& app, Registry& reg) {
   sub->add_option("--cors", a->cors,
                   "browser origins allowed to call the API: comma-separated (http://host:port) "
                   "or *; default: none (no CORS headers)");
+  sub->add_option("--log-format", a->log_format,
+                  "the access log's lines (one per request): text or json (one object a line)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"text", "json"}));
+  sub->add_option("--log-file", a->log_file,
+                  "append the access log to this file instead of stderr");
+  sub->add_flag("--log-disable", a->log_disable, "write no access log");
   // -to is mapped to --timeout in main (CLI11 takes one-letter short names).
   sub->add_option("--timeout", a->timeout,
                   "seconds a connection may wait on a read or a write (-to; default: the HTTP "

@@ -325,6 +325,16 @@ void Server::Impl::prepare(Job& job) {
                        "tool_choice '" +
                            t.tool_choice + "'",
                        "invalid_request_error", "tool_choice", "invalid_value");
+      // The forced call is Gemma 4's call format, spelled with these tokens; without them no
+      // token could continue it (a model with another tokenizer).
+      for (const char* marker : {"<|tool_call>", "<tool_call|>", "<|\"|>"})
+        if (!assistant->tokenizer().token_to_id(marker))
+          throw ApiError(400,
+                         "tool_choice '" + t.tool_choice +
+                             "' forces a tool call in Gemma 4's format, but this model's "
+                             "tokenizer has no " +
+                             marker + " token; use tool_choice 'auto' or 'none'",
+                         "invalid_request_error", "tool_choice", "unsupported_value");
       try {
         // With thinking on the model may think first, then must call. The thought leaves the
         // last kCallReserveTokens of max_tokens to the call; with fewer, it has no room.
@@ -816,6 +826,7 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
     const GenerationResult& g = r.generation;
     if (g.finish_reason == "cancelled") throw shutting_down_error();
     record_finished(r);
+    access_generation(req, r);
     if (route == Route::kNative) {
       res.set_content(wire_json(native_completion_json(*job, r, g.text, false)),
                       "application/json");
@@ -872,7 +883,11 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       return native_completion_json(*job, r, "", true);
     };
   st->n_probs = job->n_probs;
-  st->on_finished = [this](const Generation::Result& r) { record_finished(r); };
+  // Runs inside the content provider, while the library still holds `req`.
+  st->on_finished = [this, &req](const Generation::Result& r) {
+    record_finished(r);
+    access_generation(req, r);
+  };
   st->include_usage = include_usage;
   st->tokenizer = &assistant->tokenizer();
   st->client = std::move(client);
@@ -1004,7 +1019,10 @@ void Server::Impl::setup_routes() {
                    {"/apply-template", "POST"},
                    {"/props", "GET"},
                    {"/slots", "GET"}};
+  if (opt.access_log_format != "off")
+    http.set_logger([this](const Request& req, const Response& res) { access_log(req, res); });
   http.set_pre_routing_handler([this](const Request& req, Response& res) {
+    access_begin(req);
     // CORS (--cors): an allowed Origin is echoed on every reply, and a preflight is answered
     // here, before the key check (browsers send preflights without credentials).
     const std::string origin = req.get_header_value("Origin");
@@ -1198,6 +1216,10 @@ void Server::Impl::shutdown() {
 Server::Server(ServerOptions options) : impl_(std::make_unique<Impl>(std::move(options))) {
   if (impl_->opt.parallel < 1) fail("--parallel must be at least 1");
   if (impl_->opt.max_body == 0) fail("--max-body must be at least 1 byte");
+  const std::string& log_format = impl_->opt.access_log_format;
+  if (log_format != "text" && log_format != "json" && log_format != "off")
+    fail("--log-format must be text or json (or off), not '", log_format, "'");
+  impl_->open_access_log();
 }
 
 Server::~Server() {

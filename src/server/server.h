@@ -79,6 +79,12 @@ struct ServerOptions {
   bool slots_endpoint = false;
   std::string cors_origins;
   int io_timeout_seconds = 0;
+  // The access log: one line per request once its reply went out (time, client, method, path,
+  // status, the prompt / cached / generated tokens, time to first token, decode tokens/s, the
+  // error code), as "text" or one JSON object a line ("json"); "off" writes none. To
+  // access_log_path (appended; --log-file), or stderr when that is empty.
+  std::string access_log_format = "text";
+  std::string access_log_path;
   double shutdown_grace_seconds = 5;  // how long shutdown() lets running generations finish
   // Run on the loader thread before the model is opened: lets a test hold the server in its
   // "loading" state.

@@ -6,7 +6,9 @@
 #include <httplib.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -15,6 +17,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "io/mapped_file.h"
@@ -58,6 +61,22 @@ struct Server::Impl {
 
   ServerOptions opt;
   httplib::Server http;
+
+  // The access log (ServerOptions::access_log_*): what a request's line says beyond its method,
+  // path and status, kept from routing to the library's logger under the library's Request
+  // object (one per connection thread, reused: routing replaces what an earlier one left).
+  struct AccessRecord {
+    std::chrono::steady_clock::time_point start;
+    int64_t prompt_tokens = -1, cached_tokens = -1, generated_tokens = -1;
+    double ttft_ms = -1, tokens_per_second = -1;
+  };
+  std::mutex access_mu;
+  std::unordered_map<const httplib::Request*, AccessRecord> access_records;
+  std::unique_ptr<std::ofstream> access_file;
+  void open_access_log();  // --log-file; throws when it cannot be opened
+  void access_begin(const httplib::Request& req);
+  void access_generation(const httplib::Request& req, const Generation::Result& r);
+  void access_log(const httplib::Request& req, const httplib::Response& res);
   std::thread listener, loader;
   int port = -1;
   int listen_fd = -1;  // the library's listening socket, seen as it is created
