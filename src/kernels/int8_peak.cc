@@ -14,9 +14,10 @@ namespace gemstage {
 namespace peak_loops {
 
 uint64_t scalar(int64_t iters, int seed) {
-  // Eight independent int32 chains of int8 products, as the scalar GEMM's inner loop.
+  // Eight independent 32-bit chains of int8 products, as the scalar GEMM's inner loop; unsigned,
+  // so a long run wraps instead of overflowing (the sums are only kept live).
   constexpr int kChains = 8;
-  int32_t acc[kChains];
+  uint32_t acc[kChains];
   int8_t a[kChains], b[kChains];
   for (int c = 0; c < kChains; ++c) {
     acc[c] = 0;
@@ -24,9 +25,10 @@ uint64_t scalar(int64_t iters, int seed) {
     b[c] = static_cast<int8_t>(seed - c);
   }
   for (int64_t i = 0; i < iters; ++i)
-    for (int c = 0; c < kChains; ++c) acc[c] += a[c] * b[c] + static_cast<int32_t>(i & 1);
-  volatile int32_t sink = 0;
-  for (int32_t x : acc) sink = sink + x;
+    for (int c = 0; c < kChains; ++c)
+      acc[c] += static_cast<uint32_t>(a[c] * b[c] + static_cast<int32_t>(i & 1));
+  volatile uint32_t sink = 0;
+  for (uint32_t x : acc) sink = sink + x;
   return static_cast<uint64_t>(iters) * kChains;
 }
 

@@ -31,7 +31,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) uint64_t vnni_zm
   for (int c = 1; c < kChains; ++c) s = _mm512_add_epi32(s, acc[c]);
   alignas(64) int32_t lanes[16];
   _mm512_store_si512(lanes, s);
-  volatile int32_t sink = lanes[0] + lanes[15];
+  // Unsigned: the lanes wrapped long ago (they are only kept live, never read for a value).
+  volatile uint32_t sink = static_cast<uint32_t>(lanes[0]) + static_cast<uint32_t>(lanes[15]);
   (void)sink;
   return static_cast<uint64_t>(iters) * kChains * 64;
 }
