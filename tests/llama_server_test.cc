@@ -382,8 +382,8 @@ TEST(LlamaServer, LogitBiasForcesAndBans) {
   // Without the bias the grammar's first token is "{" itself; banned, the reply holds no such
   // token, and whatever it wrote is still the start of a JSON object (whitespace may lead).
   const std::string text = constrained["choices"][0]["message"]["content"];
-  for (const json& t : post_ok(*s, "/tokenize", {{"content", text}})["tokens"])
-    EXPECT_NE(t, brace["tokens"][0]) << text;
+  const json retokenized = post_ok(*s, "/tokenize", {{"content", text}});
+  for (const json& t : retokenized["tokens"]) EXPECT_NE(t, brace["tokens"][0]) << text;
   const size_t first_char = text.find_first_not_of(" \t\r\n");
   if (first_char != std::string::npos) {
     EXPECT_EQ(text[first_char], '{') << text;
