@@ -30,7 +30,7 @@ fi
 phase aarch64
 # Every parser of outside input under libFuzzer for a few seconds each (clang build included).
 if [[ "${GEMSTAGE_SKIP_FUZZ:-0}" != "1" ]]; then
-  scripts/fuzz.sh "${GEMSTAGE_FUZZ_SECONDS:-10}"
+  scripts/fuzz.sh "${GEMSTAGE_FUZZ_SECONDS:-5}"
 fi
 phase fuzz
 if [[ "${GEMSTAGE_SKIP_ASAN:-0}" != "1" ]]; then
