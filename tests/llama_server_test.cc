@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
 
+#include <chrono>
 #include <fstream>
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+#include <thread>
 
 #include "runtime/sampler.h"
 #include "server/server.h"
@@ -398,6 +400,20 @@ TEST(LlamaServer, LogitBiasForcesAndBans) {
 
 // The access log: one line per request once its reply went out, streamed replies included, with
 // the counts the reply's usage gives, the time to the first token and an error's code.
+// Lines in a log file, waiting up to ten seconds for `want` of them: a request's line is written
+// once its reply has gone out, which the client of a streamed reply can see before the line lands.
+size_t wait_for_log_lines(const std::string& path, size_t want) {
+  size_t have = 0;
+  for (int tries = 0; tries < 1000; ++tries) {
+    std::ifstream in(path);
+    have = 0;
+    for (std::string line; std::getline(in, line);) ++have;
+    if (have >= want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return have;
+}
+
 TEST(LlamaServer, AccessLogWritesALinePerRequest) {
   const std::string dir = temp_dir("access_log");
   const json body = {
@@ -410,9 +426,12 @@ TEST(LlamaServer, AccessLogWritesALinePerRequest) {
     o.access_log_format = format;
     o.access_log_path = dir + "/" + format + ".log";
     auto s = start(o);
+    // Each request waits for the one before it to be logged, so the lines keep request order.
     whole = post_ok(*s, "/v1/chat/completions", body);
+    ASSERT_EQ(wait_for_log_lines(o.access_log_path, 1), 1u);
     auto r = client(*s).Post("/v1/chat/completions", streamed.dump(), "application/json");
     ASSERT_TRUE(r && r->status == 200);
+    ASSERT_EQ(wait_for_log_lines(o.access_log_path, 2), 2u);
     auto bad = client(*s).Post("/v1/chat/completions", R"({"messages": 3})", "application/json");
     ASSERT_TRUE(bad);
     EXPECT_EQ(bad->status, 400);
