@@ -10,6 +10,7 @@
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -484,6 +485,53 @@ TEST(LlamaServer, AccessLogWritesALinePerRequest) {
   EXPECT_EQ(std::stoll(m[2]), generated);
   EXPECT_TRUE(std::regex_match(text_lines[1], ok_line)) << text_lines[1];
   EXPECT_TRUE(std::regex_match(text_lines[2], bad_line)) << text_lines[2];
+}
+
+// OpenAI's `n`: three greedy choices each equal the reply a request alone gets, usage counts
+// the prompt once and every choice's tokens; more than the slots, or streamed, is a 400 naming n.
+TEST(LlamaServer, NChoicesEachEqualAGreedyReplyAlone) {
+  ServerOptions o = options();
+  o.parallel = 3;
+  auto s = start(o);
+  for (const char* route : {"/v1/chat/completions", "/v1/completions"}) {
+    const bool chat = std::string(route) == "/v1/chat/completions";
+    json body = {{"temperature", 0}, {"max_tokens", 6}};
+    if (chat)
+      body["messages"] = {{{"role", "user"}, {"content", "Say something"}}};
+    else
+      body["prompt"] = "Once upon";
+    const json alone = post_ok(*s, route, body);
+    body["n"] = 3;
+    const json three = post_ok(*s, route, body);
+    ASSERT_EQ(three["choices"].size(), 3u) << three;
+    const auto text = [chat](const json& choice) {
+      return chat ? choice["message"]["content"] : choice["text"];
+    };
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(three["choices"][i]["index"], i);
+      EXPECT_EQ(text(three["choices"][i]), text(alone["choices"][0])) << three;
+      EXPECT_EQ(three["choices"][i]["finish_reason"], alone["choices"][0]["finish_reason"]);
+    }
+    EXPECT_EQ(three["usage"]["prompt_tokens"], alone["usage"]["prompt_tokens"]);
+    EXPECT_EQ(three["usage"]["completion_tokens"].get<int64_t>(),
+              3 * alone["usage"]["completion_tokens"].get<int64_t>());
+    EXPECT_GT(alone["usage"]["completion_tokens"].get<int64_t>(), 0);
+    for (const json& bad : {json{{"n", 4}}, json{{"n", 2}, {"stream", true}}}) {
+      json b = body;
+      b.update(bad);
+      auto r = client(*s).Post(route, b.dump(), "application/json");
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->status, 400) << r->body;
+      EXPECT_EQ(json::parse(r->body)["error"]["param"], "n") << r->body;
+    }
+  }
+  // Sampled choices differ from one another: each counts the seed on from the request's.
+  const json sampled = post_ok(
+      *s, "/v1/completions",
+      {{"prompt", "Once upon"}, {"temperature", 1.5}, {"seed", 7}, {"max_tokens", 12}, {"n", 3}});
+  std::set<std::string> texts;
+  for (const json& c : sampled["choices"]) texts.insert(c["text"].get<std::string>());
+  EXPECT_GT(texts.size(), 1u) << sampled;
 }
 
 // A forced tool call on a model whose tokenizer lacks Gemma 4's call tokens (the tiny fixture's

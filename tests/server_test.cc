@@ -358,7 +358,7 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
        "invalid_image",
        ""},
       {chat_body({{"model", 5}}), "model", "invalid_type", "must be a string"},
-      {chat_body({{"n", 2}}), "n", "unsupported_value", "'n' must be 1"},
+      {chat_body({{"n", 0}}), "n", "invalid_value", "'n' must be between 1 and"},
       {chat_body({{"n", "1"}}), "n", "invalid_type", "must be an integer"},
       {chat_body({{"max_tokens", 0}}), "max_tokens", "invalid_value", "between 1 and"},
       {chat_body({{"max_tokens", "10"}}), "max_tokens", "invalid_type", "an integer, not a string"},
@@ -446,7 +446,7 @@ TEST(ServerApi, RefusesEveryInvalidCompletionBody) {
       {{{"prompt", "x"}, {"echo", true}}, "echo", "unsupported_value", "not supported"},
       {{{"prompt", "x"}, {"suffix", "y"}}, "suffix", "unsupported_value", "not supported"},
       {{{"prompt", "x"}, {"best_of", 3}}, "best_of", "unsupported_value", "must be 1"},
-      {{{"prompt", "x"}, {"n", 3}}, "n", "unsupported_value", "must be 1"},
+      {{{"prompt", "x"}, {"n", -3}}, "n", "invalid_value", "between 1 and"},
       {{{"prompt", "x"}, {"max_tokens", -5}}, "max_tokens", "invalid_value", "between 1"},
   };
   for (const BadCase& c : cases)
@@ -1015,7 +1015,7 @@ TEST(ServerHttp, EveryErrorHasItsStatusAndShape) {
                      "invalid_image", url_param);
   expect_error_reply(post(*s, chat, image("https://example.com/a.png")), 400,
                      "unsupported_image_url", url_param);
-  expect_error_reply(post(*s, chat, chat_body({{"n", 3}})), 400, "unsupported_value", "n");
+  expect_error_reply(post(*s, chat, chat_body({{"n", 9}})), 400, "invalid_value", "n");
   expect_error_reply(post(*s, chat, chat_body({{"stream", true}, {"temperature", 9}})), 400,
                      "invalid_value", "temperature");
   expect_error_reply(post(*s, "/v1/completions", {{"prompt", 12}}), 400, "invalid_type", "prompt");

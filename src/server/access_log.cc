@@ -67,9 +67,10 @@ void Server::Impl::access_begin(const httplib::Request& req) {
   access_records.insert_or_assign(&req, r);
 }
 
-void Server::Impl::access_generation(const httplib::Request& req, const Generation::Result& r) {
+void Server::Impl::access_generation(const httplib::Request& req, const Generation::Result& r,
+                                     int64_t generated) {
   if (opt.access_log_format == "off") return;
-  const auto generated = static_cast<int64_t>(r.generation.tokens.size());
+  if (generated < 0) generated = static_cast<int64_t>(r.generation.tokens.size());
   std::lock_guard<std::mutex> lk(access_mu);
   const auto it = access_records.find(&req);
   if (it == access_records.end()) return;

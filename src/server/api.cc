@@ -240,11 +240,8 @@ std::vector<std::pair<int32_t, float>> parse_logit_bias(const json& lb) {
 // rather than silently ignore.
 void parse_common(const json& body, GenerationRequest& r) {
   r.model = get_string(body, "model").value_or("");
-  if (const auto n = get_int(body, "n", std::numeric_limits<int64_t>::min(),
-                             std::numeric_limits<int64_t>::max());
-      n && *n != 1)
-    bad_request("n", "unsupported_value",
-                "'n' must be 1: this server generates one choice per request");
+  // Bounded here by a size no server's slot count reaches; the server holds it to its own.
+  if (const auto n = get_int(body, "n", 1, kMaxChoices)) r.n = static_cast<int>(*n);
   SamplingOverrides& s = r.sampling;
   constexpr int64_t kMaxTokens = std::numeric_limits<int32_t>::max();
   const auto max_tokens = get_int(body, "max_tokens", 1, kMaxTokens);

@@ -105,11 +105,17 @@ struct SamplingOverrides {
 // to roll back: gemma4/assistant_model.cc).
 constexpr int kMaxDraftsPerRound = 64;
 
+// The most choices (`n`) one request may ask for before the server compares it with its slots.
+constexpr int kMaxChoices = 1024;
+
 // The fields chat and text completions share.
 struct GenerationRequest {
   std::string model;  // as sent; the server serves its one model whatever is asked for
   SamplingOverrides sampling;
   bool stream = false, include_usage = false;
+  // OpenAI's `n`: choices generated from the one prompt, each on its own slot (the server checks
+  // it against its slot count).
+  int n = 1;
 };
 
 struct ChatRequest : GenerationRequest {

@@ -799,6 +799,18 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   GenerationRequest common;  // the shared part of every request, sliced off
   const std::shared_ptr<Job> job = parse_job(parse_json_body(req.body), route, common);
   const bool stream = common.stream, include_usage = common.include_usage;
+  if (common.n > 1) {
+    if (route != Route::kChat && route != Route::kCompletion)
+      bad_request("n", "unsupported_value",
+                  "'n' above 1 is answered on /v1/chat/completions and /v1/completions");
+    if (stream)
+      bad_request("n", "unsupported_value",
+                  "'n' above 1 is answered with stream: false; send n streamed requests instead");
+    if (common.n > opt.parallel)
+      bad_request("n", "invalid_value",
+                  "'n' (" + std::to_string(common.n) + ") must be at most the server's slots (" +
+                      std::to_string(opt.parallel) + ", --parallel)");
+  }
   try {
     prepare(*job);
   } catch (...) {
@@ -807,6 +819,10 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   }
   auto client = std::make_unique<ClientSocket>(req);
   submit(*job);
+  if (common.n > 1) {
+    answer_choices(req, res, route, *job, common.n, [&client] { return client->alive(); });
+    return;
+  }
   Generation& gen = *job->generation;
   // Until the prompt is known to fit, the status is still open: a context overflow is a 400
   // even for a streamed request.
@@ -946,6 +962,74 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       [st](bool success) {
         if (!success) st->job->generation->cancel();
       });
+}
+
+// `n` choices of one prompt, not streamed: the prepared job is the first, submitted; the others
+// are the same prompt and options with the seed counted on, each on a slot of its own (the
+// engine batches their steps, so the weights are read once for all of them; each slot prefills
+// the prompt itself unless its caches already hold it). Choices keep their index; usage counts
+// the prompt once and the tokens of every choice, as OpenAI's API does.
+void Server::Impl::answer_choices(const httplib::Request& req, httplib::Response& res, Route route,
+                                  const Job& job, int n,
+                                  const std::function<bool()>& client_alive) {
+  std::vector<std::shared_ptr<Generation>> gens{job.generation};
+  // Whatever ends this reply early (an error, a vanished client) cancels every choice.
+  struct CancelAll {
+    std::vector<std::shared_ptr<Generation>>& gens;
+    ~CancelAll() {
+      for (auto& g : gens) g->cancel();
+    }
+  } cancel_all{gens};
+  for (int i = 1; i < n; ++i) {
+    Job choice;
+    choice.prompt = job.prompt;
+    choice.gen = job.gen;
+    choice.gen.sampling.seed = job.gen.sampling.seed + static_cast<uint64_t>(i);
+    choice.draft = job.draft;
+    submit(choice);
+    gens.push_back(choice.generation);
+  }
+  std::vector<Generation::Result> results;
+  for (auto& g : gens) {
+    while (!g->wait_done(kPollInterval))
+      if (!client_alive()) return;  // every choice cancelled on the way out
+    results.push_back(g->result());
+    if (results.back().error) throw api_error(*results.back().error);
+    if (results.back().generation.finish_reason == "cancelled") throw shutting_down_error();
+  }
+  const bool chat = route == Route::kChat;
+  const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), model_name,
+                          static_cast<int64_t>(std::time(nullptr))};
+  const std::string& prefix = job.prompt.generation_prefix;
+  json out, choices = json::array();
+  int64_t completion_tokens = 0;
+  for (size_t i = 0; i < results.size(); ++i) {
+    const Generation::Result& r = results[i];
+    record_finished(r);
+    const GenerationResult& g = r.generation;
+    const auto tokens = static_cast<int64_t>(g.tokens.size());
+    completion_tokens += tokens;
+    const std::string fr = openai_finish_reason(g.finish_reason);
+    json one = job.tool_request ? chat_tool_completion_json(
+                                      meta, prefix + g.text, g.finish_reason == "stop",
+                                      r.prompt_tokens, tokens, [this] { return new_id("call_"); })
+               : chat ? chat_completion_json(meta, g.text, fr, r.prompt_tokens, tokens)
+                      : text_completion_json(meta, g.text, fr, r.prompt_tokens, tokens);
+    if (i == 0) out = one;
+    json c = std::move(one["choices"][0]);
+    c["index"] = i;
+    if (chat && job.gen.top_logprobs >= 0)
+      c["logprobs"] = logprobs_json(assistant->tokenizer(), g.logprobs);
+    choices.push_back(std::move(c));
+  }
+  const Generation::Result& first = results.front();
+  access_generation(req, first, completion_tokens);
+  out["choices"] = std::move(choices);
+  out["usage"] = usage_json(first.prompt_tokens, completion_tokens);
+  out["usage"]["prompt_tokens_details"] = {{"cached_tokens", first.cached_tokens}};
+  // llama-server's timings, of the first choice (the others ran beside it).
+  out["timings"] = timings_json(first, static_cast<int64_t>(first.generation.tokens.size()));
+  res.set_content(wire_json(out), "application/json");
 }
 
 httplib::Server::Handler Server::Impl::generation_handler(Route route) {

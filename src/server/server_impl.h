@@ -75,7 +75,9 @@ struct Server::Impl {
   std::unique_ptr<std::ofstream> access_file;
   void open_access_log();  // --log-file; throws when it cannot be opened
   void access_begin(const httplib::Request& req);
-  void access_generation(const httplib::Request& req, const Generation::Result& r);
+  // generated: the tokens the reply holds when it is more than r's (choices of `n`).
+  void access_generation(const httplib::Request& req, const Generation::Result& r,
+                         int64_t generated = -1);
   void access_log(const httplib::Request& req, const httplib::Response& res);
   std::thread listener, loader;
   int port = -1;
@@ -174,6 +176,8 @@ struct Server::Impl {
   std::string metrics_text();
   void submit(Job& job);
   void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
+  void answer_choices(const httplib::Request& req, httplib::Response& res, Route route,
+                      const Job& job, int n, const std::function<bool()>& client_alive);
   void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
   std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
                                  GenerationRequest& common);
