@@ -15,8 +15,11 @@
 #include <thread>
 
 #include "runtime/sampler.h"
+#include "server/api.h"
 #include "server/server.h"
 #include "test_util.h"
+#include "tokenizer/tokenizer.h"
+#include "tokenizer/utf8.h"
 
 using namespace gemstage;
 using namespace gemstage::server;
@@ -485,6 +488,26 @@ TEST(LlamaServer, AccessLogWritesALinePerRequest) {
   EXPECT_EQ(std::stoll(m[2]), generated);
   EXPECT_TRUE(std::regex_match(text_lines[1], ok_line)) << text_lines[1];
   EXPECT_TRUE(std::regex_match(text_lines[2], bad_line)) << text_lines[2];
+}
+
+// One rule for text that is not UTF-8: a logprob's token reads as the reply's text reads the same
+// bytes (Hugging Face's byte fallback, one U+FFFD per byte of an ill-formed run), its `bytes`
+// stay raw.
+TEST(LlamaServer, LogprobTokenTextFollowsTheDecodersReplacementRule) {
+  const Tokenizer t = Tokenizer::from_model_dir(fixture("model"));
+  const int32_t lead = *t.token_to_id("<0xC3>"), tail = *t.token_to_id("<0xA9>");
+  const std::vector<TokenLogprob> tokens = {{lead, -0.5f, {}}, {tail, -0.25f, {}}};
+  const json content = logprobs_json(t, tokens)["content"];
+  ASSERT_EQ(content.size(), 2u);
+  EXPECT_EQ(content[0]["token"], t.decode(std::vector<int32_t>{lead}));
+  EXPECT_EQ(content[0]["token"], "\xEF\xBF\xBD");
+  EXPECT_EQ(content[0]["bytes"], json::array({0xC3}));
+  EXPECT_EQ(content[1]["token"], t.decode(std::vector<int32_t>{tail}));
+  EXPECT_EQ(content[1]["bytes"], json::array({0xA9}));
+  // The two bytes together are the character the reply's text holds.
+  EXPECT_EQ(t.decode(std::vector<int32_t>{lead, tail}), "\u00e9");
+  EXPECT_EQ(utf8::byte_run_text("\xE2\x82"), "\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(utf8::byte_run_text("ok"), "ok");
 }
 
 // OpenAI's `n`: three greedy choices each equal the reply a request alone gets, usage counts

@@ -7,6 +7,7 @@
 
 #include "audio/audio_decode.h"
 #include "image/image_decode.h"
+#include "tokenizer/utf8.h"
 
 namespace gemstage::server {
 
@@ -804,10 +805,13 @@ std::string sse_event(const json& chunk) {
 
 json logprobs_json(const Tokenizer& tokenizer, std::span<const TokenLogprob> tokens) {
   auto entry = [&](int32_t id, float logprob) {
-    const std::string text = tokenizer.has_id(id) ? tokenizer.token_bytes(id) : std::string();
+    const std::string raw = tokenizer.has_id(id) ? tokenizer.token_bytes(id) : std::string();
     json bytes = json::array();
-    for (unsigned char b : text) bytes.push_back(b);
-    return json{{"token", text}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
+    for (unsigned char b : raw) bytes.push_back(b);
+    // A lone byte of a longer character reads as the reply's text would read it; `bytes` keeps
+    // the raw bytes for clients that join them.
+    return json{
+        {"token", utf8::byte_run_text(raw)}, {"logprob", logprob}, {"bytes", std::move(bytes)}};
   };
   json content = json::array();
   for (const TokenLogprob& t : tokens) {

@@ -46,14 +46,7 @@ std::string TokenizerImpl::run_decoder(std::vector<std::string> tokens) const {
         std::string bytes;
         const auto flush = [&] {
           if (bytes.empty()) return;
-          if (utf8::find_invalid(bytes) == std::string::npos) {
-            out.push_back(bytes);
-          } else {
-            // HF replaces a whole ill-formed run with one U+FFFD per byte.
-            std::string bad;
-            for (size_t i = 0; i < bytes.size(); ++i) bad += "\xEF\xBF\xBD";
-            out.push_back(std::move(bad));
-          }
+          out.push_back(utf8::byte_run_text(bytes));
           bytes.clear();
         };
         for (std::string& t : tokens) {

@@ -122,4 +122,12 @@ std::string_view trim(std::string_view s) {
   return s.substr(begin, end - begin);
 }
 
+std::string byte_run_text(std::string_view bytes) {
+  if (find_invalid(bytes) == std::string_view::npos) return std::string(bytes);
+  std::string out;
+  out.reserve(bytes.size() * 3);
+  for (size_t i = 0; i < bytes.size(); ++i) out += "\xEF\xBF\xBD";
+  return out;
+}
+
 }  // namespace gemstage::utf8

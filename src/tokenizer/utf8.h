@@ -15,6 +15,11 @@ size_t sequence_length(std::string_view s, size_t pos);
 // Byte offset of the first ill-formed sequence, or npos when the whole string is valid.
 size_t find_invalid(std::string_view s);
 
+// The text a run of raw bytes reads as, by Hugging Face's byte-fallback rule: the run itself when
+// it is well-formed UTF-8, else one U+FFFD per byte of the whole run. Decoded text and the text of
+// a logprob's token both follow it, so the two never disagree.
+std::string byte_run_text(std::string_view bytes);
+
 // Code point at s[pos]; s must be valid there.
 char32_t decode_at(std::string_view s, size_t pos, size_t* length = nullptr);
 // Start of the code point that ends right before pos (pos > 0, s valid).
