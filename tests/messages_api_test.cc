@@ -106,6 +106,13 @@ TEST(MessagesApi, ImagesBecomeDataUrls) {
   EXPECT_EQ(t.chat_body["tools"][0]["function"]["name"], "f");
   EXPECT_EQ(t.chat_body["messages"][0]["content"][0]["image_url"]["url"],
             "data:image/png;base64,AAAA");
+  // A url source becomes the image_url part that the chat parser fetches (--allow-remote-media)
+  // or refuses.
+  const messages::Request u = messages::to_chat_body(json::parse(R"({"max_tokens": 8,
+      "messages": [{"role": "user", "content": [{"type": "image",
+      "source": {"type": "url", "url": "https://example.com/x.png"}}]}]})"));
+  EXPECT_EQ(u.chat_body["messages"][0]["content"][0]["image_url"]["url"],
+            "https://example.com/x.png");
 }
 
 TEST(MessagesApi, BadRequestsNameTheMessagesField) {
@@ -118,8 +125,8 @@ TEST(MessagesApi, BadRequestsNameTheMessagesField) {
             "messages[0].role");
   EXPECT_EQ(error_param({{"max_tokens", 8},
                          {"messages", json::parse(R"([{"role":"user","content":[{"type":"text",
-                           "text":"a"},{"type":"image","source":{"type":"url",
-                           "url":"http://10.0.0.1/x.png"}}]}])")}}),
+                           "text":"a"},{"type":"image","source":{"type":"file",
+                           "file_id":"f1"}}]}])")}}),
             "messages[0].content[1].source.type");
   EXPECT_EQ(
       error_param({{"max_tokens", 8}, {"messages", json::parse(R"([{"role":"assistant","content":[

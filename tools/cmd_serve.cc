@@ -27,6 +27,8 @@ struct ServeArgs : CommonArgs {
   size_t max_body = size_t{32} << 20;
   int64_t max_image_pixels = server::RequestLimits{}.max_image_pixels;
   std::string allowed_local_media_path;
+  server::RemoteMediaOptions remote_media;
+  double remote_media_max_mb = 20;
   VideoArgs video;
   double shutdown_grace = 5;
   std::string model_draft;  // -md: speculative decoding with a gemma4_assistant drafter
@@ -103,6 +105,8 @@ int run_serve(const ServeArgs& a, const RunContext& cx) {
   o.think = a.think;
   o.limits.max_image_pixels = a.max_image_pixels;
   o.limits.allowed_local_media_path = a.allowed_local_media_path;
+  o.limits.remote_media = a.remote_media;
+  o.limits.remote_media.max_bytes = static_cast<int64_t>(a.remote_media_max_mb * (1 << 20));
   o.limits.video_frames = a.video.frames;
   o.limits.video_budget = a.video.budget;
   o.shutdown_grace_seconds = a.shutdown_grace;
@@ -200,6 +204,22 @@ void add_serve_command(CLI::App& app, Registry& reg) {
                   "directory whose files video_url parts may name as file:///... (vLLM's flag; "
                   "default: none, data URLs only)")
       ->check(CLI::ExistingDirectory);
+  sub->add_flag("--allow-remote-media", a->remote_media.enabled,
+                "fetch http(s) image_url / audio_url parts (and Anthropic url image sources); "
+                "off by default: a server that fetches any URL can be turned against its own "
+                "network. Only public addresses are fetched, redirects re-checked, the size and "
+                "time bounded");
+  sub->add_flag("--allow-remote-media-private", a->remote_media.private_hosts,
+                "with --allow-remote-media: also fetch from loopback, private and link-local "
+                "addresses (an intranet's media server)");
+  sub->add_option("--remote-media-max-mb", a->remote_media_max_mb,
+                  "largest remote media file fetched, in MiB")
+      ->capture_default_str()
+      ->check(CLI::Range(0.001, 1024.0));
+  sub->add_option("--remote-media-timeout", a->remote_media.timeout_seconds,
+                  "seconds one remote media fetch may take, redirects included")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 600.0));
   add_video_options(sub, a->video);
   sub->add_option("--shutdown-grace", a->shutdown_grace,
                   "seconds in-flight requests may run on after SIGINT/SIGTERM before they are "

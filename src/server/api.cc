@@ -320,13 +320,39 @@ struct ImageBudget {
   size_t videos = 0;  // video_url parts so far, for their names in errors
 };
 
+bool is_remote_url(const std::string& url) {
+  return url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0;
+}
+
+// The bytes behind an http(s) URL when the server fetches them, else a 400 that says why not.
+std::vector<uint8_t> fetch_or_refuse(const std::string& url, const std::string& param,
+                                     const RequestLimits& limits, const char* what,
+                                     const char* unsupported_code, const char* invalid_code) {
+  if (!limits.remote_media.enabled)
+    bad_request(param, unsupported_code,
+                detail::concat("remote ", what,
+                               " URLs are not fetched by this server (a server that fetches "
+                               "whatever URL a client names can be turned against its own "
+                               "network); send the ",
+                               what,
+                               " inline as a base64 data: URL, or start the server with "
+                               "--allow-remote-media"));
+  try {
+    return fetch_remote_media(url, limits.remote_media);
+  } catch (const Error& e) {
+    bad_request(param, invalid_code, e.what());
+  }
+}
+
+RgbImage decode_image_bytes(const std::vector<uint8_t>& bytes, const std::string& param,
+                            const RequestLimits& limits, ImageBudget& budget);
+
 RgbImage decode_data_url(const std::string& url, const std::string& param,
                          const RequestLimits& limits, ImageBudget& budget) {
-  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
-    bad_request(param, "unsupported_image_url",
-                "remote image URLs are not fetched (a server that fetches whatever URL a "
-                "client names can be turned against its own network); send the image inline "
-                "as a data:image/png;base64,... or data:image/jpeg;base64,... URL");
+  if (is_remote_url(url))
+    return decode_image_bytes(
+        fetch_or_refuse(url, param, limits, "image", "unsupported_image_url", "invalid_image_url"),
+        param, limits, budget);
   if (url.rfind("data:", 0) != 0)
     bad_request(param, "unsupported_image_url",
                 "image_url.url must be a data:image/png;base64,... or data:image/jpeg;base64,... "
@@ -347,10 +373,15 @@ RgbImage decode_data_url(const std::string& url, const std::string& param,
   const auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
   if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
   if (bytes->empty()) bad_request(param, "invalid_image", "the data URL holds no image bytes");
+  return decode_image_bytes(*bytes, param, limits, budget);
+}
+
+RgbImage decode_image_bytes(const std::vector<uint8_t>& bytes, const std::string& param,
+                            const RequestLimits& limits, ImageBudget& budget) {
   ImageLimits il;
   il.max_pixels = std::min(limits.max_image_pixels, budget.pixels_left);
   try {
-    RgbImage img = decode_image(bytes->data(), bytes->size(), il,
+    RgbImage img = decode_image(bytes.data(), bytes.size(), il,
                                 detail::concat("image ", ++budget.count, " (", param, ")"));
     budget.pixels_left -= int64_t{img.width} * img.height;
     return img;
@@ -396,6 +427,54 @@ AudioClip parse_input_audio(const json& part, const std::string& param, const st
                         detail::concat("the ", f, " audio in ", p, ".data"));
   } catch (const Error& e) {
     bad_request(p + ".data", "invalid_audio", e.what());
+  }
+}
+
+// vLLM's audio_url part: {"type": "audio_url", "audio_url": {"url": ...}} with a
+// data:audio/...;base64 URL, or an http(s) URL when the server fetches them. Decoded and bounded
+// as input_audio is.
+AudioClip parse_audio_url(const json& part, const std::string& param, const std::string& role,
+                          const RequestLimits& limits) {
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat("audio is only accepted in user and tool messages, not in ", role,
+                               " messages"));
+  const json* au = member(part, "audio_url");
+  if (!au)
+    bad_request(param + ".audio_url", "missing_required_parameter", "'audio_url' is required");
+  const json* url_json = au->is_object() ? member(*au, "url") : au;
+  const std::string p = param + ".audio_url" + (au->is_object() ? ".url" : "");
+  if (!url_json) bad_request(p, "missing_required_parameter", "'audio_url.url' is required");
+  if (!url_json->is_string()) wrong_type(p, "a string", *url_json);
+  const std::string url = url_json->get<std::string>();
+  std::vector<uint8_t> bytes;
+  if (is_remote_url(url)) {
+    bytes = fetch_or_refuse(url, p, limits, "audio", "unsupported_audio_url", "invalid_audio_url");
+  } else {
+    if (url.rfind("data:", 0) != 0)
+      bad_request(p, "unsupported_audio_url",
+                  "audio_url.url must be a data:audio/...;base64,... URL (or http(s) on a server "
+                  "started with --allow-remote-media)");
+    const size_t comma = url.find(',');
+    if (comma == std::string::npos)
+      bad_request(p, "invalid_audio_url", "the data URL has no ',' before its payload");
+    const std::string header = url.substr(5, comma - 5);
+    if (header.rfind("audio/", 0) != 0)
+      bad_request(
+          p, "invalid_audio_url",
+          detail::concat("the data URL's media type is '", header.substr(0, header.find(';')),
+                         "'; send audio/wav, audio/mpeg, audio/flac or audio/ogg"));
+    if (header.size() < 7 || header.compare(header.size() - 7, 7, ";base64") != 0)
+      bad_request(p, "invalid_audio_url", "the data URL must be base64-encoded (';base64,')");
+    auto decoded = decode_base64(std::string_view(url).substr(comma + 1));
+    if (!decoded) bad_request(p, "invalid_base64", "the data URL's payload is not valid base64");
+    bytes = std::move(*decoded);
+  }
+  if (bytes.empty()) bad_request(p, "invalid_audio", "the audio URL holds no bytes");
+  try {
+    return decode_audio(bytes.data(), bytes.size(), detail::concat("the audio in ", p));
+  } catch (const Error& e) {
+    bad_request(p, "invalid_audio", e.what());
   }
 }
 
@@ -502,11 +581,12 @@ ChatInputPart parse_part(const json& part, const std::string& param, const std::
     return {"", decode_data_url(url->get<std::string>(), url_param, limits, images)};
   }
   if (t == "input_audio") return {"", std::nullopt, parse_input_audio(part, param, role)};
+  if (t == "audio_url") return {"", std::nullopt, parse_audio_url(part, param, role, limits)};
   if (t == "video_url") return parse_video_url(part, param, role, limits, images);
   bad_request(param + ".type", "invalid_value",
               detail::concat("content part type '", t,
-                             "' is not supported; use 'text', 'image_url', 'input_audio' or "
-                             "'video_url'"));
+                             "' is not supported; use 'text', 'image_url', 'input_audio', "
+                             "'audio_url' or 'video_url'"));
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "runtime/assistant.h"
 #include "runtime/generation.h"
+#include "server/remote_media.h"
 #include "tokenizer/chat_output.h"
 
 namespace gemstage::server {
@@ -75,6 +76,8 @@ struct RequestLimits {
   // The sampling of every request's videos (serve --video-frames / --video-budget; 0: the
   // model's video processor setting).
   int video_frames = 0, video_budget = 0;
+  // http(s) image and audio URLs: fetched only when enabled (--allow-remote-media).
+  RemoteMediaOptions remote_media;
 };
 
 // What a request may set on top of the server's defaults; unset fields keep the default.

@@ -50,12 +50,16 @@ json image_part(const json& block, const std::string& param) {
   const json& source = required_member(block, "source", param + ".source");
   if (!source.is_object()) wrong_type(param + ".source", "an object", source);
   const std::string type = required_string(source, "type", param + ".source.type");
+  // A URL source becomes an image_url part: the chat parser fetches it (--allow-remote-media) or
+  // says why it does not.
+  if (type == "url")
+    return {{"type", "image_url"},
+            {"image_url", {{"url", required_string(source, "url", param + ".source.url")}}}};
   if (type != "base64")
     bad_request(param + ".source.type", "unsupported_value",
                 "image source '" + type +
-                    "' is not supported: images are not fetched from URLs (a server that fetches "
-                    "whatever a client names can be turned against its own network); send "
-                    "{\"type\": \"base64\", \"media_type\": \"image/png\", \"data\": ...}");
+                    "' is not supported; send {\"type\": \"base64\", \"media_type\": "
+                    "\"image/png\", \"data\": ...} or {\"type\": \"url\", \"url\": ...}");
   const std::string media = required_string(source, "media_type", param + ".source.media_type");
   const std::string data = required_string(source, "data", param + ".source.data");
   return {{"type", "image_url"}, {"image_url", {{"url", "data:" + media + ";base64," + data}}}};

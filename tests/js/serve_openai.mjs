@@ -71,6 +71,21 @@ await step("non-streamed chat equals gemstage generate (greedy)", async () => {
   eq(whole.usage.total_tokens, want.prompt_tokens + want.completion_tokens, "total_tokens");
 });
 
+await step("n: 2 gives two choices, each the greedy reply alone", async () => {
+  const two = await client.chat.completions.create({
+    model: "model", messages: [{ role: "user", content: prompt }], temperature: 0, max_tokens: 12,
+    n: 2,
+  });
+  eq(two.choices.length, 2, "choices");
+  for (const [i, c] of two.choices.entries()) {
+    eq(c.index, i, "index");
+    eq(c.message.content, want.text, `choice ${i} content`);
+    eq(c.finish_reason, want.finish_reason, `choice ${i} finish_reason`);
+  }
+  eq(two.usage.prompt_tokens, want.prompt_tokens, "prompt_tokens");
+  eq(two.usage.completion_tokens, 2 * want.completion_tokens, "completion_tokens");
+});
+
 await step("streamed chat: role first, same content, finish, usage", async () => {
   const stream = await client.chat.completions.create({
     model: "model", messages: [{ role: "user", content: prompt }], temperature: 0, max_tokens: 12,
@@ -198,7 +213,9 @@ await step("request errors are APIErrors with status, code and param", async () 
   await expectApiError(chat({ messages: [user("x")], max_tokens: "ten" }), 400, "invalid_type",
                        "max_tokens");
   await expectApiError(chat({ messages: [user(42)] }), 400, "invalid_type", "messages[0].content");
-  await expectApiError(chat({ messages: [user("x")], n: 2 }), 400, "unsupported_value", "n");
+  await expectApiError(chat({ messages: [user("x")], n: 3 }), 400, "invalid_value", "n");
+  await expectApiError(chat({ messages: [user("x")], n: 2, stream: true }), 400,
+                       "unsupported_value", "n");
   await expectApiError(chat({ messages: [img("https://example.com/cat.png")] }), 400,
                        "unsupported_image_url", "messages[0].content[0].image_url.url");
   await expectApiError(chat({ messages: [img("data:image/png;base64,%%%")] }), 400,
