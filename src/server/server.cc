@@ -539,21 +539,38 @@ StreamProgress take_progress(Job& j) {
   return p;
 }
 
+// A step's ways on: write an event (an empty one writes nothing), end because the client went
+// away (its generation cancelled), go on while the client is there, or end after an error event
+// (a generation cut short sends no final marker, so no client takes the partial reply as whole).
+bool write_text(httplib::DataSink& sink, const std::string& text) {
+  return text.empty() || sink.write(text.data(), text.size());
+}
+bool write_event(httplib::DataSink& sink, const json& chunk) {
+  return write_text(sink, sse_event(chunk));
+}
+bool client_gone(StreamState& st) {
+  st.job->generation->cancel();
+  return false;
+}
+bool go_on(StreamState& st) {
+  return st.client->alive() || client_gone(st);
+}
+bool end_with_error(httplib::DataSink& sink, const std::string& error_event) {
+  write_text(sink, error_event);
+  sink.done();
+  return true;
+}
+
 // The /v1/messages and /v1/responses streams: the same progress, framed as the dialect's named
 // events. They take the tool path, whose parser splits reasoning, text and tool calls.
 bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
-  auto write = [&](const std::string& events) {
-    return events.empty() || sink.write(events.data(), events.size());
-  };
-  auto gone = [&] {
-    j.generation->cancel();
-    return false;
-  };
+  auto write = [&](const std::string& events) { return write_text(sink, events); };
   if (!st.sent_role) {
     st.sent_role = true;
     const Generation::Result started = j.generation->result();
-    if (!write(st.events->begin(started.prompt_tokens, started.cached_tokens))) return gone();
+    if (!write(st.events->begin(started.prompt_tokens, started.cached_tokens)))
+      return client_gone(st);
   }
   StreamProgress p = take_progress(j);
   if (!st.reply_tokens) p.logprobs.clear();
@@ -574,13 +591,10 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   }
   json text_logprobs = json::array();
   if (!d.content.empty() || p.done) std::swap(text_logprobs, st.pending_text_logprobs);
-  if (!write(st.events->delta(d, text_logprobs))) return gone();
-  if (!p.done) return st.client->alive() ? true : gone();
-  if (p.error || p.finish == "cancelled") {
-    write(st.events->error(p.error ? *p.error : shutting_down_error()));
-    sink.done();
-    return true;
-  }
+  if (!write(st.events->delta(d, text_logprobs))) return client_gone(st);
+  if (!p.done) return go_on(st);
+  if (p.error || p.finish == "cancelled")
+    return end_with_error(sink, st.events->error(p.error ? *p.error : shutting_down_error()));
   std::string fr = openai_finish_reason(p.finish);
   if (st.tool_parser) {
     const std::string& raw = st.tool_parser->text();
@@ -589,7 +603,7 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
   if (st.on_finished) st.on_finished(j.generation->result());
   if (!write(st.events->end(fr, p.prompt_tokens, p.completion_tokens, p.cached_tokens,
                             p.stop_sequence)))
-    return gone();
+    return client_gone(st);
   sink.done();
   return true;
 }
@@ -598,14 +612,6 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
 // reply's fields with "stop": true; no [DONE].
 bool native_stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
-  auto write = [&](const json& chunk) {
-    const std::string ev = sse_event(chunk);
-    return sink.write(ev.data(), ev.size());
-  };
-  auto gone = [&] {
-    j.generation->cancel();
-    return false;
-  };
   StreamProgress p = take_progress(j);
   if (!p.piece.empty() || !p.logprobs.empty()) {
     json tokens = json::array();
@@ -619,17 +625,14 @@ bool native_stream_step(StreamState& st, httplib::DataSink& sink) {
                   {"tokens_evaluated", p.prompt_tokens}};
     if (st.n_probs > 0)
       chunk["completion_probabilities"] = completion_probabilities_json(*st.tokenizer, p.logprobs);
-    if (!write(chunk)) return gone();
+    if (!write_event(sink, chunk)) return client_gone(st);
   }
-  if (!p.done) return st.client->alive() ? true : gone();
-  if (p.error || p.finish == "cancelled") {
-    write(error_json(p.error ? *p.error : shutting_down_error()));
-    sink.done();
-    return true;
-  }
+  if (!p.done) return go_on(st);
+  if (p.error || p.finish == "cancelled")
+    return end_with_error(sink, sse_event(error_json(p.error ? *p.error : shutting_down_error())));
   const Generation::Result result = j.generation->result();
   if (st.on_finished) st.on_finished(result);
-  if (!write(st.native_final(result))) return gone();
+  if (!write_event(sink, st.native_final(result))) return client_gone(st);
   sink.done();
   return true;
 }
@@ -638,14 +641,7 @@ bool native_stream_step(StreamState& st, httplib::DataSink& sink) {
 // with no lock held, so a slow reader only ever stalls its own thread. False ends the stream.
 bool stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
-  auto write = [&](const json& chunk) {
-    const std::string ev = sse_event(chunk);
-    return sink.write(ev.data(), ev.size());
-  };
-  auto gone = [&] {
-    j.generation->cancel();
-    return false;
-  };
+  auto write = [&](const json& chunk) { return write_event(sink, chunk); };
   if (st.events) return event_stream_step(st, sink);
   if (st.native_final) return native_stream_step(st, sink);
   if (!st.sent_role) {
@@ -653,7 +649,7 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
     // OpenAI's first chunk carries the role; clients key the message off it.
     if (st.chat &&
         !write(chat_chunk_json(st.meta, {{"role", "assistant"}, {"content", ""}}, std::nullopt)))
-      return gone();
+      return client_gone(st);
   }
   StreamProgress p = take_progress(j);
   if (!st.chat) p.logprobs.clear();
@@ -681,22 +677,18 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
       d.tool_calls.insert(d.tool_calls.end(), rest.tool_calls.begin(), rest.tool_calls.end());
     }
     for (const json& chunk : chat_delta_chunks(st.meta, d, st.new_call_id))
-      if (!write(with_logprobs(chunk))) return gone();
+      if (!write(with_logprobs(chunk))) return client_gone(st);
   } else if (!piece.empty()) {
     const json chunk = st.chat ? chat_chunk_json(st.meta, {{"content", piece}}, std::nullopt)
                                : text_completion_chunk_json(st.meta, piece, std::nullopt);
-    if (!write(with_logprobs(chunk))) return gone();
+    if (!write(with_logprobs(chunk))) return client_gone(st);
   }
   if (logprobs && !write(with_logprobs(chat_chunk_json(st.meta, {{"content", ""}}, std::nullopt))))
-    return gone();
-  if (!done) return st.client->alive() ? true : gone();
-  if (error || finish == "cancelled") {
-    // Cut short (shutdown, or a fault after the 200 went out): an error event, and no
-    // [DONE], so no client mistakes the partial reply for a whole one.
-    write(error_json(error ? *error : shutting_down_error()));
-    sink.done();
-    return true;
-  }
+    return client_gone(st);
+  if (!done) return go_on(st);
+  // Cut short (shutdown, or a fault after the 200 went out): an error event, and no [DONE].
+  if (error || finish == "cancelled")
+    return end_with_error(sink, sse_event(error_json(error ? *error : shutting_down_error())));
   std::string fr = openai_finish_reason(finish);
   if (st.tool_parser) {
     const std::string& raw = st.tool_parser->text();
@@ -707,15 +699,15 @@ bool stream_step(StreamState& st, httplib::DataSink& sink) {
   const Generation::Result result = j.generation->result();
   if (st.on_finished) st.on_finished(result);
   last["timings"] = timings_json(result, p.completion_tokens);  // as llama-server adds them
-  if (!write(last)) return gone();
+  if (!write(last)) return client_gone(st);
   if (st.include_usage) {
     json usage = usage_chunk_json(st.meta, st.chat ? "chat.completion.chunk" : "text_completion",
                                   p.prompt_tokens, p.completion_tokens);
     usage["usage"]["prompt_tokens_details"] = {{"cached_tokens", p.cached_tokens}};
-    if (!write(usage)) return gone();
+    if (!write(usage)) return client_gone(st);
   }
   static constexpr std::string_view kDone = "data: [DONE]\n\n";
-  if (!sink.write(kDone.data(), kDone.size())) return gone();
+  if (!sink.write(kDone.data(), kDone.size())) return client_gone(st);
   sink.done();
   return true;
 }
