@@ -17,6 +17,7 @@
 #include "runtime/sampler.h"
 #include "server/api.h"
 #include "server/server.h"
+#include "server_test_util.h"
 #include "test_util.h"
 #include "tokenizer/tokenizer.h"
 #include "tokenizer/utf8.h"
@@ -29,35 +30,13 @@ using json = nlohmann::json;
 namespace {
 
 ServerOptions options() {
-  ServerOptions o;
-  o.model_path = fixture("model");
-  o.port = 0;
-  o.parallel = 2;
-  o.threads = 2;
-  o.defaults.max_tokens = 16;
-  o.shutdown_grace_seconds = 1;
-  return o;
+  return tiny_server_options();
 }
-
 std::unique_ptr<Server> start(ServerOptions o) {
-  auto s = std::make_unique<Server>(std::move(o));
-  s->start();
-  EXPECT_TRUE(s->wait_loaded()) << s->load_error();
-  return s;
+  return start_server(std::move(o));
 }
-
 httplib::Client client(const Server& s) {
-  httplib::Client c("127.0.0.1", s.port());
-  c.set_read_timeout(120, 0);
-  return c;
-}
-
-json post_ok(const Server& s, const std::string& path, const json& body) {
-  auto r = client(s).Post(path.c_str(), body.dump(), "application/json");
-  EXPECT_TRUE(r) << path;
-  if (!r) return json();
-  EXPECT_EQ(r->status, 200) << path << ": " << r->body;
-  return json::parse(r->body);
+  return server_client(s);
 }
 
 // The fixture tokenizer.json's vocabulary, read here, not through our tokenizer.

@@ -17,6 +17,7 @@
 #include "runtime/generation.h"
 #include "server/api.h"
 #include "server/server.h"
+#include "server_test_util.h"
 #include "stage/bundle.h"
 #include "test_util.h"
 
@@ -128,16 +129,10 @@ ServerOptions spec_options(bool with_drafter = true) {
 }
 
 std::unique_ptr<Server> start(ServerOptions o) {
-  auto s = std::make_unique<Server>(std::move(o));
-  s->start();
-  EXPECT_TRUE(s->wait_loaded()) << s->load_error();
-  return s;
+  return start_server(std::move(o));
 }
-
 httplib::Result post(const Server& s, const std::string& path, const json& body) {
-  httplib::Client c("127.0.0.1", s.port());
-  c.set_read_timeout(120, 0);
-  return c.Post(path.c_str(), body.dump(), "application/json");
+  return post_json(s, path, body);
 }
 
 json health(const Server& s) {

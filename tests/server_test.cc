@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "server/api.h"
+#include "server_test_util.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -32,13 +33,6 @@ using namespace gemstage::testing;
 using json = nlohmann::json;
 
 namespace {
-
-// Sanitizer builds run the model several times slower; their waits stretch by this much.
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr int kSlow = 10;
-#else
-constexpr int kSlow = 1;
-#endif
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t0) {
@@ -618,32 +612,17 @@ TEST(ServerApi, ResponseObjects) {
 // The server, in-process.
 
 ServerOptions tiny_options() {
-  ServerOptions o;
-  o.model_path = fixture("model");
-  o.port = 0;
-  o.parallel = 2;
-  o.threads = 2;
-  o.defaults.max_tokens = 16;
-  o.shutdown_grace_seconds = 1;
-  return o;
+  return tiny_server_options();
 }
-
 std::unique_ptr<Server> start(ServerOptions o) {
-  auto s = std::make_unique<Server>(std::move(o));
-  s->start();
-  EXPECT_TRUE(s->wait_loaded()) << s->load_error();
-  return s;
+  return start_server(std::move(o));
 }
-
 httplib::Client client(const Server& s) {
-  httplib::Client c("127.0.0.1", s.port());
-  c.set_read_timeout(60 * kSlow, 0);
-  return c;
+  return server_client(s);
 }
-
 httplib::Result post(const Server& s, const std::string& path, const json& body,
                      const httplib::Headers& headers = {}) {
-  return client(s).Post(path.c_str(), headers, body.dump(), "application/json");
+  return post_json(s, path, body, headers);
 }
 
 // The "data:" payloads of a server-sent-events body, in order.
