@@ -212,6 +212,34 @@ TEST(VideoCli, GenerateIsDeterministicAndDumpTapsTheVideo) {
   EXPECT_EQ(std::count(few.begin(), few.end(), 2044), 4 * k);
 }
 
+// A bundle's embeddings stage takes the frames as images (pixel_values): an f32 export gives the
+// checkpoint's greedy reply on a video, and `check` probes a video span through its stages (the
+// PAD identity and the splice mask at every video placeholder row).
+TEST(VideoCli, ABundleRunsAVideoAsItsCheckpointDoes) {
+  const std::string dir = temp_dir("video_bundle");
+  ASSERT_EQ(run("export -m " + fixture("model") + " --out " + dir + "/b --weights f32", dir + "/o0",
+                dir + "/e0"),
+            0)
+      << slurp(dir + "/e0");
+  std::vector<nlohmann::json> replies;
+  for (const std::string& m : {fixture("model"), dir + "/b"}) {
+    ASSERT_EQ(run("generate -m " + m + " --json -t 2 --temp 0 -n 6 --video " + clip_path(kClip) +
+                      " --video-frames 4 -p \"What happens?\"",
+                  dir + "/o", dir + "/e"),
+              0)
+        << slurp(dir + "/e");
+    replies.push_back(nlohmann::json::parse(slurp(dir + "/o")));
+  }
+  EXPECT_EQ(replies[0]["prompt_ids"], replies[1]["prompt_ids"]);
+  EXPECT_EQ(replies[0]["tokens"], replies[1]["tokens"]);
+  EXPECT_FALSE(replies[0]["tokens"].empty());
+  ASSERT_EQ(run("check " + dir + "/b --reference " + fixture("model"), dir + "/o1", dir + "/e1"), 0)
+      << slurp(dir + "/o1") << slurp(dir + "/e1");
+  EXPECT_NE(slurp(dir + "/o1").find("a synthetic two-frame video through the vision tower"),
+            std::string::npos)
+      << slurp(dir + "/o1");
+}
+
 TEST(VideoCli, ChatAttachesAVideoAndBadVideosAreClearErrors) {
   const std::string dir = temp_dir("video_chat");
   {

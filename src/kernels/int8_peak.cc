@@ -102,16 +102,21 @@ Int8Peak probe_int8_peak(ThreadPool& pool, int64_t rows, double seconds) {
     for (uint64_t m : macs) total += m;
     return std::pair{static_cast<double>(total), dt};
   };
-  // Calibrate: grow the pass until it takes a few milliseconds, then size it to a third of
-  // `seconds`.
+  // Calibrate: grow the pass until it would take a few milliseconds at the fastest rate seen,
+  // then size it to a third of `seconds`. A pass that was preempted (another process on the
+  // core) only looks slow, so the fastest rate decides, never one slow pass: sized on a
+  // preempted few-microsecond pass, the measured passes would be as short and as noisy.
   int64_t iters = 1024;
-  auto [macs, dt] = pass(iters);
-  while (dt < 5e-3 && iters < (int64_t{1} << 40)) {
+  double best_rate = 0;  // iterations per second
+  for (;;) {
+    const auto [m, t] = pass(iters);
+    (void)m;
+    best_rate = std::max(best_rate, static_cast<double>(iters) / std::max(t, 1e-9));
+    if (static_cast<double>(iters) / best_rate >= 5e-3 || iters >= (int64_t{1} << 40)) break;
     iters *= 4;
-    std::tie(macs, dt) = pass(iters);
   }
-  iters = std::max<int64_t>(
-      iters, static_cast<int64_t>(static_cast<double>(iters) * seconds / 3 / std::max(dt, 1e-9)));
+  iters = std::max<int64_t>(iters, static_cast<int64_t>(best_rate * seconds / 3));
+  double macs = 0, dt = 0;
   for (int rep = 0; rep < 3; ++rep) {
     std::tie(macs, dt) = pass(iters);
     peak.gmacs = std::max(peak.gmacs, macs / std::max(dt, 1e-9) / 1e9);

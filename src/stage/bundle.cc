@@ -29,6 +29,7 @@
 #include "stage/partition.h"
 #include "stage/sequence.h"
 #include "stage/weights_file.h"
+#include "video/video_processor.h"
 
 namespace gemstage {
 
@@ -42,6 +43,7 @@ const char* kCopiedFiles[] = {"config.json",
                               "tokenizer_config.json",
                               "preprocessor_config.json",
                               "processor_config.json",
+                              "video_preprocessor_config.json",
                               "generation_config.json",
                               "special_tokens_map.json",
                               "chat_template.jinja",
@@ -278,6 +280,43 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   for (int64_t i = 0; i < n_img; ++i) ids.push_back(c.image_token_id);
   ids.push_back(c.eoi_token_id);
   for (int i = 0; i < 4; ++i) ids.push_back(static_cast<int32_t>(10 + rng() % 200));
+  // With a vision tower: a synthetic two-frame video through the video processor and the same
+  // tower, each frame a block of video placeholders between the image markers.
+  int64_t n_video = 0;
+  if (const VisionTower* vision = pipe->vision(); vision && !unified) {
+    VideoProcessorConfig vc = load_video_processor_config(dir);
+    vc.frame.max_soft_tokens = std::min(vc.frame.max_soft_tokens, 70);
+    std::vector<RgbImage> frames;
+    for (int f = 0; f < 2; ++f) {
+      RgbImage frame{96, 64, std::vector<uint8_t>(96 * 64 * 3)};
+      for (size_t i = 0; i < frame.rgb.size(); ++i)
+        frame.rgb[i] = static_cast<uint8_t>((i * 5 + static_cast<size_t>(f) * 40) & 0xff);
+      frames.push_back(std::move(frame));
+    }
+    const ProcessedVideo v = process_video_frames(frames, {0, 12}, 24.0, vc);
+    std::vector<VisionInput> inputs;
+    const size_t values = static_cast<size_t>(v.max_patches) * v.patch_dim;
+    const size_t positions = static_cast<size_t>(v.max_patches) * 2;
+    for (size_t f = 0; f < 2; ++f)
+      inputs.push_back({v.max_patches,
+                        std::vector<float>(v.pixel_values.begin() + f * values,
+                                           v.pixel_values.begin() + (f + 1) * values),
+                        std::vector<int64_t>(v.position_ids.begin() + f * positions,
+                                             v.position_ids.begin() + (f + 1) * positions)});
+    const FloatTensor video_soft = vision->encode_all(pool, inputs, nullptr);
+    n_video = video_soft.dim(0);
+    FloatTensor both({n_img + n_video, c.text.hidden_size});
+    std::copy(soft.data.begin(), soft.data.end(), both.data.begin());
+    std::copy(video_soft.data.begin(), video_soft.data.end(),
+              both.data.begin() + static_cast<ptrdiff_t>(soft.data.size()));
+    soft = std::move(both);
+    for (int f = 0; f < 2; ++f) {
+      ids.push_back(c.boi_token_id);
+      for (int64_t i = 0; i < n_video / 2; ++i) ids.push_back(c.video_token_id);
+      ids.push_back(c.eoi_token_id);
+    }
+    image_note += "a synthetic two-frame video through the vision tower: ";
+  }
   // With an audio tower: a synthetic 1 s clip through the feature extractor and the tower.
   FloatTensor audio_soft;
   if (const AudioTower* audio = pipe->audio()) {
@@ -306,7 +345,10 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   }
   const int64_t n_audio = audio_soft.numel() ? audio_soft.dim(0) : 0;
   const FloatTensor all_soft =
-      merge_soft_tokens(c, ids, n_img ? &soft : nullptr, n_audio ? &audio_soft : nullptr);
+      merge_soft_tokens(c, ids, n_img + n_video ? &soft : nullptr, n_audio ? &audio_soft : nullptr);
+  const auto is_vision_row = [&](int32_t id) {
+    return id == c.image_token_id || id == c.video_token_id;
+  };
   TapRecorder taps({"ple_ids", "ple_token_embeds", "image_splice_mask", "audio_splice_mask"});
   const FloatTensor staged =
       pipe->forward(pool, ids, all_soft.numel() ? &all_soft : nullptr, true, &taps);
@@ -323,10 +365,10 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
   }
   const float scale = std::sqrt(static_cast<float>(c.text.ple_dim()));
   for (size_t r = 0; r < ids.size() && c.text.has_ple(); ++r) {
-    if (ids[r] != c.image_token_id && ids[r] != c.audio_token_id) continue;
+    if (!is_vision_row(ids[r]) && ids[r] != c.audio_token_id) continue;
     if (ple_ids[r] != c.text.pad_token_id)
-      fail("row ", r, " is an image/audio placeholder but its PLE identity id is ", ple_ids[r],
-           ", not pad ", c.text.pad_token_id);
+      fail("row ", r, " is an image/video/audio placeholder but its PLE identity id is ",
+           ple_ids[r], ", not pad ", c.text.pad_token_id);
     for (int64_t k = 0; k < LP; ++k)
       if (tok.data[static_cast<size_t>(static_cast<int64_t>(r) * LP + k)] !=
           pad_row[static_cast<size_t>(k)] * scale)
@@ -344,17 +386,25 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
     for (int64_t v = 0; v < V; ++v)
       d = std::max(
           d, static_cast<double>(std::fabs(last.row(0)[v] - staged.row(staged.dim(0) - 1)[v])));
-    if (d > 1e-3)
+    // Quantized weights round a call's activations per call shape, so short and long calls
+    // differ by more than a split block would on the real models' scale (measured on the MoE
+    // fixture: q8_0 8e-3, q4_0 5.5e-2; f32 and bf16 1e-6): there the distance is reported.
+    const bool exact = m.weights_format == "f32" || m.weights_format == "bf16";
+    if (exact && d > 1e-3)
       fail("a prefill in chunks of 2 rows gives logits ", d,
            " away from the one-pass prefill: the image block was split across chunks");
-    block_note = "; the image block survives chunks of 2 rows (max-abs " + std::to_string(d) + ")";
+    block_note = exact ? "; the image and video blocks survive chunks of 2 rows (max-abs " +
+                             std::to_string(d) + ")"
+                       : "; chunks of 2 rows give logits " + std::to_string(d) +
+                             " from the one-pass prefill (" + m.weights_format +
+                             " weights: reported; f32 and bf16 exports check it to 1e-3)";
   }
   // The splice mask the embeddings stage hands on marks exactly the placeholder rows.
   const auto mask = taps.get_ids("image_splice_mask");
   for (size_t r = 0; r < ids.size(); ++r)
-    if ((mask[r] != 0) != (ids[r] == c.image_token_id))
+    if ((mask[r] != 0) != is_vision_row(ids[r]))
       fail("row ", r, ": image_splice_mask is ", mask[r], " but the row ",
-           ids[r] == c.image_token_id ? "is" : "is not", " an image placeholder");
+           is_vision_row(ids[r]) ? "is" : "is not", " an image or video placeholder");
   if (c.takes_audio()) {
     const auto amask = taps.get_ids("audio_splice_mask");
     for (size_t r = 0; r < ids.size(); ++r)
@@ -363,7 +413,7 @@ std::string run_probe(const std::string& dir, const BundleManifest& m) {
              ids[r] == c.audio_token_id ? "is" : "is not", " an audio placeholder");
   }
   std::ostringstream os;
-  os << image_note << n_img + n_audio
+  os << image_note << n_img + n_video + n_audio
      << " placeholder rows carry the PAD identity and the splice mask; logits finite over "
      << staged.dim(0) << " rows" << block_note;
   for (float v : staged.data)
