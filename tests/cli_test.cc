@@ -75,6 +75,21 @@ TEST(Cli, BadInputsExitNonZeroWithAMessage) {
       << slurp(out + "/log3");
 }
 
+// llama.cpp's `-n -1`: no limit of its own, so the context ends the generation; below -1 is
+// refused.
+TEST(Cli, MaxTokensMinusOneRunsToTheContext) {
+  const std::string out = temp_dir("cli_n_minus_one");
+  const std::string cmd = std::string(GEMSTAGE_CLI) + " generate -m " + fixture("model") +
+                          " -n -1 -c 48 --temp 0 --ignore-eos -p Hi --json > " + out + "/j 2> " +
+                          out + "/e";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(out + "/e");
+  const auto j = nlohmann::json::parse(slurp(out + "/j"));
+  EXPECT_EQ(j["finish_reason"], "context") << j;
+  EXPECT_GE(j["prompt_tokens"].get<int>() + j["completion_tokens"].get<int>(), 48) << j;
+  EXPECT_NE(run("generate -m " + fixture("model") + " -n -2 -p Hi", out + "/log2"), 0);
+  EXPECT_NE(slurp(out + "/log2").find("--max-tokens"), std::string::npos) << slurp(out + "/log2");
+}
+
 // The E2B preset at full width (262144 vocab, 1536 hidden, PLE 256) on a shortened stack.
 TEST(Cli, MakeRandomE2BLoadsInInfoAndDump) {
   const std::string dir = temp_dir("cli_e2b");

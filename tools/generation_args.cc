@@ -2,6 +2,8 @@
 
 #include <unistd.h>
 
+#include <limits>
+
 #include "tools/cli_common.h"
 
 namespace gemstage::cli {
@@ -19,8 +21,11 @@ void add_video_options(CLI::App* sub, VideoArgs& a) {
 void add_common(CLI::App* sub, CommonArgs& a) {
   sub->add_option("-m,--model", a.model, "Hugging Face checkpoint directory or gemstage bundle")
       ->required();
-  sub->add_option("-n,--max-tokens", a.max_tokens, "maximum tokens to generate")
-      ->capture_default_str();
+  sub->add_option("-n,--max-tokens", a.max_tokens,
+                  "maximum tokens to generate (-1: until a stop or the context is full, as "
+                  "llama.cpp's -n -1)")
+      ->capture_default_str()
+      ->check(CLI::Range(-1, std::numeric_limits<int>::max()));
   sub->add_option("--temp,--temperature", a.temperature, "sampling temperature (0: greedy)")
       ->capture_default_str();
   sub->add_option("--top-k", a.top_k, "top-k (0: off)")->capture_default_str();
@@ -48,7 +53,8 @@ void add_common(CLI::App* sub, CommonArgs& a) {
 
 GenerationOptions generation_defaults(const CommonArgs& a) {
   GenerationOptions o;
-  o.max_tokens = a.max_tokens;
+  // -1: no limit of its own; the context (and stop tokens) end the generation.
+  o.max_tokens = a.max_tokens < 0 ? std::numeric_limits<int>::max() : a.max_tokens;
   o.sampling.temperature = a.temperature;
   o.sampling.top_k = a.top_k;
   o.sampling.top_p = a.top_p;

@@ -2,6 +2,7 @@
 // web UI, scripts) call them; field names follow llama.cpp's tools/server README. What stays out
 // on purpose is listed in docs/server.md ("llama-server compatibility").
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "server/llama_api.h"
@@ -44,7 +45,7 @@ std::string chat_template_text(const ConversationRenderer& r) {
 
 json Server::Impl::generation_settings_json(const GenerationOptions& g) const {
   const SamplingParams& s = g.sampling;
-  return {{"n_predict", g.max_tokens},
+  return {{"n_predict", g.max_tokens == std::numeric_limits<int>::max() ? -1 : g.max_tokens},
           {"max_tokens", g.max_tokens},
           {"seed", s.seed},
           {"temperature", s.temperature},
