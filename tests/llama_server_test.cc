@@ -489,6 +489,33 @@ TEST(LlamaServer, LogprobTokenTextFollowsTheDecodersReplacementRule) {
   EXPECT_EQ(utf8::byte_run_text("ok"), "ok");
 }
 
+// llama.cpp's schema spellings are applied, not dropped: a "schema" beside json_object, and the
+// top-level "json_schema" of its native route; a GBNF "grammar" is refused, naming the field.
+TEST(LlamaServer, SchemasInLlamaCppsSpellingsConstrainTheReply) {
+  auto s = start(options());
+  const json constant = {{"const", "forty-two"}};
+  const json chat = post_ok(*s, "/v1/chat/completions",
+                            {{"messages", {{{"role", "user"}, {"content", "Hi"}}}},
+                             {"max_tokens", 24},
+                             {"response_format", {{"type", "json_object"}, {"schema", constant}}}});
+  EXPECT_EQ(json::parse(chat["choices"][0]["message"]["content"].get<std::string>()), "forty-two")
+      << chat;
+  const json native =
+      post_ok(*s, "/completion", {{"prompt", "Hi"}, {"n_predict", 24}, {"json_schema", constant}});
+  EXPECT_EQ(json::parse(native["content"].get<std::string>()), "forty-two") << native;
+  for (const json& bad :
+       {json{{"grammar", "root ::= \"a\""}},
+        json{{"json_schema", constant}, {"response_format", {{"type", "json_object"}}}}}) {
+    json body = {{"prompt", "Hi"}};
+    body.update(bad);
+    auto r = client(*s).Post("/completion", body.dump(), "application/json");
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->status, 400) << r->body;
+    const std::string param = json::parse(r->body)["error"]["param"];
+    EXPECT_TRUE(param == "grammar" || param == "json_schema") << r->body;
+  }
+}
+
 // OpenAI's `n`: three greedy choices each equal the reply a request alone gets, usage counts
 // the prompt once and every choice's tokens; more than the slots, or streamed, is a 400 naming n.
 TEST(LlamaServer, NChoicesEachEqualAGreedyReplyAlone) {

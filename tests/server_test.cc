@@ -182,7 +182,17 @@ TEST(ServerApi, ParsesSamplingAndStreamingFields) {
                                                 {"logprobs", false},
                                                 {"tools", json::array()},
                                                 {"tool_choice", "none"},
-                                                {"response_format", {{"type", "text"}}}}));
+                                                {"response_format", {{"type", "text"}}},
+                                                {"repeat_penalty", 1.25},
+                                                {"repeat_last_n", -1},
+                                                // llama.cpp's web UI's defaults: samplers off
+                                                {"mirostat", 0},
+                                                {"typical_p", 1},
+                                                {"dry_multiplier", 0},
+                                                {"xtc_probability", 0},
+                                                {"top_n_sigma", -1}}));
+  EXPECT_FLOAT_EQ(*r.sampling.repeat_penalty, 1.25f);
+  EXPECT_EQ(r.sampling.repeat_last_n, -1);
   EXPECT_EQ(r.sampling.max_tokens, 9);  // max_completion_tokens wins
   EXPECT_EQ(r.sampling.temperature, 0.0f);
   EXPECT_FLOAT_EQ(*r.sampling.top_p, 0.5f);
@@ -353,6 +363,13 @@ TEST(ServerApi, RefusesEveryInvalidChatBody) {
        ""},
       {chat_body({{"model", 5}}), "model", "invalid_type", "must be a string"},
       {chat_body({{"n", 0}}), "n", "invalid_value", "'n' must be between 1 and"},
+      {chat_body({{"mirostat", 2}}), "mirostat", "unsupported_value", "not implemented"},
+      {chat_body({{"dry_multiplier", 0.8}}), "dry_multiplier", "unsupported_value", "(off)"},
+      {chat_body({{"typical_p", 0.5}}), "typical_p", "unsupported_value", "not implemented"},
+      {chat_body({{"repeat_penalty", 0}}), "repeat_penalty", "invalid_value", ""},
+      {chat_body({{"grammar", "root ::= \"a\""}}), "grammar", "unsupported_value", "GBNF"},
+      {chat_body({{"response_format", {{"type", "text"}, {"schema", {{"type", "string"}}}}}}),
+       "response_format.schema", "invalid_value", "json_object or json_schema"},
       {chat_body({{"n", "1"}}), "n", "invalid_type", "must be an integer"},
       {chat_body({{"max_tokens", 0}}), "max_tokens", "invalid_value", "between 1 and"},
       {chat_body({{"max_tokens", "10"}}), "max_tokens", "invalid_type", "an integer, not a string"},

@@ -156,8 +156,21 @@ std::vector<std::string> parse_stop(const json& v) {
   return out;
 }
 
+// A JSON schema as the grammar that enforces it while sampling; a schema we cannot enforce is a
+// 400 naming where it was given.
+std::shared_ptr<const JsonGrammar> schema_grammar(const json& schema, const std::string& param) {
+  try {
+    return JsonGrammar::from_schema(schema);
+  } catch (const ApiError&) {
+    throw;
+  } catch (const Error& e) {
+    bad_request(param, "unsupported_schema", e.what());
+  }
+}
+
 // response_format: text (free), json_object (any JSON object) or json_schema ({"name", "schema",
-// "strict"}), the last two enforced while sampling (runtime/json_constraint.h).
+// "strict"}), the last two enforced while sampling (runtime/json_constraint.h). llama.cpp's
+// spellings too: a "schema" beside json_object or json_schema constrains to that schema.
 std::shared_ptr<const JsonGrammar> parse_response_format(const json& rf) {
   if (!rf.is_object()) wrong_type("response_format", "an object", rf);
   const json* t = member(rf, "type");
@@ -165,25 +178,29 @@ std::shared_ptr<const JsonGrammar> parse_response_format(const json& rf) {
     bad_request("response_format.type", "missing_required_parameter",
                 "'response_format.type' must be text, json_object or json_schema");
   const std::string type = t->get<std::string>();
-  if (type == "text") return nullptr;
-  if (type == "json_object") return JsonGrammar::any_object();
-  if (type != "json_schema")
+  const json* direct = member(rf, "schema");
+  if (type == "text") {
+    if (direct)
+      bad_request("response_format.schema", "invalid_value",
+                  "a schema needs response_format type json_object or json_schema, not text");
+    return nullptr;
+  }
+  if (type != "json_object" && type != "json_schema")
     bad_request(
         "response_format.type", "invalid_value",
         "'response_format.type' must be text, json_object or json_schema, not '" + type + "'");
   const json* js = member(rf, "json_schema");
+  if (direct && js)
+    bad_request("response_format.schema", "invalid_value",
+                "give the schema once: response_format.schema or response_format.json_schema");
+  if (direct) return schema_grammar(*direct, "response_format.schema");
+  if (type == "json_object") return JsonGrammar::any_object();
   if (!js || !js->is_object())
     bad_request("response_format.json_schema", "missing_required_parameter",
                 "response_format json_schema needs 'json_schema': {\"name\", \"schema\"}");
   const json* schema = member(*js, "schema");
   if (!schema) return JsonGrammar::any_object();  // a name alone: any JSON object
-  try {
-    return JsonGrammar::from_schema(*schema);
-  } catch (const ApiError&) {
-    throw;
-  } catch (const Error& e) {
-    bad_request("response_format.json_schema.schema", "unsupported_schema", e.what());
-  }
+  return schema_grammar(*schema, "response_format.json_schema.schema");
 }
 
 // logit_bias: OpenAI's {"token id": bias} or llama.cpp's [[id, bias], ...], each bias -100 to
@@ -259,6 +276,28 @@ void parse_common(const json& body, GenerationRequest& r) {
   if (const auto k = get_int(body, "top_k", 0, std::numeric_limits<int32_t>::max()))
     s.top_k = static_cast<int>(*k);
   if (const auto p = get_number(body, "min_p", 0, 1)) s.min_p = static_cast<float>(*p);
+  if (const auto p = get_number(body, "repeat_penalty", 0, 10, /*lo_open=*/true))
+    s.repeat_penalty = static_cast<float>(*p);
+  if (const auto n = get_int(body, "repeat_last_n", -1, std::numeric_limits<int32_t>::max()))
+    s.repeat_last_n = static_cast<int>(*n);
+  // llama.cpp's other samplers are not implemented: at their "off" values (what its web UI
+  // sends by default) they change nothing; set to do something, they are refused, never ignored.
+  struct OffValue {
+    const char* field;
+    double off;
+  };
+  for (const OffValue& f : {OffValue{"mirostat", 0}, OffValue{"typical_p", 1},
+                            OffValue{"dry_multiplier", 0}, OffValue{"xtc_probability", 0},
+                            OffValue{"dynatemp_range", 0}, OffValue{"top_n_sigma", -1}}) {
+    const json* v = member(body, f.field);
+    if (!v || v->is_null()) continue;
+    if (!v->is_number()) wrong_type(f.field, "a number", *v);
+    const double x = v->get<double>();
+    if (x != f.off && !(f.off < 0 && x <= 0))
+      bad_request(f.field, "unsupported_value",
+                  detail::concat("the '", f.field, "' sampler is not implemented; send ", f.off,
+                                 " (off) or leave it out"));
+  }
   if (const json* seed = member(body, "seed")) {
     if (!seed->is_number_integer()) wrong_type("seed", "an integer", *seed);
     // Negative seeds are valid in OpenAI's API; any 64-bit pattern seeds our generator.
@@ -278,6 +317,18 @@ void parse_common(const json& body, GenerationRequest& r) {
     s.presence_penalty = static_cast<float>(*p);
   if (const json* lb = member(body, "logit_bias")) s.logit_bias = parse_logit_bias(*lb);
   if (const json* rf = member(body, "response_format")) s.json_grammar = parse_response_format(*rf);
+  // llama.cpp's top-level json_schema; its GBNF grammar is not implemented, so it is refused.
+  if (const json* js = member(body, "json_schema"); js && !js->is_null()) {
+    if (s.json_grammar)
+      bad_request("json_schema", "invalid_value",
+                  "give either 'json_schema' or a response_format with a schema, not both");
+    s.json_grammar = schema_grammar(*js, "json_schema");
+  }
+  if (const json* g = member(body, "grammar");
+      g && !(g->is_string() && g->get<std::string>().empty()) && !g->is_null())
+    bad_request("grammar", "unsupported_value",
+                "GBNF grammars are not supported; constrain the output with a JSON schema "
+                "(response_format json_schema, or 'json_schema')");
   // llama.cpp's names, keys with a dot in them (not a nested object).
   if (const auto n = get_int(body, "speculative.n_max", 0, kMaxDraftsPerRound))
     s.draft_max = static_cast<int>(*n);
@@ -788,6 +839,8 @@ GenerationOptions apply_overrides(const GenerationOptions& defaults, const Sampl
   g.sampling.seed = o.seed.value_or(fallback_seed);
   if (o.frequency_penalty) g.sampling.frequency_penalty = *o.frequency_penalty;
   if (o.presence_penalty) g.sampling.presence_penalty = *o.presence_penalty;
+  if (o.repeat_penalty) g.sampling.repetition_penalty = *o.repeat_penalty;
+  if (o.repeat_last_n) g.sampling.repeat_last_n = *o.repeat_last_n;
   g.sampling.logit_bias = o.logit_bias;
   if (o.stop) g.stop_strings = *o.stop;
   g.json_grammar = o.json_grammar;

@@ -101,6 +101,9 @@ struct SamplingOverrides {
   // OpenAI's frequency_penalty / presence_penalty (-2 to 2) and logit_bias ({"id": bias}, bias
   // -100 to 100; llama.cpp's [[id, bias], ...] form too), applied by the sampler.
   std::optional<float> frequency_penalty, presence_penalty;
+  // llama.cpp's repeat_penalty (1: off) and repeat_last_n (-1: all the history, 0: none).
+  std::optional<float> repeat_penalty;
+  std::optional<int> repeat_last_n;
   std::vector<std::pair<int32_t, float>> logit_bias;
 };
 
