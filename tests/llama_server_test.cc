@@ -130,7 +130,9 @@ TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
               r["tokens_evaluated"].get<int64_t>());
     EXPECT_EQ(r["tokens_cached"], t["cache_n"]);
     EXPECT_GT(t["predicted_ms"].get<double>(), 0);
-    EXPECT_GT(t["predicted_per_second"].get<double>(), 0);
+    // Six tokens: the decode phase made the five after the first.
+    EXPECT_DOUBLE_EQ(t["predicted_per_second"].get<double>(),
+                     5e3 / t["predicted_ms"].get<double>());
     for (const char* k :
          {"prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_per_token_ms"})
       EXPECT_TRUE(t.contains(k)) << k;
@@ -290,6 +292,32 @@ TEST(LlamaServer, OptionsAndCors) {
     ASSERT_TRUE(r);
     EXPECT_EQ(r->status, 401);  // the key is required on llama-server's routes too
     EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), cors ? "http://a.example" : "");
+  }
+  // "localhost": any page on this machine, any port; not a look-alike host.
+  ServerOptions o = options();
+  o.cors_origins = "localhost";
+  auto s = start(o);
+  for (const char* origin : {"http://localhost", "http://127.0.0.1:3000", "https://[::1]:8443"}) {
+    auto r = client(*s).Options("/health", {{"Origin", origin}});
+    ASSERT_TRUE(r);
+    EXPECT_EQ(r->get_header_value("Access-Control-Allow-Origin"), origin);
+  }
+  for (const char* origin : {"http://localhost.evil.example", "http://127.0.0.1:80/x"}) {
+    auto r = client(*s).Options("/health", {{"Origin", origin}});
+    ASSERT_TRUE(r);
+    EXPECT_FALSE(r->has_header("Access-Control-Allow-Origin")) << origin;
+  }
+  // An entry that is not an origin would match nothing: the server does not start.
+  for (const char* bad : {"bogus-origin", "http://a.example/path", "ftp://a.example"}) {
+    ServerOptions b = options();
+    b.cors_origins = std::string("http://ok.example,") + bad;
+    Server server(b);
+    try {
+      server.start();
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+    }
   }
 }
 

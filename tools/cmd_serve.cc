@@ -259,8 +259,8 @@ void add_serve_command(CLI::App& app, Registry& reg) {
   sub->add_flag("--jinja", a->jinja,
                 "accepted for llama-server scripts; the checkpoint's chat template always runs");
   sub->add_option("--cors", a->cors,
-                  "browser origins allowed to call the API: comma-separated (http://host:port) "
-                  "or *; default: none (no CORS headers)");
+                  "browser origins allowed to call the API: comma-separated (http://host:port), "
+                  "localhost (any page on this machine) or *; default: none (no CORS headers)");
   sub->add_option("--log-format", a->log_format,
                   "the access log's lines (one per request): text or json (one object a line)")
       ->capture_default_str()

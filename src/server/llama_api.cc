@@ -14,6 +14,9 @@ json timings_json(const Generation::Result& r, int64_t predicted_tokens) {
   auto per_second = [](double ms, int64_t n) {
     return ms > 0 ? 1e3 * static_cast<double>(n) / ms : 0.0;
   };
+  // The decode phase runs from the first token to the last: the steps in it produced the tokens
+  // after the first, so the rate counts those (and is 0 for a one-token reply), as llama.cpp's.
+  const int64_t decoded = std::max<int64_t>(0, predicted_tokens - 1);
   return {{"cache_n", r.cached_tokens},
           {"prompt_n", prompt_n},
           {"prompt_ms", prompt_ms},
@@ -21,8 +24,8 @@ json timings_json(const Generation::Result& r, int64_t predicted_tokens) {
           {"prompt_per_second", per_second(prompt_ms, prompt_n)},
           {"predicted_n", predicted_tokens},
           {"predicted_ms", predicted_ms},
-          {"predicted_per_token_ms", per_token(predicted_ms, predicted_tokens)},
-          {"predicted_per_second", per_second(predicted_ms, predicted_tokens)}};
+          {"predicted_per_token_ms", per_token(predicted_ms, decoded)},
+          {"predicted_per_second", decoded > 0 ? per_second(predicted_ms, decoded) : 0.0}};
 }
 
 std::string llama_stop_type(const std::string& finish_reason, const std::string& stop_string) {

@@ -125,7 +125,9 @@ bool is_api_path(const std::string& path) {
 }
 
 // --cors: "*" allows every origin, else a comma-separated list of exact origins.
-bool cors_allows(const std::string& origins, const std::string& origin) {
+// The entries of --cors, trimmed.
+std::vector<std::string> cors_entries(const std::string& origins) {
+  std::vector<std::string> out;
   size_t at = 0;
   while (at <= origins.size() && !origins.empty()) {
     size_t comma = origins.find(',', at);
@@ -133,10 +135,49 @@ bool cors_allows(const std::string& origins, const std::string& origin) {
     std::string one = origins.substr(at, comma - at);
     while (!one.empty() && one.front() == ' ') one.erase(0, 1);
     while (!one.empty() && one.back() == ' ') one.pop_back();
-    if (one == "*" || one == origin) return true;
+    out.push_back(std::move(one));
     at = comma + 1;
   }
+  return out;
+}
+
+// Whether an Origin header is a page on this machine: http(s) on localhost, 127.0.0.1 or [::1],
+// any port (llama-server's "localhost" entry).
+bool loopback_origin(const std::string& origin) {
+  for (const char* scheme : {"http://", "https://"}) {
+    if (origin.rfind(scheme, 0) != 0) continue;
+    const std::string rest = origin.substr(std::string(scheme).size());
+    for (const char* host : {"localhost", "127.0.0.1", "[::1]"}) {
+      const std::string h = host;
+      if (rest == h) return true;
+      if (rest.rfind(h + ":", 0) == 0 && rest.size() > h.size() + 1 &&
+          rest.find_first_not_of("0123456789", h.size() + 1) == std::string::npos)
+        return true;
+    }
+  }
   return false;
+}
+
+bool cors_allows(const std::string& origins, const std::string& origin) {
+  for (const std::string& one : cors_entries(origins))
+    if (one == "*" || one == origin || (one == "localhost" && loopback_origin(origin))) return true;
+  return false;
+}
+
+// --cors entries are origins as browsers send them (scheme://host[:port], no path), "*" or
+// "localhost"; anything else would silently match nothing, so it stops the server at start.
+void check_cors_origins(const std::string& origins) {
+  for (const std::string& one : cors_entries(origins)) {
+    if (one == "*" || one == "localhost") continue;
+    const size_t sep = one.find("://");
+    const std::string scheme = sep == std::string::npos ? "" : one.substr(0, sep);
+    const std::string host = sep == std::string::npos ? "" : one.substr(sep + 3);
+    if ((scheme != "http" && scheme != "https") || host.empty() ||
+        host.find_first_of("/?#@ ") != std::string::npos)
+      fail("--cors: '", one,
+           "' is not an origin; give comma-separated origins as browsers send them "
+           "(http://host:port, no path), 'localhost' for any page on this machine, or '*'");
+  }
 }
 
 }  // namespace
@@ -1304,6 +1345,7 @@ Server::~Server() {
 
 void Server::start() {
   Impl& m = *impl_;
+  check_cors_origins(m.opt.cors_origins);
   const int http_threads =
       m.opt.http_threads > 0 ? m.opt.http_threads : std::max(64, 4 * m.opt.parallel + 16);
   // Each connection holds one library thread while it is open (a waiting or streaming client
