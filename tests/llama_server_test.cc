@@ -105,6 +105,7 @@ TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
   const json oai =
       post_ok(*s, "/v1/completions",
               {{"prompt", prompt}, {"temperature", 0}, {"max_tokens", 6}, {"ignore_eos", true}});
+  json whole_tokens;  // the non-streamed reply's ids
   for (const char* path : {"/completion", "/completions"}) {
     SCOPED_TRACE(path);
     const json r = post_ok(*s, path,
@@ -120,6 +121,7 @@ TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
     EXPECT_EQ(r["stop_type"], "limit");
     EXPECT_EQ(r["tokens_predicted"], 6);
     EXPECT_EQ(r["tokens"].size(), 6u);
+    whole_tokens = r["tokens"];
     EXPECT_EQ(r["tokens_evaluated"], oai["usage"]["prompt_tokens"]);
     EXPECT_EQ(r["model"], "model");
     EXPECT_EQ(r["generation_settings"]["n_predict"], 6);
@@ -159,11 +161,20 @@ TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
   const std::vector<json> events = sse_events(r->body);
   ASSERT_GE(events.size(), 2u);
   std::string text;
+  json streamed_tokens = json::array();
+  int64_t predicted = 0;
   for (size_t i = 0; i + 1 < events.size(); ++i) {
     EXPECT_EQ(events[i]["stop"], false);
     text += events[i]["content"].get<std::string>();
+    // Each piece carries the ids generated since the one before, and the count so far.
+    for (const json& id : events[i]["tokens"]) streamed_tokens.push_back(id);
+    EXPECT_EQ(events[i]["tokens_predicted"].get<int64_t>(),
+              static_cast<int64_t>(streamed_tokens.size()));
+    EXPECT_GE(events[i]["tokens_predicted"].get<int64_t>(), predicted);
+    predicted = events[i]["tokens_predicted"].get<int64_t>();
   }
   EXPECT_EQ(text, oai["choices"][0]["text"]);
+  EXPECT_EQ(streamed_tokens, whole_tokens);
   EXPECT_EQ(events.back()["stop"], true);
   EXPECT_EQ(events.back()["tokens_predicted"], 6);
   EXPECT_EQ(events.back()["timings"]["predicted_n"], 6);

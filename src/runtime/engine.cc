@@ -46,6 +46,11 @@ Generation::Progress Generation::take(std::chrono::milliseconds wait) {
     p.logprobs.assign(all.begin() + static_cast<std::ptrdiff_t>(logprobs_taken_), all.end());
     logprobs_taken_ = all.size();
   }
+  const auto& ids = result_.generation.tokens;
+  if (tokens_taken_ < ids.size()) {
+    p.tokens.assign(ids.begin() + static_cast<std::ptrdiff_t>(tokens_taken_), ids.end());
+    tokens_taken_ = ids.size();
+  }
   p.started = started_;
   p.done = done_;
   p.error = result_.error;
@@ -113,6 +118,14 @@ void Generation::append_logprobs(const std::vector<TokenLogprob>& all) {
   std::lock_guard<std::mutex> lk(mu_);
   auto& mine = result_.generation.logprobs;
   mine.insert(mine.end(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()), all.end());
+}
+
+// The ids generated so far (the stream's whole list; only the new tail is copied).
+void Generation::append_tokens(const std::vector<int32_t>& all) {
+  std::lock_guard<std::mutex> lk(mu_);
+  auto& mine = result_.generation.tokens;
+  if (all.size() > mine.size())
+    mine.insert(mine.end(), all.begin() + static_cast<std::ptrdiff_t>(mine.size()), all.end());
 }
 
 void Generation::finish(const GenerationResult& r, const SpeculativeStats& draft) {
@@ -824,6 +837,7 @@ int64_t Engine::finish_call() {
       }
       keep_hidden(l.dim(0) - 1);
     }
+    gen.append_tokens(s.stream->result().tokens);
     if (s.wants_logprobs) gen.append_logprobs(s.stream->result().logprobs);
     if (!s.next_id) end(s, s.stream->result().finish_reason);
   }

@@ -116,6 +116,7 @@ class Generation {
   struct Progress {
     std::string text;                    // new text since the last take()
     std::vector<TokenLogprob> logprobs;  // new logprobs since the last take()
+    std::vector<int32_t> tokens;         // ids generated since the last take()
     bool started = false;                // admitted to a slot: it will run to a result
     bool done = false;
     std::optional<EngineError> error;
@@ -159,6 +160,7 @@ class Generation {
   void mark_started(int64_t prompt_tokens, int64_t cached, int slot);
   void append(std::string_view text);
   void append_logprobs(const std::vector<TokenLogprob>& all);
+  void append_tokens(const std::vector<int32_t>& all);
   void finish(const GenerationResult& r, const SpeculativeStats& draft);
   void fail(EngineError e);
 
@@ -167,7 +169,7 @@ class Generation {
   std::atomic<bool> cancel_{false};
   bool started_ = false, done_ = false;
   std::string pending_;
-  size_t logprobs_taken_ = 0;
+  size_t logprobs_taken_ = 0, tokens_taken_ = 0;
   Result result_;
   std::chrono::steady_clock::time_point queued_at_ = std::chrono::steady_clock::now();
   std::chrono::steady_clock::time_point started_at_, first_token_at_;

@@ -563,6 +563,7 @@ struct StreamProgress {
   std::string finish, stop_sequence;
   int64_t prompt_tokens = 0, cached_tokens = 0, completion_tokens = 0;
   std::vector<TokenLogprob> logprobs;  // of the tokens since the last look
+  std::vector<int32_t> tokens;         // generated since the last look
 };
 
 StreamProgress take_progress(Job& j) {
@@ -570,6 +571,7 @@ StreamProgress take_progress(Job& j) {
   StreamProgress p;
   p.piece = std::move(g.text);
   p.logprobs = std::move(g.logprobs);
+  p.tokens = std::move(g.tokens);
   p.done = g.done;
   if (g.error) p.error = api_error(*g.error);
   p.finish = std::move(g.finish_reason);
@@ -654,9 +656,9 @@ bool event_stream_step(StreamState& st, httplib::DataSink& sink) {
 bool native_stream_step(StreamState& st, httplib::DataSink& sink) {
   Job& j = *st.job;
   StreamProgress p = take_progress(j);
-  if (!p.piece.empty() || !p.logprobs.empty()) {
+  if (!p.piece.empty() || !p.tokens.empty()) {
     json tokens = json::array();
-    for (const TokenLogprob& t : p.logprobs) tokens.push_back(t.id);
+    for (int32_t id : p.tokens) tokens.push_back(id);
     json chunk = {{"index", 0},
                   {"content", p.piece},
                   {"tokens", std::move(tokens)},
