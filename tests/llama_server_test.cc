@@ -210,6 +210,9 @@ TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
   auto models = c.Get("/models");
   ASSERT_TRUE(models);
   EXPECT_EQ(json::parse(models->body)["data"][0]["id"], "my-gemma");
+  // The tiny fixture has a vision tower.
+  EXPECT_EQ(json::parse(models->body)["models"][0]["capabilities"],
+            json::array({"completion", "multimodal"}));
 
   // /apply-template's prompt, tokenized and completed natively, is the chat reply.
   const json messages = json::array({{{"role", "user"}, {"content", "Tell me about the sea"}}});
@@ -237,6 +240,10 @@ TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
   ASSERT_EQ(sj.size(), 2u);
   EXPECT_EQ(sj[1]["id"], 1);
   EXPECT_EQ(sj[0]["is_processing"], false);
+  EXPECT_EQ(sj[0]["next_token"][0]["has_next_token"], false);
+  // The Responses API without its /v1, as llama-server serves it.
+  const json resp = post_ok(*s2, "/responses", {{"input", "Hi"}, {"max_output_tokens", 4}});
+  EXPECT_EQ(resp["object"], "response");
 }
 
 TEST(LlamaServer, CachedTokensAreReported) {

@@ -619,6 +619,9 @@ TEST(ServerApi, ResponseObjects) {
   const json models = models_json("tiny", 1);
   EXPECT_EQ(models["data"][0]["id"], "tiny");
   EXPECT_EQ(models["data"][0]["object"], "model");
+  EXPECT_EQ(models["models"][0]["capabilities"], json::array({"completion"}));
+  EXPECT_EQ(models_json("tiny", 1, true)["models"][0]["capabilities"],
+            json::array({"completion", "multimodal"}));
   // One event per chunk, even when the text has newlines; invalid UTF-8 never throws.
   const std::string ev = sse_event(text_completion_chunk_json(m, "a\n\nb\xff", std::nullopt));
   EXPECT_EQ(ev.rfind("data: {", 0), 0u);

@@ -919,12 +919,18 @@ json usage_chunk_json(const ResponseMeta& m, const std::string& object, int64_t 
   return completion_envelope(m, object, json::array(), &usage);
 }
 
-json models_json(const std::string& model, int64_t created) {
-  return {{"object", "list"},
-          {"data", json::array({{{"id", model},
-                                 {"object", "model"},
-                                 {"created", created},
-                                 {"owned_by", "gemstage"}}})}};
+json models_json(const std::string& model, int64_t created, bool multimodal) {
+  json capabilities = json::array({"completion"});
+  if (multimodal) capabilities.push_back("multimodal");
+  // OpenAI's list, and llama-server's "models" beside it (its clients read the capabilities).
+  return {
+      {"object", "list"},
+      {"data",
+       json::array(
+           {{{"id", model}, {"object", "model"}, {"created", created}, {"owned_by", "gemstage"}}})},
+      {"models",
+       json::array(
+           {{{"name", model}, {"model", model}, {"capabilities", std::move(capabilities)}}})}};
 }
 
 std::string wire_json(const json& j) {

@@ -184,7 +184,8 @@ nlohmann::json text_completion_chunk_json(const ResponseMeta& m, const std::stri
 // The final chunk of a stream with include_usage: no choices, just usage.
 nlohmann::json usage_chunk_json(const ResponseMeta& m, const std::string& object,
                                 int64_t prompt_tokens, int64_t completion_tokens);
-nlohmann::json models_json(const std::string& model, int64_t created);
+// multimodal: the model takes images or audio (llama-server's "multimodal" capability).
+nlohmann::json models_json(const std::string& model, int64_t created, bool multimodal = false);
 
 // ---------------------------------------------------------------------------------------------
 // Tool calling on /v1/chat/completions (docs/gemma4-tools.md, "OpenAI mapping").

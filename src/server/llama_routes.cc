@@ -43,6 +43,14 @@ std::string chat_template_text(const ConversationRenderer& r) {
 
 }  // namespace
 
+// Answered only once the model is loaded (the API routes wait for it).
+std::string Server::Impl::models_reply() const {
+  const ModelConfig& cfg = assistant->model().config();
+  const bool multimodal =
+      cfg.vision.has_value() || cfg.unified_vision.has_value() || cfg.takes_audio();
+  return wire_json(models_json(model_name, created, multimodal));
+}
+
 json Server::Impl::generation_settings_json(const GenerationOptions& g) const {
   const SamplingParams& s = g.sampling;
   return {{"n_predict", g.max_tokens == std::numeric_limits<int>::max() ? -1 : g.max_tokens},
@@ -271,7 +279,7 @@ void Server::Impl::setup_llama_routes() {
                        {"state", Engine::slot_state_name(s.state)},
                        {"n_tokens", s.rows},
                        {"params", generation_settings_json(defaults)},
-                       {"next_token", {{"has_next_token", busy}}}});
+                       {"next_token", json::array({{{"has_next_token", busy}}})}});
       }
       res.set_content(wire_json(out), "application/json");
     });
@@ -282,8 +290,9 @@ void Server::Impl::setup_llama_routes() {
   http.Post("/completions", generation_handler(Route::kNative));
   http.Post("/chat/completions", generation_handler(Route::kChat));
   http.Get("/models", [this](const Request&, Response& res) {
-    res.set_content(wire_json(models_json(model_name, created)), "application/json");
+    res.set_content(models_reply(), "application/json");
   });
+  http.Post("/responses", generation_handler(Route::kResponses));
 }
 
 }  // namespace gemstage::server

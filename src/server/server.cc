@@ -116,10 +116,9 @@ bool same_key(const std::string& a, const std::string& b) {
 // The routes behind the API key and the loading / draining checks: the /v1 API and llama-server's
 // endpoints; the page, /health and /metrics stay open.
 bool is_api_path(const std::string& path) {
-  static constexpr std::array<std::string_view, 9> kLlama = {
-      "/completion",     "/completions", "/chat/completions",
-      "/models",         "/tokenize",    "/detokenize",
-      "/apply-template", "/props",       "/slots"};
+  static constexpr std::array<std::string_view, 10> kLlama = {
+      "/completion", "/completions", "/chat/completions", "/responses", "/models",
+      "/tokenize",   "/detokenize",  "/apply-template",   "/props",     "/slots"};
   return path.rfind("/v1/", 0) == 0 ||
          std::find(kLlama.begin(), kLlama.end(), path) != kLlama.end();
 }
@@ -1131,6 +1130,7 @@ void Server::Impl::setup_routes() {
                    {"/v1/messages/count_tokens", "POST"},
                    {"/models", "GET"},
                    {"/chat/completions", "POST"},
+                   {"/responses", "POST"},
                    {"/completions", "POST"},
                    {"/completion", "POST"},
                    {"/tokenize", "POST"},
@@ -1211,7 +1211,7 @@ void Server::Impl::setup_routes() {
   http.Post("/v1/messages/count_tokens", generation_handler(Route::kMessages));
   http.Post("/v1/responses", generation_handler(Route::kResponses));
   http.Get("/v1/models", [this](const Request&, Response& res) {
-    res.set_content(wire_json(models_json(model_name, created)), "application/json");
+    res.set_content(models_reply(), "application/json");
   });
   http.Get("/health", [this](const Request&, Response& res) {
     json j;

@@ -170,6 +170,7 @@ struct Server::Impl {
   std::mutex timing_mu;
   double prompt_seconds_total = 0, decode_seconds_total = 0;
   void record_finished(const Generation::Result& r);
+  std::string models_reply() const;  // GET /v1/models and /models
   void load();
   std::shared_ptr<const AssistantModel> open_drafter();
   void prepare(Job& job);
