@@ -246,6 +246,51 @@ TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
   EXPECT_EQ(resp["object"], "response");
 }
 
+// The template controls of vLLM and llama-server: no generation prompt, and continuing the last
+// assistant message (its text left open, the reply its continuation); both at once, or a
+// continuation without an assistant message last, is a 400.
+TEST(LlamaServer, TemplateControlsAreHonoured) {
+  auto s = start(options());
+  const json user = {{"role", "user"}, {"content", "Tell me about the sea"}};
+  const std::string open =
+      post_ok(*s, "/apply-template", {{"messages", {user}}})["prompt"].get<std::string>();
+  const std::string closed =
+      post_ok(*s, "/apply-template",
+              {{"messages", {user}}, {"add_generation_prompt", false}})["prompt"]
+          .get<std::string>();
+  EXPECT_EQ(open, closed + "<|turn>model\n");
+  const json partial = {{"role", "assistant"}, {"content", "The sea is"}};
+  const std::string continued =
+      post_ok(*s, "/apply-template",
+              {{"messages", {user, partial}}, {"continue_final_message", true}})["prompt"]
+          .get<std::string>();
+  EXPECT_EQ(continued, open + "The sea is");
+  // The chat route continues the same prompt: its reply is /completion's on that text.
+  const json chat = post_ok(*s, "/v1/chat/completions",
+                            {{"messages", {user, partial}},
+                             {"continue_final_message", true},
+                             {"add_generation_prompt", false},
+                             {"temperature", 0},
+                             {"max_tokens", 6}});
+  const json native =
+      post_ok(*s, "/completion",
+              {{"prompt", post_ok(*s, "/tokenize", {{"content", continued}})["tokens"]},
+               {"temperature", 0},
+               {"n_predict", 6}});
+  EXPECT_EQ(chat["choices"][0]["message"]["content"], native["content"]);
+  for (const json& bad : {json{{"messages", {user, partial}},
+                               {"continue_final_message", true},
+                               {"add_generation_prompt", true}},
+                          json{{"messages", {user}}, {"continue_final_message", true}}}) {
+    for (const char* route : {"/apply-template", "/v1/chat/completions"}) {
+      auto r = client(*s).Post(route, bad.dump(), "application/json");
+      ASSERT_TRUE(r);
+      EXPECT_EQ(r->status, 400) << route << ": " << r->body;
+      EXPECT_NE(r->body.find("continue_final_message"), std::string::npos) << r->body;
+    }
+  }
+}
+
 TEST(LlamaServer, CachedTokensAreReported) {
   auto s = start(options());
   const json body = {{"messages", {{{"role", "user"}, {"content", "Tell me about the mountains"}}}},

@@ -1065,6 +1065,14 @@ ToolRequest parse_tool_request(const json& body, const RequestLimits& limits) {
     if (!kw->is_object()) wrong_type("chat_template_kwargs", "an object", *kw);
     r.enable_thinking = get_bool(*kw, "enable_thinking", "chat_template_kwargs.enable_thinking");
   }
+  r.continue_final_message =
+      get_bool(body, "continue_final_message", "continue_final_message").value_or(false);
+  r.add_generation_prompt = get_bool(body, "add_generation_prompt", "add_generation_prompt")
+                                .value_or(!r.continue_final_message);
+  if (r.add_generation_prompt && r.continue_final_message)
+    bad_request("continue_final_message", "invalid_value",
+                "continue_final_message and add_generation_prompt cannot both be true: one opens "
+                "a new model turn, the other continues the last assistant message");
 
   const json* msgs = member(body, "messages");
   if (!msgs) bad_request("messages", "missing_required_parameter", "'messages' is required");
@@ -1145,6 +1153,8 @@ ToolRequest parse_tool_request(const json& body, const RequestLimits& limits) {
 bool wants_tool_path(const json& body) {
   if (const json* t = member(body, "tools"); t && !(t->is_array() && t->empty())) return true;
   if (member(body, "tool_choice") || member(body, "parallel_tool_calls")) return true;
+  // The template controls: the tool path renders with the checkpoint's template and honours them.
+  if (member(body, "add_generation_prompt") || member(body, "continue_final_message")) return true;
   // A per-request thinking switch: the tool path renders it and parses the reasoning out.
   if (const json* kw = member(body, "chat_template_kwargs");
       kw && kw->is_object() && member(*kw, "enable_thinking"))

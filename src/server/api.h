@@ -202,6 +202,9 @@ struct ToolRequest {
   // chat_template_kwargs.enable_thinking (llama.cpp's convention; a Messages request's
   // `thinking`): this request's choice, else the server's --think.
   std::optional<bool> enable_thinking;
+  // add_generation_prompt (default true) and continue_final_message (default false), as vLLM
+  // and llama-server take them; both true is refused.
+  bool add_generation_prompt = true, continue_final_message = false;
   // The images (image_url data URLs) and audio clips (input_audio) of user messages, decoded, and
   // their videos (video_url, decoded when the prompt is prepared), in message order; in
   // `messages` each such part is {"type": "image"} / {"type": "audio"} / {"type": "video"}, the

@@ -218,6 +218,8 @@ void Server::Impl::setup_llama_routes() {
       const ToolRequest t = parse_tool_request(body, opt.limits);
       ConversationOptions conv;
       conv.enable_thinking = t.enable_thinking.value_or(opt.think);
+      conv.add_generation_prompt = t.add_generation_prompt;
+      conv.continue_final_message = t.continue_final_message;
       std::string prompt;
       try {
         prompt = assistant->renderer().render(t.messages, t.tools, conv);

@@ -304,9 +304,11 @@ void Server::Impl::prepare(Job& job) {
   if (job.tool_request) {
     // The tool path renders with the checkpoint's own chat template (or the built-in renderer)
     // and keeps special tokens in the text, which the output parser reads.
-    ConversationOptions conv;
-    conv.enable_thinking = job.tool_request->enable_thinking.value_or(opt.think);
     const ToolRequest& t = *job.tool_request;
+    ConversationOptions conv;
+    conv.enable_thinking = t.enable_thinking.value_or(opt.think);
+    conv.add_generation_prompt = t.add_generation_prompt;
+    conv.continue_final_message = t.continue_final_message;
     if (t.media.empty()) {
       job.prompt = assistant->prepare_conversation(t.messages, t.tools, conv);
     } else {  // the towers run on the preparation pool, one conversation at a time

@@ -1003,9 +1003,50 @@ ConversationRenderer ConversationRenderer::for_model_dir(const std::string& dir)
   return r;
 }
 
+namespace {
+
+// The rendered conversation cut right after the last message's text, so that text is left open
+// (as vLLM does it: the template closes the turn, the cut reopens it).
+std::string continue_final_message(std::string rendered, const nlohmann::ordered_json& messages) {
+  if (!messages.is_array() || messages.empty() || !messages.back().is_object() ||
+      messages.back().value("role", std::string()) != "assistant")
+    fail("continue_final_message needs the last message to be the assistant's");
+  const auto& last = messages.back();
+  const nlohmann::ordered_json content =
+      last.contains("content") ? last["content"] : nlohmann::ordered_json();
+  std::string text;
+  if (content.is_string()) {
+    text = content.get<std::string>();
+  } else if (content.is_array()) {
+    for (const auto& part : content)
+      if (part.is_object() && part.value("type", std::string()) == "text")
+        text += part.value("text", std::string());
+  }
+  for (const std::string_view candidate : {std::string_view(text), utf8::trim(text)}) {
+    if (candidate.empty()) continue;
+    const size_t at = rendered.rfind(candidate);
+    if (at != std::string::npos) {
+      rendered.resize(at + candidate.size());
+      return rendered;
+    }
+  }
+  fail(
+      "continue_final_message: the last assistant message has no text the chat template "
+      "writes out, so there is nothing to continue");
+}
+
+}  // namespace
+
 std::string ConversationRenderer::render(const nlohmann::ordered_json& messages,
                                          const nlohmann::ordered_json& tools,
                                          const ConversationOptions& options) const {
+  if (options.continue_final_message) {
+    if (options.add_generation_prompt)
+      fail("continue_final_message and add_generation_prompt cannot both be true");
+    ConversationOptions closed = options;
+    closed.continue_final_message = false;
+    return continue_final_message(render(messages, tools, closed), messages);
+  }
   if (!template_) return render_conversation(messages, tools, options);
   const auto& t = *static_cast<const jinja::Template*>(template_.get());
   nlohmann::ordered_json ctx = {{"messages", messages},

@@ -101,6 +101,9 @@ std::string strip_thinking(std::string_view text);
 // processor expands placeholders).
 struct ConversationOptions {
   bool add_generation_prompt = true;
+  // vLLM's and llama.cpp's continue_final_message: the last message (an assistant's) is left
+  // open, so generation continues its text; needs add_generation_prompt false.
+  bool continue_final_message = false;
   bool enable_thinking = false;
   bool preserve_thinking = false;
 };
