@@ -186,6 +186,15 @@ TEST(LlamaServer, NativeCompletionMatchesTheOpenAIRoute) {
     EXPECT_EQ(bad->status, 400);
     EXPECT_EQ(json::parse(bad->body)["error"]["param"], field);
   }
+  for (const json& bad :
+       {json{{"post_sampling_probs", true}}, json{{"response_fields", {"content"}}}}) {
+    json body = {{"prompt", "x"}, {"n_predict", 2}};
+    body.update(bad);
+    auto refused = client(*s).Post("/completion", body.dump(), "application/json");
+    ASSERT_TRUE(refused);
+    EXPECT_EQ(refused->status, 400) << refused->body;
+    EXPECT_EQ(json::parse(refused->body)["error"]["param"], bad.begin().key());
+  }
 }
 
 TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {

@@ -794,6 +794,15 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
       }
       if (const json* c = member(body, "cache_prompt"); c && !c->is_boolean())
         wrong_type("cache_prompt", "a boolean", *c);
+      // Fields that would change what the reply says, not implemented: refused, never ignored.
+      if (const json* p = member(body, "post_sampling_probs"); p && *p != false)
+        bad_request("post_sampling_probs", "unsupported_value",
+                    "'post_sampling_probs' is not supported: completion_probabilities give each "
+                    "token's log-probability under the model's own distribution");
+      if (const json* f = member(body, "response_fields");
+          f && !f->is_null() && !(f->is_array() && f->empty()))
+        bad_request("response_fields", "unsupported_value",
+                    "'response_fields' is not supported: the reply holds every field");
       if (const json* t = member(body, "return_tokens")) {
         if (!t->is_boolean()) wrong_type("return_tokens", "a boolean", *t);
         job->return_tokens = t->get<bool>();
