@@ -481,51 +481,77 @@ AudioClip parse_input_audio(const json& part, const std::string& param, const st
   }
 }
 
+// A vLLM-style media part, {"type": K, K: {"url": ...}} (or K's value the URL string itself), from
+// a user or tool message: its URL and the parameter path that names the URL in errors.
+struct PartUrl {
+  std::string url, param;
+};
+PartUrl media_part_url(const json& part, const std::string& key, const std::string& param,
+                       const std::string& role, const char* media) {
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat(media, " only accepted in user and tool messages, not in ", role,
+                               " messages"));
+  const json* obj = member(part, key.c_str());
+  if (!obj)
+    bad_request(param + "." + key, "missing_required_parameter", "'" + key + "' is required");
+  const json* url = obj->is_object() ? member(*obj, "url") : obj;
+  PartUrl out{"", param + "." + key + (obj->is_object() ? ".url" : "")};
+  if (!url) bad_request(out.param, "missing_required_parameter", "'" + key + ".url' is required");
+  if (!url->is_string()) wrong_type(out.param, "a string", *url);
+  out.url = url->get<std::string>();
+  return out;
+}
+
+// The payload of a base64 data: URL whose media type `accepts` takes (`expected` says which, for
+// the error); `kind` ("audio", "video") names the error codes.
+std::vector<uint8_t> data_url_payload(const std::string& url, const std::string& param,
+                                      const std::string& kind,
+                                      const std::function<bool(const std::string&)>& accepts,
+                                      const char* expected) {
+  const std::string invalid = "invalid_" + kind + "_url";
+  const size_t comma = url.find(',');
+  if (comma == std::string::npos)
+    bad_request(param, invalid, "the data URL has no ',' before its payload");
+  const std::string header = url.substr(5, comma - 5);  // e.g. "audio/wav;base64"
+  const size_t semi = header.find(';');
+  const std::string mime = header.substr(0, semi);
+  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
+  if (!accepts(mime))
+    bad_request(param, invalid,
+                detail::concat("the data URL's media type is '", mime, "'; send ", expected));
+  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
+    bad_request(param, invalid, "the data URL must be base64-encoded (';base64,')");
+  auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
+  if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
+  if (bytes->empty())
+    bad_request(param, "invalid_" + kind, "the data URL holds no " + kind + " bytes");
+  return std::move(*bytes);
+}
+
 // vLLM's audio_url part: {"type": "audio_url", "audio_url": {"url": ...}} with a
 // data:audio/...;base64 URL, or an http(s) URL when the server fetches them. Decoded and bounded
 // as input_audio is.
 AudioClip parse_audio_url(const json& part, const std::string& param, const std::string& role,
                           const RequestLimits& limits) {
-  if (role != "user" && role != "tool")
-    bad_request(param, "invalid_value",
-                detail::concat("audio is only accepted in user and tool messages, not in ", role,
-                               " messages"));
-  const json* au = member(part, "audio_url");
-  if (!au)
-    bad_request(param + ".audio_url", "missing_required_parameter", "'audio_url' is required");
-  const json* url_json = au->is_object() ? member(*au, "url") : au;
-  const std::string p = param + ".audio_url" + (au->is_object() ? ".url" : "");
-  if (!url_json) bad_request(p, "missing_required_parameter", "'audio_url.url' is required");
-  if (!url_json->is_string()) wrong_type(p, "a string", *url_json);
-  const std::string url = url_json->get<std::string>();
+  const PartUrl u = media_part_url(part, "audio_url", param, role, "audio is");
   std::vector<uint8_t> bytes;
-  if (is_remote_url(url)) {
-    bytes = fetch_or_refuse(url, p, limits, "audio", "unsupported_audio_url", "invalid_audio_url");
+  if (is_remote_url(u.url)) {
+    bytes = fetch_or_refuse(u.url, u.param, limits, "audio", "unsupported_audio_url",
+                            "invalid_audio_url");
   } else {
-    if (url.rfind("data:", 0) != 0)
-      bad_request(p, "unsupported_audio_url",
+    if (u.url.rfind("data:", 0) != 0)
+      bad_request(u.param, "unsupported_audio_url",
                   "audio_url.url must be a data:audio/...;base64,... URL (or http(s) on a server "
                   "started with --allow-remote-media)");
-    const size_t comma = url.find(',');
-    if (comma == std::string::npos)
-      bad_request(p, "invalid_audio_url", "the data URL has no ',' before its payload");
-    const std::string header = url.substr(5, comma - 5);
-    if (header.rfind("audio/", 0) != 0)
-      bad_request(
-          p, "invalid_audio_url",
-          detail::concat("the data URL's media type is '", header.substr(0, header.find(';')),
-                         "'; send audio/wav, audio/mpeg, audio/flac or audio/ogg"));
-    if (header.size() < 7 || header.compare(header.size() - 7, 7, ";base64") != 0)
-      bad_request(p, "invalid_audio_url", "the data URL must be base64-encoded (';base64,')");
-    auto decoded = decode_base64(std::string_view(url).substr(comma + 1));
-    if (!decoded) bad_request(p, "invalid_base64", "the data URL's payload is not valid base64");
-    bytes = std::move(*decoded);
+    bytes = data_url_payload(
+        u.url, u.param, "audio", [](const std::string& m) { return m.rfind("audio/", 0) == 0; },
+        "audio/wav, audio/mpeg, audio/flac or audio/ogg");
   }
-  if (bytes.empty()) bad_request(p, "invalid_audio", "the audio URL holds no bytes");
   try {
-    return decode_audio(bytes.data(), bytes.size(), detail::concat("the audio in ", p));
+    return decode_audio(bytes.data(), bytes.size(), detail::concat("the audio in ", u.param));
   } catch (const Error& e) {
-    bad_request(p, "invalid_audio", e.what());
+    bad_request(u.param, "invalid_audio", e.what());
   }
 }
 
@@ -535,18 +561,9 @@ AudioClip parse_audio_url(const json& part, const std::string& param, const std:
 // context) happens when the prompt is prepared, with the model's video processor settings.
 ChatInputPart parse_video_url(const json& part, const std::string& param, const std::string& role,
                               const RequestLimits& limits, ImageBudget& media) {
-  if (role != "user" && role != "tool")
-    bad_request(param, "invalid_value",
-                detail::concat("videos are only accepted in user and tool messages, not in ", role,
-                               " messages"));
-  const json* vu = member(part, "video_url");
-  if (!vu)
-    bad_request(param + ".video_url", "missing_required_parameter", "'video_url' is required");
-  const json* url_json = vu->is_object() ? member(*vu, "url") : vu;
-  const std::string p = param + ".video_url" + (vu->is_object() ? ".url" : "");
-  if (!url_json) bad_request(p, "missing_required_parameter", "'video_url.url' is required");
-  if (!url_json->is_string()) wrong_type(p, "a string", *url_json);
-  const std::string url = url_json->get<std::string>();
+  const PartUrl u = media_part_url(part, "video_url", param, role, "videos are");
+  const std::string& url = u.url;
+  const std::string& p = u.param;
   VideoSource src;
   src.what = detail::concat("video ", ++media.videos, " (", p, ")");
   src.num_frames = limits.video_frames;
@@ -581,24 +598,11 @@ ChatInputPart parse_video_url(const json& part, const std::string& param, const 
   if (url.rfind("data:", 0) != 0)
     bad_request(p, "unsupported_video_url",
                 "video_url.url must be a data:video/...;base64,... URL or a file:/// URL");
-  const size_t comma = url.find(',');
-  if (comma == std::string::npos)
-    bad_request(p, "invalid_video_url", "the data URL has no ',' before its payload");
-  const std::string header = url.substr(5, comma - 5);
-  const size_t semi = header.find(';');
-  const std::string mime = header.substr(0, semi);
-  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
-  if (mime.rfind("video/", 0) != 0 && mime != "image/gif")
-    bad_request(p, "invalid_video_url",
-                detail::concat("the data URL's media type is '", mime,
-                               "'; send video/mp4, video/webm, video/quicktime, "
-                               "video/x-matroska or image/gif"));
-  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
-    bad_request(p, "invalid_video_url", "the data URL must be base64-encoded (';base64,')");
-  auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
-  if (!bytes) bad_request(p, "invalid_base64", "the data URL's payload is not valid base64");
-  if (bytes->empty()) bad_request(p, "invalid_video", "the data URL holds no video bytes");
-  src.bytes = std::make_shared<const std::vector<uint8_t>>(std::move(*bytes));
+  std::vector<uint8_t> bytes = data_url_payload(
+      url, p, "video",
+      [](const std::string& m) { return m.rfind("video/", 0) == 0 || m == "image/gif"; },
+      "video/mp4, video/webm, video/quicktime, video/x-matroska or image/gif");
+  src.bytes = std::make_shared<const std::vector<uint8_t>>(std::move(bytes));
   out.video_source = std::move(src);
   return out;
 }
