@@ -25,6 +25,7 @@
 #include "kernels/weight_rows.h"
 #include "server/api.h"
 #include "server/server.h"
+#include "server_test_util.h"
 #include "stage/sequence.h"
 #include "test_util.h"
 #include "tokenizer/chat_format.h"
@@ -648,18 +649,13 @@ TEST(AudioServe, InputAudioPartsAreDecodedOrRefusedWithA400) {
 }
 
 TEST(AudioServe, ChatCompletionWithInputAudioEqualsGenerateAudio) {
-  ServerOptions o;
+  ServerOptions o = gemstage::testing::tiny_server_options();
   o.model_path = afx("model");
-  o.port = 0;
   o.parallel = 1;
-  o.threads = 2;
   o.defaults.max_tokens = 4;
-  o.shutdown_grace_seconds = 1;
-  Server s(std::move(o));
-  s.start();
-  ASSERT_TRUE(s.wait_loaded()) << s.load_error();
-  httplib::Client c("127.0.0.1", s.port());
-  c.set_read_timeout(120, 0);
+  const auto server = gemstage::testing::start_server(std::move(o));
+  Server& s = *server;
+  httplib::Client c = gemstage::testing::server_client(s);
   const nlohmann::json body = {
       {"messages", {audio_message(wav_base64(), "wav")}}, {"max_tokens", 4}, {"temperature", 0}};
   const auto r = c.Post("/v1/chat/completions", body.dump(), "application/json");
@@ -676,6 +672,20 @@ TEST(AudioServe, ChatCompletionWithInputAudioEqualsGenerateAudio) {
   const nlohmann::json want = nlohmann::json::parse(out.substr(0, out.find('\n')));
   EXPECT_EQ(j["choices"][0]["message"]["content"], want["text"]);
   EXPECT_EQ(j["usage"]["prompt_tokens"], want["prompt_tokens"]);
+  // vLLM's audio_url part with a data URL is the same clip.
+  const nlohmann::json url_body = {
+      {"messages",
+       {{{"role", "user"},
+         {"content",
+          {{{"type", "audio_url"},
+            {"audio_url", {{"url", "data:audio/wav;base64," + wav_base64()}}}},
+           {{"type", "text"}, {"text", "hello"}}}}}}},
+      {"max_tokens", 4},
+      {"temperature", 0}};
+  const auto by_url = c.Post("/v1/chat/completions", url_body.dump(), "application/json");
+  ASSERT_TRUE(by_url);
+  ASSERT_EQ(by_url->status, 200) << by_url->body;
+  EXPECT_EQ(nlohmann::json::parse(by_url->body)["choices"][0]["message"]["content"], want["text"]);
   // An undecodable clip is a 400 that says so.
   const auto bad =
       c.Post("/v1/chat/completions",
