@@ -152,6 +152,24 @@ TEST(JsonConstraint, SchemaFeatures) {
       json::parse(R"({"type":"object","additionalProperties":{"type":"integer"}})"));
   EXPECT_TRUE(matches(*dict, R"({"a":1,"b":2})"));
   EXPECT_FALSE(matches(*dict, R"({"a":"x"})"));
+  // Positional items: 2020-12's prefixItems with items for the rest, draft-07's tuple items with
+  // additionalItems; false for the rest closes the array after the positional ones.
+  const auto pair = JsonGrammar::from_schema(json::parse(
+      R"({"type":"array","prefixItems":[{"type":"string"},{"type":"integer"}],"items":false})"));
+  EXPECT_TRUE(matches(*pair, R"(["a",1])"));
+  EXPECT_TRUE(matches(*pair, R"(["a"])"));  // prefixItems alone requires nothing
+  EXPECT_FALSE(matches(*pair, R"([1,"a"])"));
+  EXPECT_FALSE(matches(*pair, R"(["a",1,2])"));
+  const auto tuple = JsonGrammar::from_schema(json::parse(
+      R"({"type":"array","items":[{"const":-3000}],"additionalItems":{"type":"boolean"},
+          "minItems":2})"));
+  EXPECT_TRUE(matches(*tuple, R"([-3000,true,false])"));
+  EXPECT_FALSE(matches(*tuple, R"([-3000])"));
+  EXPECT_FALSE(matches(*tuple, R"([-3000,1])"));
+  EXPECT_FALSE(matches(*tuple, R"([3000,true])"));
+  const auto open_tail = JsonGrammar::from_schema(json::parse(R"({"items":[{"type":"null"}]})"));
+  EXPECT_TRUE(matches(*open_tail, R"([null,"x",{}])"));
+  EXPECT_FALSE(matches(*open_tail, R"([0])"));
 }
 
 TEST(JsonConstraint, RefusesWhatItCannotEnforceNamingThePlace) {
@@ -178,6 +196,9 @@ TEST(JsonConstraint, RefusesWhatItCannotEnforceNamingThePlace) {
             std::string::npos);
   EXPECT_EQ(refusal(json::parse(R"({"type":"string","format":"date-time","description":"d"})")),
             "(accepted)");
+  EXPECT_NE(refusal(json::parse(R"({"prefixItems":[{}],"items":[{}]})")).find("not both"),
+            std::string::npos);
+  EXPECT_NE(refusal(json::parse(R"({"prefixItems":{}})")).find("#/prefixItems"), std::string::npos);
 }
 
 TEST(JsonConstraint, MaskEqualsTryingEveryTokenAndWalksAlwaysValidate) {

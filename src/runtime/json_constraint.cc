@@ -38,6 +38,8 @@ struct JsonSchemaNode {
   bool free_keys = true;
   const JsonSchemaNode* free_value = nullptr;  // null: any value
   // Arrays.
+  // Element i takes prefix_items[i] (prefixItems, or a draft-07 tuple `items`), the rest `items`.
+  std::vector<const JsonSchemaNode*> prefix_items;
   const JsonSchemaNode* items = nullptr;  // null: any value
   int64_t min_items = 0, max_items = std::numeric_limits<int64_t>::max();
   // Strings (characters).
@@ -148,9 +150,9 @@ struct JsonSchemaCompiler {
     }
     if (!s.is_object()) refuse(where, "a schema must be an object");
     for (const char* key :
-         {"pattern", "allOf", "not", "if", "multipleOf", "prefixItems", "patternProperties",
-          "propertyNames", "dependentRequired", "dependentSchemas", "contains", "uniqueItems",
-          "minProperties", "maxProperties", "unevaluatedProperties", "unevaluatedItems"})
+         {"pattern", "allOf", "not", "if", "multipleOf", "patternProperties", "propertyNames",
+          "dependentRequired", "dependentSchemas", "contains", "uniqueItems", "minProperties",
+          "maxProperties", "unevaluatedProperties", "unevaluatedItems"})
       if (get(s, key)) refuse(where + "/" + key, "is not supported in constrained output");
     if (const json* ref = get(s, "$ref")) return compile(resolve(*ref, where), where, depth + 1);
     for (const char* key : {"anyOf", "oneOf"})
@@ -178,7 +180,8 @@ struct JsonSchemaCompiler {
       }
     } else if (get(s, "properties") || get(s, "required") || get(s, "additionalProperties")) {
       n->types = kObjectT;
-    } else if (get(s, "items") || get(s, "minItems") || get(s, "maxItems")) {
+    } else if (get(s, "items") || get(s, "prefixItems") || get(s, "minItems") ||
+               get(s, "maxItems")) {
       n->types = kArrayT;
     }
     if (const json* nullable = get(s, "nullable");
@@ -231,12 +234,34 @@ struct JsonSchemaCompiler {
         n.free_value = compile(*ap, where + "/additionalProperties", depth + 1);
       }
     }
-    if (const json* items = get(s, "items")) {
-      if (items->is_array()) refuse(where + "/items", "tuple items are not supported");
-      n.items = compile(*items, where + "/items", depth + 1);
+    // Positional items: 2020-12's prefixItems + items, or draft-07's tuple items +
+    // additionalItems. A `false` for the rest closes the array after the positional ones.
+    const json* prefix = get(s, "prefixItems");
+    const json* rest = get(s, "items");
+    std::string rest_where = where + "/items", prefix_where = where + "/prefixItems";
+    if (rest && rest->is_array()) {
+      if (prefix) refuse(where + "/items", "give prefixItems or a tuple 'items', not both");
+      prefix = rest;
+      prefix_where = rest_where;
+      rest = get(s, "additionalItems");
+      rest_where = where + "/additionalItems";
+    }
+    if (prefix) {
+      if (!prefix->is_array()) refuse(prefix_where, "must be an array of schemas");
+      for (size_t i = 0; i < prefix->size(); ++i)
+        n.prefix_items.push_back(
+            compile((*prefix)[i], prefix_where + "/" + std::to_string(i), depth + 1));
+    }
+    bool closed = false;
+    if (rest) {
+      if (rest->is_boolean())
+        closed = !rest->get<bool>();
+      else
+        n.items = compile(*rest, rest_where, depth + 1);
     }
     if (const json* v = get(s, "minItems")) n.min_items = integer(*v, where + "/minItems");
     if (const json* v = get(s, "maxItems")) n.max_items = integer(*v, where + "/maxItems");
+    if (closed) n.max_items = std::min(n.max_items, static_cast<int64_t>(n.prefix_items.size()));
     if (n.min_items < 0 || n.max_items < n.min_items)
       refuse(where + "/maxItems", "no array length fits minItems and maxItems");
     if (const json* v = get(s, "minLength")) n.min_length = integer(*v, where + "/minLength");
@@ -276,7 +301,8 @@ struct JsonSchemaCompiler {
       const std::string w = where + "/" + std::to_string(i);
       json branch = alts[i];
       if (branch.is_object())
-        for (const char* key : {"properties", "required", "items", "additionalProperties"})
+        for (const char* key :
+             {"properties", "required", "items", "prefixItems", "additionalProperties"})
           if (const json* v = get(s, key); v && !branch.contains(key)) branch[key] = *v;
       const JsonSchemaNode* b = compile(branch, w, depth + 1);
       if (!b->literals.empty()) refuse(w, "enum or const inside anyOf / oneOf is not supported");
@@ -295,6 +321,7 @@ struct JsonSchemaCompiler {
         n->free_value = b->free_value;
       }
       if (b->types & kArrayT) {
+        n->prefix_items = b->prefix_items;
         n->items = b->items;
         n->min_items = b->min_items;
         n->max_items = b->max_items;
@@ -409,6 +436,16 @@ JsonMatcher::JsonMatcher(const JsonGrammar& grammar)
     : gemma_(grammar.dialect() == JsonDialect::kGemmaArgs) {
   push_value(grammar.root());
 }
+
+namespace {
+
+// The schema of an array's element at `index` (null: any value).
+const JsonSchemaNode* item_schema(const JsonSchemaNode& array, uint64_t index) {
+  return index < array.prefix_items.size() ? array.prefix_items[static_cast<size_t>(index)]
+                                           : array.items;
+}
+
+}  // namespace
 
 bool JsonMatcher::push_value(const JsonSchemaNode* node) {
   if (depth_ >= static_cast<int>(stack_.size())) return false;
@@ -812,7 +849,7 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
           if (c == ']' && n.min_items == 0) return Step::kPass;
           if (n.max_items < 1) return Step::kRejected;
           f.stage = kArrValue;
-          if (!push_value(n.items)) return Step::kRejected;
+          if (!push_value(item_schema(n, 0))) return Step::kRejected;
           return step(stack_[static_cast<size_t>(depth_ - 1)], c);
         case kArrAfterValue:
           if (ws()) return Step::kConsumed;
@@ -820,7 +857,7 @@ JsonMatcher::Step JsonMatcher::step(Frame& f, unsigned char c) {
           if (c == ',' && static_cast<int64_t>(f.count) < n.max_items) {
             f.stage = kArrValue;
             f.ws = 0;
-            return push_value(n.items) ? Step::kConsumed : Step::kRejected;
+            return push_value(item_schema(n, f.count)) ? Step::kConsumed : Step::kRejected;
           }
           return Step::kRejected;
         default:
