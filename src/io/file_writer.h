@@ -1,4 +1,4 @@
-// Writing files that must never be seen half-written (bundle exports, see stage/bundle.cc).
+// Writing files that must never be seen half-written (bundle exports, see stage/bundle_export.cc).
 //
 // FileWriter writes through a plain descriptor so a failed write reports errno (EFBIG, ENOSPC,
 // EIO) with the file's name instead of a stream's silent failbit; commit() flushes, syncs the
