@@ -1,11 +1,11 @@
 // The tensor table: every checkpoint tensor gemstage knows, declared once, with everything the
 // rest of the engine needs to know about it. Loading validates against it (registry.h), the
 // text and vision binders fill their weight structs from it, export plans each stage file from
-// it (src/stage/bundle_export.cc), `info` groups parameters by its labels (tools/cmd_info.cc), and the
-// decode byte count sums its per-token matrices (src/stage/stage.cc). A new tensor kind is one
-// entry in tensor_table.cc: give it a key, a shape, the parts holding it, its storage class,
-// decode_read_in if it is a matrix read per token, an info label and (to run it) a slot in
-// TextWeights / VisionWeights; loading, binding, export, check, info and bench follow.
+// it (plan_stage_tensors, src/stage/bundle.cc), `info` groups parameters by its labels
+// (tools/cmd_info.cc), and the decode byte count sums its per-token matrices (src/stage/stage.cc).
+// A new tensor kind is one entry in tensor_table.cc: give it a key, a shape, the parts holding it,
+// its storage class, decode_read_in if it is a matrix read per token, an info label and (to run it)
+// a slot in TextWeights / VisionWeights; loading, binding, export, check, info and bench follow.
 //
 // This is gemma4-level: it names parts of the model (TensorPart), not stages. The stage layer
 // maps its StageRole to the parts a stage holds.
