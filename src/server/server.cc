@@ -864,8 +864,9 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
   }
   auto client = std::make_unique<ClientSocket>(req);
   submit(*job);
-  if (common.n > 1) {
-    answer_choices(req, res, route, *job, common.n, [&client] { return client->alive(); });
+  // Non-streamed chat and text completions, one choice or `n` (a streamed `n` is refused above).
+  if (!stream && (route == Route::kChat || route == Route::kCompletion)) {
+    answer_completions(req, res, route, *job, common.n, [&client] { return client->alive(); });
     return;
   }
   Generation& gen = *job->generation;
@@ -893,44 +894,31 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
                       "application/json");
       return;
     }
+    // Messages and Responses here; chat and completions went to answer_completions.
     const std::string fr = openai_finish_reason(g.finish_reason);
     const auto completion_tokens = static_cast<int64_t>(g.tokens.size());
-    auto ids = [this] { return new_id("call_"); };
-    if (route == Route::kMessages || route == Route::kResponses) {
-      const std::string raw = prefix + g.text;
-      ParsedOutput parsed;
-      std::string finish = fr;
-      if (job->tool_request) {
-        parsed = parse_model_output(raw);
-        finish = tool_finish_reason(parsed, raw, g.finish_reason == "stop");
-      } else if (!g.text.empty()) {
-        parsed.content = g.text;
-      }
-      const json out =
-          route == Route::kMessages
-              ? messages::message_json(
-                    meta, parsed, messages::stop_reason(finish, g.stop_string), r.prompt_tokens,
-                    completion_tokens, [this] { return new_id("toolu_"); }, g.stop_string,
-                    r.cached_tokens)
-              : responses::response_json(
-                    meta, job->response_echo, parsed, finish, r.prompt_tokens, completion_tokens,
-                    [this](const char* p) { return new_id(p); },
-                    job->gen.top_logprobs >= 0
-                        ? ReplyTextTokens(assistant->tokenizer(), prefix).take_logprobs(g.logprobs)
-                        : json::array(),
-                    r.cached_tokens);
-      res.set_content(wire_json(out), "application/json");
-      return;
+    const std::string raw = prefix + g.text;
+    ParsedOutput parsed;
+    std::string finish = fr;
+    if (job->tool_request) {
+      parsed = parse_model_output(raw);
+      finish = tool_finish_reason(parsed, raw, g.finish_reason == "stop");
+    } else if (!g.text.empty()) {
+      parsed.content = g.text;
     }
-    json out = job->tool_request
-                   ? chat_tool_completion_json(meta, prefix + g.text, g.finish_reason == "stop",
-                                               r.prompt_tokens, completion_tokens, ids)
-               : chat ? chat_completion_json(meta, g.text, fr, r.prompt_tokens, completion_tokens)
-                      : text_completion_json(meta, g.text, fr, r.prompt_tokens, completion_tokens);
-    if (chat && job->gen.top_logprobs >= 0)
-      out["choices"][0]["logprobs"] = logprobs_json(assistant->tokenizer(), g.logprobs);
-    out["usage"]["prompt_tokens_details"] = {{"cached_tokens", r.cached_tokens}};
-    out["timings"] = timings_json(r, completion_tokens);  // as llama-server adds them
+    const json out =
+        route == Route::kMessages
+            ? messages::message_json(
+                  meta, parsed, messages::stop_reason(finish, g.stop_string), r.prompt_tokens,
+                  completion_tokens, [this] { return new_id("toolu_"); }, g.stop_string,
+                  r.cached_tokens)
+            : responses::response_json(
+                  meta, job->response_echo, parsed, finish, r.prompt_tokens, completion_tokens,
+                  [this](const char* p) { return new_id(p); },
+                  job->gen.top_logprobs >= 0
+                      ? ReplyTextTokens(assistant->tokenizer(), prefix).take_logprobs(g.logprobs)
+                      : json::array(),
+                  r.cached_tokens);
     res.set_content(wire_json(out), "application/json");
     return;
   }
@@ -1009,14 +997,18 @@ void Server::Impl::handle_generation(const httplib::Request& req, httplib::Respo
       });
 }
 
-// `n` choices of one prompt, not streamed: the prepared job is the first, submitted; the others
-// are the same prompt and options with the seed counted on, each on a slot of its own (the
-// engine batches their steps, so the weights are read once for all of them; each slot prefills
-// the prompt itself unless its caches already hold it). Choices keep their index; usage counts
-// the prompt once and the tokens of every choice, as OpenAI's API does.
-void Server::Impl::answer_choices(const httplib::Request& req, httplib::Response& res, Route route,
-                                  const Job& job, int n,
-                                  const std::function<bool()>& client_alive) {
+// A non-streamed chat or text completion with `n` choices (1 or more) of one prompt: the
+// prepared job is the first, submitted; the others are the same prompt and options with the seed
+// counted on, each on a slot of its own (the engine batches their steps, so the weights are read
+// once for all of them; each slot prefills the prompt itself unless its caches already hold it).
+// Choices keep their index; usage counts the prompt once and the tokens of every choice, as
+// OpenAI's API does; llama-server's timings are the first choice's.
+void Server::Impl::answer_completions(const httplib::Request& req, httplib::Response& res,
+                                      Route route, const Job& job, int n,
+                                      const std::function<bool()>& client_alive) {
+  const bool chat = route == Route::kChat;
+  const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), model_name,
+                          static_cast<int64_t>(std::time(nullptr))};
   std::vector<std::shared_ptr<Generation>> gens{job.generation};
   // Whatever ends this reply early (an error, a vanished client) cancels every choice.
   struct CancelAll {
@@ -1042,9 +1034,6 @@ void Server::Impl::answer_choices(const httplib::Request& req, httplib::Response
     if (results.back().error) throw api_error(*results.back().error);
     if (results.back().generation.finish_reason == "cancelled") throw shutting_down_error();
   }
-  const bool chat = route == Route::kChat;
-  const ResponseMeta meta{new_id(chat ? "chatcmpl-" : "cmpl-"), model_name,
-                          static_cast<int64_t>(std::time(nullptr))};
   const std::string& prefix = job.prompt.generation_prefix;
   json out, choices = json::array();
   int64_t completion_tokens = 0;
@@ -1072,7 +1061,6 @@ void Server::Impl::answer_choices(const httplib::Request& req, httplib::Response
   out["choices"] = std::move(choices);
   out["usage"] = usage_json(first.prompt_tokens, completion_tokens);
   out["usage"]["prompt_tokens_details"] = {{"cached_tokens", first.cached_tokens}};
-  // llama-server's timings, of the first choice (the others ran beside it).
   out["timings"] = timings_json(first, static_cast<int64_t>(first.generation.tokens.size()));
   res.set_content(wire_json(out), "application/json");
 }

@@ -177,8 +177,8 @@ struct Server::Impl {
   std::string metrics_text();
   void submit(Job& job);
   void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
-  void answer_choices(const httplib::Request& req, httplib::Response& res, Route route,
-                      const Job& job, int n, const std::function<bool()>& client_alive);
+  void answer_completions(const httplib::Request& req, httplib::Response& res, Route route,
+                          const Job& job, int n, const std::function<bool()>& client_alive);
   void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
   std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
                                  GenerationRequest& common);
