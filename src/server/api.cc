@@ -371,6 +371,54 @@ struct ImageBudget {
   size_t videos = 0;  // video_url parts so far, for their names in errors
 };
 
+// A vLLM-style media part, {"type": K, K: {"url": ...}} (or K's value the URL string itself), from
+// a user or tool message: its URL and the parameter path that names the URL in errors.
+struct PartUrl {
+  std::string url, param;
+};
+PartUrl media_part_url(const json& part, const std::string& key, const std::string& param,
+                       const std::string& role, const char* media) {
+  if (role != "user" && role != "tool")
+    bad_request(param, "invalid_value",
+                detail::concat(media, " only accepted in user and tool messages, not in ", role,
+                               " messages"));
+  const json* obj = member(part, key.c_str());
+  if (!obj)
+    bad_request(param + "." + key, "missing_required_parameter", "'" + key + "' is required");
+  const json* url = obj->is_object() ? member(*obj, "url") : obj;
+  PartUrl out{"", param + "." + key + (obj->is_object() ? ".url" : "")};
+  if (!url) bad_request(out.param, "missing_required_parameter", "'" + key + ".url' is required");
+  if (!url->is_string()) wrong_type(out.param, "a string", *url);
+  out.url = url->get<std::string>();
+  return out;
+}
+
+// The payload of a base64 data: URL whose media type `accepts` takes (`expected` says which, for
+// the error); `kind` ("audio", "video") names the error codes.
+std::vector<uint8_t> data_url_payload(const std::string& url, const std::string& param,
+                                      const std::string& kind,
+                                      const std::function<bool(const std::string&)>& accepts,
+                                      const char* expected) {
+  const std::string invalid = "invalid_" + kind + "_url";
+  const size_t comma = url.find(',');
+  if (comma == std::string::npos)
+    bad_request(param, invalid, "the data URL has no ',' before its payload");
+  const std::string header = url.substr(5, comma - 5);  // e.g. "audio/wav;base64"
+  const size_t semi = header.find(';');
+  const std::string mime = header.substr(0, semi);
+  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
+  if (!accepts(mime))
+    bad_request(param, invalid,
+                detail::concat("the data URL's media type is '", mime, "'; send ", expected));
+  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
+    bad_request(param, invalid, "the data URL must be base64-encoded (';base64,')");
+  auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
+  if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
+  if (bytes->empty())
+    bad_request(param, "invalid_" + kind, "the data URL holds no " + kind + " bytes");
+  return std::move(*bytes);
+}
+
 bool is_remote_url(const std::string& url) {
   return url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0;
 }
@@ -408,23 +456,13 @@ RgbImage decode_data_url(const std::string& url, const std::string& param,
     bad_request(param, "unsupported_image_url",
                 "image_url.url must be a data:image/png;base64,... or data:image/jpeg;base64,... "
                 "URL");
-  const size_t comma = url.find(',');
-  if (comma == std::string::npos)
-    bad_request(param, "invalid_image_url", "the data URL has no ',' before its payload");
-  const std::string header = url.substr(5, comma - 5);  // e.g. "image/png;base64"
-  const size_t semi = header.find(';');
-  const std::string mime = header.substr(0, semi);
-  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
-  if (mime != "image/png" && mime != "image/jpeg" && mime != "image/jpg")
-    bad_request(param, "invalid_image_url",
-                detail::concat("the data URL's media type is '", mime,
-                               "'; only image/png and image/jpeg are supported"));
-  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
-    bad_request(param, "invalid_image_url", "the data URL must be base64-encoded (';base64,')");
-  const auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
-  if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
-  if (bytes->empty()) bad_request(param, "invalid_image", "the data URL holds no image bytes");
-  return decode_image_bytes(*bytes, param, limits, budget);
+  const std::vector<uint8_t> bytes = data_url_payload(
+      url, param, "image",
+      [](const std::string& m) {
+        return m == "image/png" || m == "image/jpeg" || m == "image/jpg";
+      },
+      "image/png or image/jpeg");
+  return decode_image_bytes(bytes, param, limits, budget);
 }
 
 RgbImage decode_image_bytes(const std::vector<uint8_t>& bytes, const std::string& param,
@@ -479,54 +517,6 @@ AudioClip parse_input_audio(const json& part, const std::string& param, const st
   } catch (const Error& e) {
     bad_request(p + ".data", "invalid_audio", e.what());
   }
-}
-
-// A vLLM-style media part, {"type": K, K: {"url": ...}} (or K's value the URL string itself), from
-// a user or tool message: its URL and the parameter path that names the URL in errors.
-struct PartUrl {
-  std::string url, param;
-};
-PartUrl media_part_url(const json& part, const std::string& key, const std::string& param,
-                       const std::string& role, const char* media) {
-  if (role != "user" && role != "tool")
-    bad_request(param, "invalid_value",
-                detail::concat(media, " only accepted in user and tool messages, not in ", role,
-                               " messages"));
-  const json* obj = member(part, key.c_str());
-  if (!obj)
-    bad_request(param + "." + key, "missing_required_parameter", "'" + key + "' is required");
-  const json* url = obj->is_object() ? member(*obj, "url") : obj;
-  PartUrl out{"", param + "." + key + (obj->is_object() ? ".url" : "")};
-  if (!url) bad_request(out.param, "missing_required_parameter", "'" + key + ".url' is required");
-  if (!url->is_string()) wrong_type(out.param, "a string", *url);
-  out.url = url->get<std::string>();
-  return out;
-}
-
-// The payload of a base64 data: URL whose media type `accepts` takes (`expected` says which, for
-// the error); `kind` ("audio", "video") names the error codes.
-std::vector<uint8_t> data_url_payload(const std::string& url, const std::string& param,
-                                      const std::string& kind,
-                                      const std::function<bool(const std::string&)>& accepts,
-                                      const char* expected) {
-  const std::string invalid = "invalid_" + kind + "_url";
-  const size_t comma = url.find(',');
-  if (comma == std::string::npos)
-    bad_request(param, invalid, "the data URL has no ',' before its payload");
-  const std::string header = url.substr(5, comma - 5);  // e.g. "audio/wav;base64"
-  const size_t semi = header.find(';');
-  const std::string mime = header.substr(0, semi);
-  const std::string params = semi == std::string::npos ? std::string() : header.substr(semi);
-  if (!accepts(mime))
-    bad_request(param, invalid,
-                detail::concat("the data URL's media type is '", mime, "'; send ", expected));
-  if (params.size() < 7 || params.compare(params.size() - 7, 7, ";base64") != 0)
-    bad_request(param, invalid, "the data URL must be base64-encoded (';base64,')");
-  auto bytes = decode_base64(std::string_view(url).substr(comma + 1));
-  if (!bytes) bad_request(param, "invalid_base64", "the data URL's payload is not valid base64");
-  if (bytes->empty())
-    bad_request(param, "invalid_" + kind, "the data URL holds no " + kind + " bytes");
-  return std::move(*bytes);
 }
 
 // vLLM's audio_url part: {"type": "audio_url", "audio_url": {"url": ...}} with a
@@ -590,7 +580,7 @@ ChatInputPart parse_video_url(const json& part, const std::string& param, const 
     out.video_source = std::move(src);
     return out;
   }
-  if (url.rfind("http://", 0) == 0 || url.rfind("https://", 0) == 0)
+  if (is_remote_url(url))
     bad_request(p, "unsupported_video_url",
                 "remote video URLs are not fetched (a server that fetches whatever URL a client "
                 "names can be turned against its own network); send the video inline as a "
