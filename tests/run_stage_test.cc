@@ -1,7 +1,9 @@
 // The stage contract at run time, through `gemstage run-stage` as an integrator would use it:
 // chaining a bundle's stages by hand reproduces `dump`'s logits (images included), the embeddings
-// stage hands on PLE identity and the splice mask as named tensors, and every contract violation
-// is refused with an error naming the stage, the tensor, what was expected and what was given.
+// stage hands on PLE identity and the splice mask as named tensors, every contract violation
+// is refused with an error naming the stage, the tensor, what was expected and what was given,
+// and a transformer stage's saved KV cache lets one later call (a decode step, a second prefill
+// chunk) run alone.
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -13,6 +15,8 @@
 #include "core/host_tensor.h"
 #include "io/npy.h"
 #include "stage/bundle.h"
+#include "stage/cache_files.h"
+#include "stage/model.h"
 #include "test_util.h"
 
 using namespace gemstage;
@@ -68,9 +72,9 @@ HostTensor slice_layers(const NpyArray& pli, int a, int b) {
   return HostTensor({S, b - a, P}, std::move(out));
 }
 
-std::string positions(const std::string& dir, int64_t S) {
+std::string positions(const std::string& dir, int64_t S, int64_t first = 0) {
   std::vector<int32_t> p(static_cast<size_t>(S));
-  for (int64_t i = 0; i < S; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(i);
+  for (int64_t i = 0; i < S; ++i) p[static_cast<size_t>(i)] = static_cast<int32_t>(first + i);
   const std::string path = dir + "/positions.npy";
   save_npy(path, HostTensor({S}, p));
   return path;
@@ -230,4 +234,176 @@ TEST(RunStage, SchemaVersion1BundlesStillRun) {
   EXPECT_LE(max_abs_diff(load_npy(dir + "/dump/logits.npy").to_f32(),
                          load_npy(fixture("text/logits.npy")).to_f32()),
             5e-4);
+}
+
+namespace {
+
+// The values of rows [a, b) of an [S, ...] array.
+std::vector<float> rows_of(const NpyArray& x, int64_t a, int64_t b) {
+  const int64_t row = x.numel() / x.shape[0];
+  const std::vector<float> all = x.to_f32();
+  return std::vector<float>(all.begin() + a * row, all.begin() + b * row);
+}
+
+// The rows `ids` run through the embeddings stage, both transformer stages and the head by
+// `run-stage`, each transformer stage starting from past/<stage id> when past is given and
+// saving its cache to out/cache/<stage id>; returns the logits file.
+std::string chain(const std::string& out, const std::vector<int32_t>& ids, int64_t first,
+                  const std::string& past) {
+  std::filesystem::create_directories(out);
+  const int64_t n = static_cast<int64_t>(ids.size());
+  save_npy(out + "/ids.npy", HostTensor({n}, ids));
+  Result r = cli("run-stage " + bundle() + " embeddings --in input_ids=" + out + "/ids.npy --out " +
+                     out + "/emb",
+                 out + "/emb.log");
+  EXPECT_EQ(r.code, 0) << r.log;
+  const NpyArray pli = load_npy(out + "/emb/per_layer_inputs.npy");
+  const std::string p = positions(out, n, first);
+  std::string hidden = out + "/emb/hidden_states.npy";
+  for (const auto& [id, a, b] : {std::tuple<std::string, int, int>{"layers_0_2", 0, 2},
+                                 std::tuple<std::string, int, int>{"layers_2_6", 2, 6}}) {
+    const std::string slice = out + "/pli_" + id + ".npy";
+    save_npy(slice, slice_layers(pli, a, b));
+    r = cli("run-stage " + bundle() + " " + id + " --in hidden_states=" + hidden +
+                " --in per_layer_inputs=" + slice + " --in positions=" + p +
+                (past.empty() ? "" : " --past " + past + "/" + id) + " --cache-out " + out +
+                "/cache/" + id + " --out " + out + "/" + id,
+            out + "/" + id + ".log");
+    EXPECT_EQ(r.code, 0) << r.log;
+    hidden = out + "/" + id + "/hidden_states.npy";
+  }
+  r = cli(
+      "run-stage " + bundle() + " head --in hidden_states=" + hidden + " --out " + out + "/head",
+      out + "/head.log");
+  EXPECT_EQ(r.code, 0) << r.log;
+  return out + "/head/logits.npy";
+}
+
+}  // namespace
+
+// A decode step and a second prefill chunk of the middle stages, each run alone from the caches
+// the calls before it saved, give what `dump` computes in one run (f32: within 1e-6), and the
+// cache each leaves equals dump's.
+TEST(RunStage, SavedCachesLetADecodeStepAndALaterPrefillChunkRunAlone) {
+  const std::string dir = temp_dir("run_stage_past");
+  const std::string ids_file = fixture("text/input_ids.npy");
+  const std::vector<int32_t> ids = load_ids(ids_file);
+  const int64_t S = static_cast<int64_t>(ids.size()), k = 10;
+  ASSERT_GT(S, k + 8) << "the second chunk should outrun the sliding window (8)";
+  // The whole run, and the caches it leaves after the prompt (--decode 1 forwards nothing more).
+  Result r = cli("dump --model " + bundle() + " --ids " + ids_file +
+                     " --taps logits,decode_ids,decode_logits --decode 2 --out " + dir + "/dump",
+                 dir + "/dump.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  r = cli("dump --model " + bundle() + " --ids " + ids_file + " --decode 1 --cache-out " + dir +
+              "/prompt_cache --out " + dir + "/dump1",
+          dir + "/dump1.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  for (const char* id : {"layers_0_2", "layers_2_6"})
+    EXPECT_TRUE(std::filesystem::exists(dir + "/prompt_cache/" + id + "/kv_cache.json")) << id;
+  const NpyArray logits = load_npy(dir + "/dump/logits.npy");
+  const NpyArray decode_logits = load_npy(dir + "/dump/decode_logits.npy");
+  const std::vector<int64_t> decoded = load_npy(dir + "/dump/decode_ids.npy").to_i64();
+  ASSERT_EQ(decoded.size(), 2u);
+
+  // A decode step: the first decoded token at position S, from the prompt's caches.
+  const std::string step =
+      chain(dir + "/step", {static_cast<int32_t>(decoded[0])}, S, dir + "/prompt_cache");
+  const std::vector<float> step_logits = load_npy(step).to_f32();
+  const std::vector<float> want_step = rows_of(decode_logits, 1, 2);
+  ASSERT_EQ(step_logits.size(), want_step.size());
+  EXPECT_LE(max_abs_diff(step_logits, want_step), 1e-6);
+
+  // The prompt in two chunks: rows 0..k-1 from fresh caches, then rows k..S-1 from theirs.
+  chain(dir + "/first", std::vector<int32_t>(ids.begin(), ids.begin() + k), 0, "");
+  const std::string second = chain(
+      dir + "/second", std::vector<int32_t>(ids.begin() + k, ids.end()), k, dir + "/first/cache");
+  EXPECT_LE(max_abs_diff(load_npy(second).to_f32(), rows_of(logits, k, S)), 1e-6);
+  // What the second chunk leaves is what the whole prompt left in dump.
+  for (const char* id : {"layers_0_2", "layers_2_6"})
+    for (const auto& f : std::filesystem::directory_iterator(dir + "/prompt_cache/" + id)) {
+      if (f.path().extension() != ".npy") continue;
+      const NpyArray chained =
+          load_npy(dir + "/second/cache/" + id + "/" + f.path().filename().string());
+      const NpyArray whole = load_npy(f.path().string());
+      ASSERT_EQ(chained.shape, whole.shape) << f.path();
+      EXPECT_LE(max_abs_diff(chained.to_f32(), whole.to_f32()), 1e-6) << f.path();
+    }
+
+  // Refusals: another stage's cache, positions that do not continue it, a stage without one.
+  const std::string emb = dir + "/step/emb/hidden_states.npy";
+  const std::string pli = dir + "/step/pli_layers_0_2.npy";
+  const std::string pos = dir + "/step/positions.npy";
+  auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
+    const Result x =
+        cli("run-stage " + bundle() + " " + args + " --out " + dir + "/x", dir + "/x.log");
+    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
+    for (const std::string& n : needles)
+      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+  };
+  const std::string in0 = " --in hidden_states=" + emb + " --in per_layer_inputs=" + pli;
+  refused(
+      "layers_0_2" + in0 + " --in positions=" + pos + " --past " + dir + "/prompt_cache/layers_2_6",
+      {"kv_cache.json", "the cache of stage 'layers_2_6'", "not of stage 'layers_0_2'"});
+  refused("layers_0_2" + in0 + " --in positions=" + positions(dir, 1, 3) + " --past " + dir +
+              "/prompt_cache/layers_0_2",
+          {"stage 'layers_0_2'", "expected position " + std::to_string(S) + " at row 0, got 3"});
+  refused("layers_0_2" + in0 + " --in positions=" + pos + " --past " + dir + "/nowhere",
+          {"nowhere/kv_cache.json: not found", "dump --cache-out"});
+  refused("head --in hidden_states=" + emb + " --past " + dir + "/prompt_cache/layers_0_2",
+          {"stage 'head'", "keeps no KV cache"});
+  const std::string width = dir + "/prompt_cache/layers_0_2/layer_0.k.npy";
+  save_npy(width, HostTensor({S, 3}, std::vector<float>(static_cast<size_t>(S) * 3, 0.0f)));
+  refused(
+      "layers_0_2" + in0 + " --in positions=" + pos + " --past " + dir + "/prompt_cache/layers_0_2",
+      {"layer_0.k.npy: expected float32 [" + std::to_string(S) + ", "});
+}
+
+// Saving and loading a cache group gives back the same rows in every row type, sliding rings
+// included once they have wrapped (the saved rows then start past position 0).
+TEST(RunStage, ACacheGroupSurvivesSaveAndLoadInEveryRowType) {
+  const auto model = Model::open(bundle());
+  const Stage* stage = model->find_stage("layers_2_6");
+  ASSERT_NE(stage, nullptr);
+  for (const KvType type : {KvType::F32, KvType::BF16, KvType::Q8_0}) {
+    const std::string dir = temp_dir(std::string("run_stage_cache_") + kv_type_name(type));
+    const int64_t n = 700, ctx = 1024;  // past a ring of window 8 + 512 slack rows
+    auto saved = stage->new_cache(ctx, type);
+    uint32_t state = 12345;
+    for (int layer = 2; layer < 6; ++layer) {
+      LayerKvCache* c = saved->own(layer);
+      if (!c) continue;
+      std::vector<float> k(static_cast<size_t>(n * c->width())), v(k.size());
+      for (float& x : k)
+        x = static_cast<float>((state = state * 1664525u + 1013904223u) >> 8) / 1e6f - 8;
+      for (float& x : v)
+        x = static_cast<float>((state = state * 1664525u + 1013904223u) >> 8) / 3e6f;
+      c->append(k.data(), v.data(), n);
+    }
+    saved->advance(n);
+    save_stage_cache(*stage, *saved, dir);
+    const auto loaded = load_stage_cache(*stage, dir, ctx);
+    EXPECT_EQ(loaded->n_past(), n);
+    EXPECT_EQ(loaded->kv_type(), type);
+    int rings = 0;
+    for (int layer = 2; layer < 6; ++layer) {
+      const LayerKvCache* a = saved->own(layer);
+      const LayerKvCache* b = loaded->own(layer);
+      ASSERT_EQ(a == nullptr, b == nullptr) << layer;
+      if (!a) continue;
+      rings += a->kind() == CacheKind::Ring;
+      EXPECT_EQ(b->first_held(), a->first_held()) << layer;
+      if (a->kind() == CacheKind::Ring) {
+        EXPECT_GT(a->first_held(), 0) << layer;
+      }
+      std::vector<float> x(static_cast<size_t>(a->width())), y(x.size());
+      for (int64_t pos = a->first_held(); pos < n; ++pos)
+        for (const bool is_k : {true, false}) {
+          a->widen(is_k, pos, 0, a->width(), x.data());
+          b->widen(is_k, pos, 0, b->width(), y.data());
+          ASSERT_EQ(x, y) << kv_type_name(type) << " layer " << layer << " position " << pos;
+        }
+    }
+    EXPECT_EQ(rings, 1) << "layers 2..5: one sliding layer keeps a ring, two are KV-shared";
+  }
 }

@@ -15,6 +15,7 @@
 #include "runtime/sampler.h"
 #include "runtime/speculative.h"
 #include "stage/bundle.h"
+#include "stage/cache_files.h"
 #include "stage/sequence.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -41,7 +42,20 @@ struct DumpArgs {
   bool verbose = false;
   std::string model_draft;  // with --decode: a speculative decode too (spec_* taps)
   int draft_max = 4;
+  std::string cache_out;  // each transformer stage's KV cache as the run leaves it
 };
+
+// --cache-out DIR: DIR/<stage id>/ for every transformer stage (stage/cache_files.h).
+void save_caches(const Sequence& seq, const std::string& dir) {
+  const auto& stages = seq.model().stages();
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const StageDecl& d = seq.stages()[i];
+    if (d.role != StageRole::TransformerLayers) continue;
+    if (!stages[i] || !seq.stage_cache(i))
+      fail("--cache-out: stage '", d.id, "' runs in another process, which keeps its cache");
+    save_stage_cache(*stages[i], *seq.stage_cache(i), (std::filesystem::path(dir) / d.id).string());
+  }
+}
 
 // The spec_* taps of docs/gemma4-mtp.md: a greedy speculative decode of n_new tokens with
 // a constant draft length, on a fresh sequence of the same model; rows padded with -1.
@@ -370,6 +384,7 @@ int run_dump(const DumpArgs& a, const RunContext& cx) {
   }
   if (!a.model_draft.empty() && a.decode <= 0) fail("--model-draft needs --decode N");
   taps.write_dir(a.out);
+  if (!a.cache_out.empty()) save_caches(*model, a.cache_out);
 
   std::cerr << "load " << t_load << " s; ";
   if (!images.empty())
@@ -411,6 +426,9 @@ void add_dump_command(CLI::App& app, Registry& reg) {
   sub->add_option("--draft-max", a->draft_max, "drafts per speculative round (default 4)")
       ->check(CLI::Range(1, 64));
   sub->add_option("--chunk", a->chunk, "prefill chunk size (0 = whole prompt in one pass)");
+  sub->add_option("--cache-out", a->cache_out,
+                  "write each transformer stage's KV cache, as the run leaves it (the prompt and "
+                  "every decoded token but the last), to DIR/<stage id>/ for run-stage --past");
   sub->add_option("-t,--threads", a->threads, "worker threads (default: all cores)");
   add_cache_type(sub, a->cache_type);
   sub->add_option("-c,--ctx-size", a->ctx, "KV cache context size (default: prompt + decode)");

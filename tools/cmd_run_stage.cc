@@ -1,13 +1,16 @@
 // gemstage run-stage: one stage of a bundle (or of a checkpoint's three-stage chain) on its own,
 // from named .npy inputs to named .npy outputs, checked against the stage's contract both ways.
-// It runs on a fresh sequence: a transformer stage's positions must start at 0 (the rows of one
-// prefill call). Someone integrating a single stage into another runtime feeds it the tensors
-// their side produces and compares what comes out with what their side expects next.
+// A transformer stage starts from a fresh cache (positions from 0: the rows of a first prefill
+// call) or, with --past DIR, from the cache a `dump --cache-out` or an earlier `run-stage
+// --cache-out` saved (positions from its n_past: a decode step, a later prefill chunk), and can
+// save the cache it leaves. Someone integrating a single stage into another runtime feeds it the
+// tensors their side produces and compares what comes out with what their side expects next.
 #include <filesystem>
 #include <iostream>
 
 #include "core/error.h"
 #include "io/npy.h"
+#include "stage/cache_files.h"
 #include "stage/model.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -19,6 +22,8 @@ namespace {
 struct RunStageArgs {
   std::string model, stage, out;
   std::vector<std::string> inputs;  // NAME=FILE.npy
+  std::string past, cache_out;      // KV cache directories (stage/cache_files.h)
+  int64_t ctx = 0;
   int threads = 0;
   bool verbose = false;
 };
@@ -47,13 +52,26 @@ int run_stage_cmd(const RunStageArgs& a) {
   const Stage* stage = model->find_stage(a.stage);
   if (!stage) fail(a.model, ": no stage '", a.stage, "'; its stages are ", stage_list(*model));
 
+  const bool stateful = stage->role() == StageRole::TransformerLayers;
+  if (!stateful && (!a.past.empty() || !a.cache_out.empty()))
+    fail("stage '", a.stage, "' is a ", stage_role_name(stage->role()),
+         " stage, which keeps no KV cache; --past and --cache-out are for transformer stages");
+
   TensorMap inputs;
   for (const auto& [name, path] : files) inputs[name] = npy_to_host_tensor(load_npy(path), path);
   ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
-  const auto cache = stage->new_cache(model->max_context(), model->default_kv_type());
+  const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, model->max_context()) : model->max_context();
+  const auto cache = !a.past.empty() ? load_stage_cache(*stage, a.past, ctx)
+                                     : stage->new_cache(ctx, model->default_kv_type());
+  // The rows this call appends to the cache: one per position.
+  const auto positions = inputs.find("positions");
+  const int64_t rows = positions != inputs.end() && !positions->second.shape().empty()
+                           ? positions->second.shape()[0]
+                           : 0;
   const double t0 = now_seconds();
   const TensorMap outputs = stage->run(pool, std::move(inputs), cache.get(), {}, nullptr);
   const double t1 = now_seconds();
+  if (cache) cache->advance(rows);  // the call completed: its rows are the group's now
 
   std::filesystem::create_directories(a.out);
   for (const auto& [name, t] : outputs) {
@@ -61,6 +79,11 @@ int run_stage_cmd(const RunStageArgs& a) {
     save_npy(path, t);
     std::cerr << "wrote " << path << " " << elem_type_name(t.type()) << " " << shape_str(t.shape())
               << "\n";
+  }
+  if (!a.cache_out.empty()) {
+    save_stage_cache(*stage, *cache, a.cache_out);
+    std::cerr << "wrote the KV cache of positions 0.." << cache->n_past() - 1 << " to "
+              << a.cache_out << "\n";
   }
   std::cerr << "stage '" << stage->id() << "' ran in " << t1 - t0 << " s\n";
   return 0;
@@ -78,6 +101,15 @@ void add_run_stage_command(CLI::App& app, Registry& reg) {
       ->required();
   sub->add_option("--in", a->inputs, "an input tensor: NAME=FILE.npy (repeat for each)");
   sub->add_option("--out", a->out, "directory for the outputs, one NAME.npy each")->required();
+  sub->add_option(
+      "--past", a->past,
+      "transformer stage: start from this saved KV cache (a directory written by "
+      "dump --cache-out DIR, as DIR/<stage id>, or by run-stage --cache-out); positions "
+      "then continue from the positions it holds");
+  sub->add_option("--cache-out", a->cache_out,
+                  "transformer stage: write the KV cache the call leaves to this directory");
+  sub->add_option("-c,--ctx-size", a->ctx,
+                  "KV cache context size (default: the model's max_position_embeddings)");
   sub->add_option("-t,--threads", a->threads, "threads (default: all cores)");
   sub->add_flag("-v,--verbose", a->verbose, "list unused config fields and tensors");
   reg.add(sub, [a] { return run_stage_cmd(*a); });

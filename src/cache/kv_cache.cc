@@ -125,6 +125,12 @@ bool LayerKvCache::truncate(int64_t n) {
   return true;
 }
 
+bool LayerKvCache::start_at(int64_t first) {
+  if (n_ != 0 || kind_ != CacheKind::Ring || first < 0 || first > max_context_) return false;
+  n_ = oldest_ = first;
+  return true;
+}
+
 void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
   if (n_ + rows > max_context_)
     fail("context limit reached: ", n_ + rows, " tokens exceed the cache size of ", max_context_,
@@ -156,6 +162,7 @@ void LayerKvCache::append(const float* k, const float* v, int64_t rows) {
     }
   }
   n_ += rows;
+  if (kind_ == CacheKind::Ring) oldest_ = std::max(oldest_, n_ - ring_);
 }
 
 KvCache::KvCache(int num_layers, std::span<const LayerCachePlan> plan, int64_t max_context,

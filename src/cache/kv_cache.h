@@ -77,7 +77,8 @@ class LayerKvCache {
   CacheKind kind() const { return kind_; }
   KvType kv_type() const { return kv_type_; }
   int64_t width() const { return width_; }
-  int64_t size() const { return n_; }  // positions 0..n-1 have been appended
+  int64_t window() const { return window_; }  // the sliding window (a ring's; kept by both)
+  int64_t size() const { return n_; }         // positions 0..n-1 have been appended
   // Row of position pos in the cache's type: T = float for F32, uint16_t (bf16 bits) for BF16,
   // KvQ8Block for Q8_0 (width / 32 blocks).
   template <typename T>
@@ -90,8 +91,16 @@ class LayerKvCache {
   }
   // Values [offset, offset + n) of position pos's K (is_k) or V row, widened to f32.
   void widen(bool is_k, int64_t pos, int64_t offset, int64_t n, float* out) const;
+  // The first position whose rows the cache still holds: 0 for a growing cache, and for a ring
+  // the oldest row it has not overwritten (a rollback does not bring older rows back). Rows
+  // first_held()..size()-1 can be widened.
+  int64_t first_held() const { return oldest_; }
   // Appends rows for positions size()..size()+rows-1 (rounded to nearest-even for BF16).
   void append(const float* k, const float* v, int64_t rows);
+  // Starts an empty ring at position `first`, so that the rows appended next are those of
+  // positions first.. (a ring restored from the rows it held); false if the cache is not empty,
+  // is growing (its rows start at 0), or first is negative or beyond the context.
+  bool start_at(int64_t first);
   // Forgets positions n.. (a chat whose new prompt diverges from what was cached). Sliding rings
   // keep kRollbackSlack extra rows so the window before n is still intact; false if too far back.
   bool truncate(int64_t n);
@@ -120,6 +129,7 @@ class LayerKvCache {
   int64_t width_, window_, ring_, max_context_;
   KvType kv_type_;
   int64_t n_ = 0;
+  int64_t oldest_ = 0;                // first_held()
   std::vector<float> k_, v_;          // F32
   std::vector<uint16_t> k16_, v16_;   // BF16
   std::vector<KvQ8Block> kq8_, vq8_;  // Q8_0: width / 32 blocks a position

@@ -70,6 +70,11 @@ class Sequence {
   // The KV cache layer `layer` keeps, in whichever stage holds it; null if none does (a
   // KV-shared layer). The MTP drafter reads its donor layers through this.
   const LayerKvCache* layer_cache(int layer) const;
+  // The cache group of stage i (in stage_decls() order); null for a stage without one or one
+  // another process runs.
+  const KvCache* stage_cache(size_t i) const {
+    return i < caches_.size() ? caches_[i].get() : nullptr;
+  }
 
   // Runs one call's ids at positions n_past().. through every stage; soft_tokens fill the
   // placeholder rows of these ids in order. Returns logits for every row or only the last.

@@ -7,6 +7,7 @@
 #include "core/error.h"
 #include "io/mapped_file.h"
 #include "template/jinja.h"
+#include "tokenizer/chat_output.h"
 #include "tokenizer/utf8.h"
 
 namespace gemstage {
@@ -392,8 +393,6 @@ namespace {
 
 using ojson = nlohmann::ordered_json;
 
-constexpr std::string_view kQuote = "<|\"|>";
-
 [[noreturn]] void template_raise(const std::string& message) {
   throw Error(message);
 }
@@ -478,9 +477,9 @@ void format_argument(std::string& out, const ojson& v, bool quote_keys, int dept
       out += "null";
       return;
     case ojson::value_t::string:
-      out += kQuote;
+      out += kToolStringQuote;
       out += v.get_ref<const std::string&>();
-      out += kQuote;
+      out += kToolStringQuote;
       return;
     case ojson::value_t::boolean:
       out += v.get<bool>() ? "true" : "false";
@@ -500,9 +499,9 @@ void format_argument(std::string& out, const ojson& v, bool quote_keys, int dept
         if (!first) out += ',';
         first = false;
         if (quote_keys) {
-          out += kQuote;
+          out += kToolStringQuote;
           out += kv->first;
-          out += kQuote;
+          out += kToolStringQuote;
         } else {
           out += kv->first;
         }
@@ -540,9 +539,9 @@ std::string type_text(const ojson& schema) {
 }
 
 void quoted(std::string& out, std::string_view s) {
-  out += kQuote;
+  out += kToolStringQuote;
   out += s;
-  out += kQuote;
+  out += kToolStringQuote;
 }
 
 void render_properties(std::string& out, const ojson& props, int depth);

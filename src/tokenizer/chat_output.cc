@@ -13,7 +13,6 @@ constexpr std::string_view kChannelOpen = "<|channel>";
 constexpr std::string_view kChannelClose = "<channel|>";
 constexpr std::string_view kCallOpen = "<|tool_call>";
 constexpr std::string_view kCallClose = "<tool_call|>";
-constexpr std::string_view kQuote = "<|\"|>";
 constexpr int kMaxDepth = 128;
 
 bool is_ws(char c) {
@@ -115,15 +114,16 @@ class CallParser {
   Status value(ojson& out, int depth) {
     if (depth > kMaxDepth) return Status::kMalformed;
     if (at_end()) return Status::kIncomplete;
-    if (s_.compare(p_, kQuote.size(), kQuote) == 0) {
-      const size_t start = p_ + kQuote.size();
-      const size_t end = s_.find(kQuote, start);
+    if (s_.compare(p_, kToolStringQuote.size(), kToolStringQuote) == 0) {
+      const size_t start = p_ + kToolStringQuote.size();
+      const size_t end = s_.find(kToolStringQuote, start);
       if (end == std::string_view::npos) return Status::kIncomplete;
       out = std::string(s_.substr(start, end - start));
-      p_ = end + kQuote.size();
+      p_ = end + kToolStringQuote.size();
       return Status::kOk;
     }
-    if (s_.size() - p_ < kQuote.size() && kQuote.substr(0, s_.size() - p_) == s_.substr(p_))
+    if (s_.size() - p_ < kToolStringQuote.size() &&
+        kToolStringQuote.substr(0, s_.size() - p_) == s_.substr(p_))
       return Status::kIncomplete;
     const char c = s_[p_];
     if (c == '{') return object(out, depth);

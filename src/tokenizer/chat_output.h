@@ -13,6 +13,10 @@
 
 namespace gemstage {
 
+// The token that opens and closes a string inside a tool call's or declaration's arguments, in
+// place of '"' (docs/gemma4-tools.md).
+inline constexpr std::string_view kToolStringQuote = "<|\"|>";
+
 struct ParsedToolCall {
   std::string name;
   nlohmann::ordered_json arguments;  // always a JSON object
