@@ -407,3 +407,91 @@ TEST(RunStage, ACacheGroupSurvivesSaveAndLoadInEveryRowType) {
     EXPECT_EQ(rings, 1) << "layers 2..5: one sliding layer keeps a ring, two are KV-shared";
   }
 }
+
+// A bundle's drafter runs alone as a stage: one draft step from the saved caches of the stage it
+// is placed with gives the reference's draft id and next hidden (fixture gemma4-tiny-assistant
+// e_text, an independent reference), a second step chained from the first gives the next, and
+// its contract is checked on the call.
+TEST(RunStage, TheDrafterRunsADraftStepFromTheSavedCachesOfItsStage) {
+  const std::string dir = temp_dir("run_stage_drafter");
+  const std::string b = dir + "/bundle";
+  const std::string assistant = std::string(GEMSTAGE_FIXTURES) + "/gemma4-tiny-assistant/";
+  ExportOptions o;
+  o.stages = "0:2,2:6";
+  o.weights = "f32";
+  o.progress = false;
+  o.drafter = assistant + "assistant_e";
+  export_bundle(fixture("model"), b, o);
+  ASSERT_EQ(read_bundle_manifest(b).drafter->placed_with, "layers_2_6");
+
+  const std::string ref = assistant + "e_text/";
+  const std::vector<int64_t> starts = load_npy(ref + "draft_start_positions.npy").to_i64();
+  const std::vector<int64_t> tokens = load_npy(ref + "draft_input_tokens.npy").to_i64();
+  const NpyArray hidden = load_npy(ref + "draft_target_hidden.npy");   // [starts, H_t]
+  const NpyArray hidden_out = load_npy(ref + "draft_hidden_out.npy");  // [starts, K, H_t]
+  const std::vector<int64_t> draft_ids = load_npy(ref + "draft_ids.npy").to_i64();  // [starts, K]
+  const std::vector<int32_t> ids = load_ids(fixture("text/input_ids.npy"));
+  const int64_t H = hidden.shape[1], K = hidden_out.shape[1];
+  size_t s = 0;  // the first start inside the prompt (a later one may draft past it)
+  while (s < starts.size() && starts[s] >= static_cast<int64_t>(ids.size())) ++s;
+  ASSERT_LT(s, starts.size());
+  const int64_t P = starts[s];
+  ASSERT_EQ(tokens[s], ids[static_cast<size_t>(P)]);
+
+  // The target's caches of positions 0..P-1.
+  const std::string prefix = dir + "/prefix.npy";
+  save_npy(prefix, HostTensor({P}, std::vector<int32_t>(ids.begin(), ids.begin() + P)));
+  Result r = cli("dump --model " + b + " --ids " + prefix + " --decode 1 --cache-out " + dir +
+                     "/kv --out " + dir + "/dump",
+                 dir + "/dump.log");
+  ASSERT_EQ(r.code, 0) << r.log;
+  const std::string past = " --past " + dir + "/kv/layers_2_6";
+  save_npy(dir + "/position.npy", HostTensor({1}, std::vector<int32_t>{static_cast<int32_t>(P)}));
+  save_npy(dir + "/token.npy",
+           HostTensor({1}, std::vector<int32_t>{static_cast<int32_t>(tokens[s])}));
+  const std::vector<float> h_all = hidden.to_f32();
+  save_npy(dir + "/hidden.npy",
+           HostTensor({H}, std::vector<float>(h_all.begin() + static_cast<int64_t>(s) * H,
+                                              h_all.begin() + static_cast<int64_t>(s + 1) * H)));
+  const std::vector<float> out_all = hidden_out.to_f32();
+  std::string token = dir + "/token.npy", h = dir + "/hidden.npy";
+  for (int64_t step = 0; step < 2; ++step) {
+    const std::string out = dir + "/step" + std::to_string(step);
+    r = cli("run-stage " + b + " drafter" + past + " --in input_token=" + token +
+                " --in target_hidden=" + h + " --in position=" + dir + "/position.npy --out " + out,
+            out + ".log");
+    ASSERT_EQ(r.code, 0) << r.log;
+    EXPECT_EQ(load_npy(out + "/draft_token.npy").to_i64(),
+              std::vector<int64_t>{draft_ids[s * static_cast<size_t>(K) + step]})
+        << "step " << step;
+    const int64_t at = (static_cast<int64_t>(s) * K + step) * H;
+    EXPECT_LE(max_abs_diff(load_npy(out + "/next_hidden.npy").to_f32(),
+                           std::vector<float>(out_all.begin() + at, out_all.begin() + at + H)),
+              1e-3)
+        << "step " << step;  // the fixture's tolerance for draft_hidden_out
+    token = out + "/draft_token.npy";
+    h = out + "/next_hidden.npy";
+  }
+
+  auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
+    const Result x = cli("run-stage " + b + " " + args + " --out " + dir + "/x", dir + "/x.log");
+    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
+    for (const std::string& n : needles)
+      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+  };
+  const std::string in = " --in input_token=" + dir + "/token.npy --in target_hidden=" + dir +
+                         "/hidden.npy --in position=" + dir + "/position.npy";
+  refused("drafter" + in,
+          {"stage 'drafter' (drafter) reads the KV caches of stage 'layers_2_6'", "--past"});
+  refused("drafter" + in + " --past " + dir + "/kv/layers_0_2",
+          {"the cache of stage 'layers_0_2'", "not of stage 'layers_2_6'"});
+  save_npy(dir + "/late.npy", HostTensor({1}, std::vector<int32_t>{static_cast<int32_t>(P + 1)}));
+  refused("drafter --in input_token=" + dir + "/token.npy --in target_hidden=" + dir +
+              "/hidden.npy --in position=" + dir + "/late.npy" + past,
+          {"input 'position' is " + std::to_string(P + 1), "hold " + std::to_string(P)});
+  refused("drafter --in input_token=" + dir + "/token.npy --in target_hidden=" + dir +
+              "/prefix.npy --in position=" + dir + "/position.npy" + past,
+          {"stage 'drafter' (drafter)", "'target_hidden'"});
+  refused("drafter" + in + past + " --cache-out " + dir + "/c", {"only reads KV caches"});
+  refused("drafters" + in, {"no stage 'drafters'", "drafter (drafter)"});
+}

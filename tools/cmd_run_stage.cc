@@ -5,12 +5,17 @@
 // --cache-out` saved (positions from its n_past: a decode step, a later prefill chunk), and can
 // save the cache it leaves. Someone integrating a single stage into another runtime feeds it the
 // tensors their side produces and compares what comes out with what their side expects next.
+// A bundle's drafter runs the same way: one draft step, reading the donor caches of the stage it
+// is placed with from --past.
 #include <filesystem>
 #include <iostream>
+#include <optional>
 
 #include "core/error.h"
 #include "io/npy.h"
+#include "stage/bundle.h"
 #include "stage/cache_files.h"
+#include "stage/drafter_stage.h"
 #include "stage/model.h"
 #include "tools/cli_common.h"
 #include "tools/commands.h"
@@ -28,11 +33,64 @@ struct RunStageArgs {
   bool verbose = false;
 };
 
-std::string stage_list(const Model& m) {
+std::string stage_list(const Model& m, const std::optional<BundleDrafter>& drafter) {
   std::string s;
   for (const StageDecl& d : m.stage_decls())
     s += (s.empty() ? "" : ", ") + d.id + " (" + stage_role_name(d.role) + ")";
+  if (drafter) s += ", " + drafter->id + " (drafter)";
   return s;
+}
+
+void write_outputs(const TensorMap& outputs, const std::string& dir) {
+  std::filesystem::create_directories(dir);
+  for (const auto& [name, t] : outputs) {
+    const std::string path = (std::filesystem::path(dir) / (name + ".npy")).string();
+    save_npy(path, t);
+    std::cerr << "wrote " << path << " " << elem_type_name(t.type()) << " " << shape_str(t.shape())
+              << "\n";
+  }
+}
+
+// One draft step of the bundle's drafter: the donor layers' caches come from --past, the saved
+// cache group of the stage the drafter is placed with, and `position` must be the positions
+// they hold.
+int run_drafter_cmd(const RunStageArgs& a, const Model& model, const BundleManifest& m,
+                    TensorMap inputs) {
+  const BundleDrafter& d = *m.drafter;
+  if (!a.cache_out.empty())
+    fail("stage '", d.id, "' is a drafter, which only reads KV caches; --cache-out is for ",
+         "transformer stages");
+  if (a.past.empty())
+    fail("stage '", d.id, "' (drafter) reads the KV caches of stage '", d.placed_with,
+         "'; give them with --past DIR (written by `dump --cache-out OUT` as OUT/", d.placed_with,
+         ")");
+  const Stage* donor_stage = model.find_stage(d.placed_with);
+  if (!donor_stage)
+    fail(a.model, ": the drafter is placed with stage '", d.placed_with, "', which this bundle ",
+         "does not have");
+  const auto drafter = open_bundle_drafter(a.model, m);
+  const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, model.max_context()) : model.max_context();
+  const auto cache = load_stage_cache(*donor_stage, a.past, ctx);
+  DraftContext dc;
+  dc.target_embed = &model.embeddings_model().weights().embed_tokens;
+  for (const auto& [layer, slot] :
+       {std::pair{d.reads_sliding, &dc.sliding}, std::pair{d.reads_full, &dc.full}}) {
+    if (layer < 0) continue;
+    *slot = cache->own(layer);
+    if (!*slot)
+      fail(a.past, ": the drafter reads target layer ", layer, ", which stage '", d.placed_with,
+           "' does not keep");
+  }
+  dc.position = cache->n_past();
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
+  const double t0 = now_seconds();
+  const TensorMap outputs =
+      run_drafter_stage(pool, *drafter, drafter_stage_decl(*drafter, d.id), dc, std::move(inputs));
+  const double t1 = now_seconds();
+  write_outputs(outputs, a.out);
+  std::cerr << "stage '" << d.id << "' (drafter) ran one draft step at position " << dc.position
+            << " in " << t1 - t0 << " s\n";
+  return 0;
 }
 
 int run_stage_cmd(const RunStageArgs& a) {
@@ -49,8 +107,18 @@ int run_stage_cmd(const RunStageArgs& a) {
   }
   const auto model = Model::open(a.model);
   print_model_notes(model->notes(), a.verbose);
+  std::optional<BundleManifest> manifest;
+  if (model->is_bundle()) manifest = read_bundle_manifest(a.model);
+  const std::optional<BundleDrafter> no_drafter;
+  const std::optional<BundleDrafter>& drafter = manifest ? manifest->drafter : no_drafter;
   const Stage* stage = model->find_stage(a.stage);
-  if (!stage) fail(a.model, ": no stage '", a.stage, "'; its stages are ", stage_list(*model));
+  if (!stage && drafter && drafter->id == a.stage) {
+    TensorMap inputs;
+    for (const auto& [name, path] : files) inputs[name] = npy_to_host_tensor(load_npy(path), path);
+    return run_drafter_cmd(a, *model, *manifest, std::move(inputs));
+  }
+  if (!stage)
+    fail(a.model, ": no stage '", a.stage, "'; its stages are ", stage_list(*model, drafter));
 
   const bool stateful = stage->role() == StageRole::TransformerLayers;
   if (!stateful && (!a.past.empty() || !a.cache_out.empty()))
@@ -73,13 +141,7 @@ int run_stage_cmd(const RunStageArgs& a) {
   const double t1 = now_seconds();
   if (cache) cache->advance(rows);  // the call completed: its rows are the group's now
 
-  std::filesystem::create_directories(a.out);
-  for (const auto& [name, t] : outputs) {
-    const std::string path = (std::filesystem::path(a.out) / (name + ".npy")).string();
-    save_npy(path, t);
-    std::cerr << "wrote " << path << " " << elem_type_name(t.type()) << " " << shape_str(t.shape())
-              << "\n";
-  }
+  write_outputs(outputs, a.out);
   if (!a.cache_out.empty()) {
     save_stage_cache(*stage, *cache, a.cache_out);
     std::cerr << "wrote the KV cache of positions 0.." << cache->n_past() - 1 << " to "

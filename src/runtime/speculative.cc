@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/error.h"
+#include "stage/drafter_stage.h"
 #include "trace/taps.h"
 
 namespace gemstage {
@@ -184,9 +185,21 @@ std::vector<int32_t> draft_round(ThreadPool& pool, const AssistantModel& drafter
                                  const DraftContext& ctx, int32_t x, std::vector<float> h,
                                  int64_t k, const std::function<bool(int32_t)>& stop_before) {
   std::vector<int32_t> ids{x};
+  // Every step is a call of the drafter stage, checked against its contract; the hidden state
+  // each step gives is the next step's input.
+  const StageDecl decl = drafter_stage_decl(drafter);
+  const HostTensor position({1}, std::vector<int32_t>{static_cast<int32_t>(ctx.position)});
+  const int64_t width = static_cast<int64_t>(h.size());
+  HostTensor hidden({width}, std::move(h));
   int32_t tok = x;
   for (int64_t i = 0; i < k; ++i) {
-    tok = drafter.step(pool, ctx, tok, h);
+    TensorMap in;
+    in["input_token"] = HostTensor({1}, std::vector<int32_t>{tok});
+    in["target_hidden"] = std::move(hidden);
+    in["position"] = position;
+    TensorMap out = run_drafter_stage(pool, drafter, decl, ctx, std::move(in));
+    tok = out.at("draft_token").values<int32_t>()[0];
+    hidden = std::move(out.at("next_hidden"));
     if (stop_before && stop_before(tok)) break;
     ids.push_back(tok);
   }

@@ -219,6 +219,10 @@ BundleManifest read_bundle_manifest(const std::string& dir) {
       const json& role = need(s, "role", where);
       bs.decl.role = stage_role_from_name(role.is_string() ? role.get<std::string>() : role.dump(),
                                           path + ": " + where);
+      if (bs.decl.role == StageRole::Drafter)
+        fail(path, ": ", where,
+             " has role drafter; a drafter belongs in the manifest's "
+             "\"drafter\" section (export -md writes it there)");
       if (bs.decl.role == StageRole::TransformerLayers) {
         const json& l = need(s, "layers", where);
         if (!l.is_array() || l.size() != 2 || !l[0].is_number_integer() ||

@@ -42,22 +42,7 @@ constexpr const char* kDrafterWeightsFile = "drafter.gsw";
 // reads in place (the KV of two target layers, the target's embedding table).
 json drafter_contract_json(const ModelConfig& c, const AssistantDonors& donors,
                            const std::string& placed_with) {
-  const std::string Ht = std::to_string(c.text.hidden_size);
-  StageContract k;
-  k.inputs = {
-      {"input_token",
-       {"1"},
-       "i32",
-       "x_P: the newest token, not yet in the target's caches (its raw id, placeholders too)"},
-      {"target_hidden",
-       {Ht},
-       "f32",
-       "step 0: the target's post-final-norm hidden of row P-1; later steps: the previous "
-       "step's next_hidden"},
-      {"position", {"1"}, "i32", "P, the number of rows in the target's caches, for all steps"}};
-  k.outputs = {{"draft_token", {"1"}, "i32", "the drafted id (argmax of the drafter's head)"},
-               {"next_hidden", {Ht}, "f32", "post_projection output: the next step's h"}};
-  json j = contract_to_json(k);
+  json j = contract_to_json(contract_for(StageRole::Drafter, {0, 0}, c));
   json kv = json::array();
   for (const auto& [layer, kind] :
        {std::pair{donors.sliding, "sliding"}, std::pair{donors.full, "full"}})

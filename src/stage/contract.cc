@@ -15,6 +15,8 @@ PartSet stage_parts(const StageDecl& d) {
       return {kPartLayer, d.layers.begin, d.layers.end};
     case StageRole::FinalNormHead:
       return {kPartHead, 0, 0};
+    case StageRole::Drafter:
+      break;  // its tensors are the drafter checkpoint's, none of the target's parts
   }
   return {};
 }
@@ -27,6 +29,8 @@ const char* stage_role_name(StageRole r) {
       return "transformer_layers";
     case StageRole::FinalNormHead:
       return "final_norm_head";
+    case StageRole::Drafter:
+      return "drafter";
   }
   return "?";
 }
@@ -35,7 +39,9 @@ StageRole stage_role_from_name(const std::string& s, const std::string& where) {
   if (s == "embeddings") return StageRole::Embeddings;
   if (s == "transformer_layers") return StageRole::TransformerLayers;
   if (s == "final_norm_head") return StageRole::FinalNormHead;
-  fail(where, ": unknown stage role '", s, "' (embeddings, transformer_layers, final_norm_head)");
+  if (s == "drafter") return StageRole::Drafter;
+  fail(where, ": unknown stage role '", s,
+       "' (embeddings, transformer_layers, final_norm_head, drafter)");
 }
 
 StageContract contract_for(StageRole role, const LayerRange& layers, const ModelConfig& c) {
@@ -197,7 +203,30 @@ StageContract contract_for(StageRole role, const LayerRange& layers, const Model
           {"logits", {"S", V}, "f32", "30*tanh((RMSNorm(h) . E^T)/30): tied head, final soft-cap"});
       break;
     }
+    case StageRole::Drafter:
+      return drafter_contract(t.hidden_size);
   }
+  return k;
+}
+
+StageContract drafter_contract(int64_t target_hidden_size) {
+  const std::string D = std::to_string(target_hidden_size);
+  StageContract k;
+  // One draft step at the constant position P (docs/gemma4-mtp.md): the target's caches hold
+  // positions 0..P-1 and every step of a round queries P.
+  k.inputs = {
+      {"input_token",
+       {"1"},
+       "i32",
+       "x_P: the newest token, not yet in the target's caches (its raw id, placeholders too)"},
+      {"target_hidden",
+       {D},
+       "f32",
+       "step 0: the target's post-final-norm hidden of row P-1; later steps: the previous "
+       "step's next_hidden"},
+      {"position", {"1"}, "i32", "P, the number of rows in the target's caches, for all steps"}};
+  k.outputs = {{"draft_token", {"1"}, "i32", "the drafted id (argmax of the drafter's head)"},
+               {"next_hidden", {D}, "f32", "post_projection output: the next step's h"}};
   return k;
 }
 

@@ -16,7 +16,10 @@
 
 namespace gemstage {
 
-enum class StageRole { Embeddings, TransformerLayers, FinalNormHead };
+// Drafter: an MTP drafter (gemma4_assistant) run beside the stage whose KV caches it reads; a
+// bundle's manifest declares it in its own `drafter` section, never among the pipeline's stages
+// (stage/drafter_stage.h runs it).
+enum class StageRole { Embeddings, TransformerLayers, FinalNormHead, Drafter };
 const char* stage_role_name(StageRole r);
 StageRole stage_role_from_name(const std::string& s, const std::string& where);
 
@@ -34,7 +37,10 @@ struct StageContract {
 };
 
 // The one definition of each role's contract (export writes it, the runtime and check use it).
+// c is the model's (for a drafter: its target's).
 StageContract contract_for(StageRole role, const LayerRange& layers, const ModelConfig& c);
+// The drafter's, from its target's hidden size (what contract_for gives for StageRole::Drafter).
+StageContract drafter_contract(int64_t target_hidden_size);
 
 nlohmann::json contract_to_json(const StageContract& c);
 StageContract contract_from_json(const nlohmann::json& j, const std::string& where);

@@ -245,6 +245,8 @@ TensorMap BatchCall::stage_inputs(size_t i) {
       in["hidden_states"] = HostTensor({n_rows, D}, std::move(rows));
       break;
     }
+    case StageRole::Drafter:
+      fail("stage '", decl.id, "': a drafter is not a stage of the pipeline");
   }
   return in;
 }
@@ -260,6 +262,8 @@ void BatchCall::take_outputs(size_t i, TensorMap out) {
     case StageRole::FinalNormHead:
       logits_ = std::move(out);
       break;
+    case StageRole::Drafter:
+      break;  // stage_inputs refused it
   }
 }
 

@@ -55,6 +55,8 @@ TensorMap Stage::run(ThreadPool& pool, TensorMap inputs, std::span<KvCache* cons
     case StageRole::FinalNormHead:
       out = run_head(pool, inputs, taps);
       break;
+    case StageRole::Drafter:
+      fail("stage '", decl_.id, "': a drafter runs through DrafterStage, not as a pipeline stage");
   }
   check_call_tensors(decl_, "output", decl_.contract.outputs, out, dims);
   return out;
