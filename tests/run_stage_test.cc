@@ -80,11 +80,52 @@ std::string positions(const std::string& dir, int64_t S, int64_t first = 0) {
   return path;
 }
 
+// The values of rows [a, b) of an [S, ...] array.
+std::vector<float> rows_of(const NpyArray& x, int64_t a, int64_t b) {
+  const int64_t row = x.numel() / x.shape[0];
+  const std::vector<float> all = x.to_f32();
+  return std::vector<float>(all.begin() + a * row, all.begin() + b * row);
+}
+
+// The rows `ids` run through the embeddings stage (with embeddings_args, e.g. an image's
+// tensors), both transformer stages and the head by `run-stage` into out/<stage id>/, each
+// transformer stage starting from past/<stage id> when past is given and saving its cache to
+// out/cache/<stage id>; returns the logits file.
+std::string chain(const std::string& out, const std::vector<int32_t>& ids, int64_t first,
+                  const std::string& past, const std::string& embeddings_args = "") {
+  std::filesystem::create_directories(out);
+  const int64_t n = static_cast<int64_t>(ids.size());
+  save_npy(out + "/ids.npy", HostTensor({n}, ids));
+  Result r = cli("run-stage " + bundle() + " embeddings --in input_ids=" + out + "/ids.npy" +
+                     embeddings_args + " --out " + out + "/emb",
+                 out + "/emb.log");
+  EXPECT_EQ(r.code, 0) << r.log;
+  const NpyArray pli = load_npy(out + "/emb/per_layer_inputs.npy");
+  const std::string p = positions(out, n, first);
+  std::string hidden = out + "/emb/hidden_states.npy";
+  for (const auto& [id, a, b] : {std::tuple<std::string, int, int>{"layers_0_2", 0, 2},
+                                 std::tuple<std::string, int, int>{"layers_2_6", 2, 6}}) {
+    const std::string slice = out + "/pli_" + id + ".npy";
+    save_npy(slice, slice_layers(pli, a, b));
+    r = cli("run-stage " + bundle() + " " + id + " --in hidden_states=" + hidden +
+                " --in per_layer_inputs=" + slice + " --in positions=" + p +
+                (past.empty() ? "" : " --past " + past + "/" + id) + " --cache-out " + out +
+                "/cache/" + id + " --out " + out + "/" + id,
+            out + "/" + id + ".log");
+    EXPECT_EQ(r.code, 0) << r.log;
+    hidden = out + "/" + id + "/hidden_states.npy";
+  }
+  r = cli(
+      "run-stage " + bundle() + " head --in hidden_states=" + hidden + " --out " + out + "/head",
+      out + "/head.log");
+  EXPECT_EQ(r.code, 0) << r.log;
+  return out + "/head/logits.npy";
+}
+
 }  // namespace
 
 TEST(RunStage, ChainingTheStagesByHandReproducesDumpLogitsWithAnImage) {
   const std::string dir = temp_dir("run_stage_chain");
-  const std::string ids = ids_i32(dir, "multimodal/input_ids.npy");
   const std::string pix = fixture("multimodal/pixel_values.npy");
   const std::string pos = fixture("multimodal/image_position_ids.npy");
 
@@ -95,16 +136,14 @@ TEST(RunStage, ChainingTheStagesByHandReproducesDumpLogitsWithAnImage) {
                  dir + "/dump.log");
   ASSERT_EQ(r.code, 0) << r.log;
 
-  r = cli("run-stage " + bundle() + " embeddings --in input_ids=" + ids + " --in pixel_values=" +
-              pix + " --in image_position_ids=" + pos + " --out " + dir + "/emb",
-          dir + "/emb.log");
-  ASSERT_EQ(r.code, 0) << r.log;
+  const std::vector<int32_t> raw = load_ids(fixture("multimodal/input_ids.npy"));
+  const std::string logits =
+      chain(dir, raw, 0, "", " --in pixel_values=" + pix + " --in image_position_ids=" + pos);
   // The contract's named tensors travel: PLE identity is the reference's (PAD at every
   // placeholder row) and the splice mask marks exactly the placeholder rows, while the raw ids
   // still hold the image token.
   const auto cfg = nlohmann::json::parse(std::ifstream(fixture("model/config.json")));
   const int64_t image_token = cfg.at("image_token_id").get<int64_t>();
-  const std::vector<int32_t> raw = load_ids(fixture("multimodal/input_ids.npy"));
   const NpyArray ple = load_npy(dir + "/emb/ple_token_ids.npy");
   const NpyArray mask = load_npy(dir + "/emb/image_splice_mask.npy");
   EXPECT_EQ(ple.dtype, DType::I32);
@@ -118,27 +157,9 @@ TEST(RunStage, ChainingTheStagesByHandReproducesDumpLogitsWithAnImage) {
     EXPECT_EQ(m[i], raw[i] == image_token ? 1 : 0) << "row " << i;
   }
   EXPECT_GT(images, 0);
-
-  // Each transformer stage gets the hidden states, its own layers' slice and the positions.
-  const NpyArray pli = load_npy(dir + "/emb/per_layer_inputs.npy");
-  const std::string p = positions(dir, pli.shape[0]);
-  std::string hidden = dir + "/emb/hidden_states.npy";
-  for (const auto& [id, a, b] : {std::tuple<std::string, int, int>{"layers_0_2", 0, 2},
-                                 std::tuple<std::string, int, int>{"layers_2_6", 2, 6}}) {
-    const std::string slice = dir + "/pli_" + id + ".npy";
-    save_npy(slice, slice_layers(pli, a, b));
-    r = cli("run-stage " + bundle() + " " + id + " --in hidden_states=" + hidden +
-                " --in per_layer_inputs=" + slice + " --in positions=" + p + " --out " + dir + "/" +
-                id,
-            dir + "/" + id + ".log");
-    ASSERT_EQ(r.code, 0) << r.log;
-    hidden = dir + "/" + id + "/hidden_states.npy";
-  }
-  r = cli(
-      "run-stage " + bundle() + " head --in hidden_states=" + hidden + " --out " + dir + "/head",
-      dir + "/head.log");
-  ASSERT_EQ(r.code, 0) << r.log;
-  const NpyArray chained = load_npy(dir + "/head/logits.npy");
+  // Each transformer stage got the hidden states, its own layers' slice and the positions; the
+  // head's logits are dump's.
+  const NpyArray chained = load_npy(logits);
   const NpyArray dumped = load_npy(dir + "/dump/logits.npy");
   ASSERT_EQ(chained.shape, dumped.shape);
   EXPECT_LE(max_abs_diff(chained.to_f32(), dumped.to_f32()), 1e-6);
@@ -235,51 +256,6 @@ TEST(RunStage, SchemaVersion1BundlesStillRun) {
                          load_npy(fixture("text/logits.npy")).to_f32()),
             5e-4);
 }
-
-namespace {
-
-// The values of rows [a, b) of an [S, ...] array.
-std::vector<float> rows_of(const NpyArray& x, int64_t a, int64_t b) {
-  const int64_t row = x.numel() / x.shape[0];
-  const std::vector<float> all = x.to_f32();
-  return std::vector<float>(all.begin() + a * row, all.begin() + b * row);
-}
-
-// The rows `ids` run through the embeddings stage, both transformer stages and the head by
-// `run-stage`, each transformer stage starting from past/<stage id> when past is given and
-// saving its cache to out/cache/<stage id>; returns the logits file.
-std::string chain(const std::string& out, const std::vector<int32_t>& ids, int64_t first,
-                  const std::string& past) {
-  std::filesystem::create_directories(out);
-  const int64_t n = static_cast<int64_t>(ids.size());
-  save_npy(out + "/ids.npy", HostTensor({n}, ids));
-  Result r = cli("run-stage " + bundle() + " embeddings --in input_ids=" + out + "/ids.npy --out " +
-                     out + "/emb",
-                 out + "/emb.log");
-  EXPECT_EQ(r.code, 0) << r.log;
-  const NpyArray pli = load_npy(out + "/emb/per_layer_inputs.npy");
-  const std::string p = positions(out, n, first);
-  std::string hidden = out + "/emb/hidden_states.npy";
-  for (const auto& [id, a, b] : {std::tuple<std::string, int, int>{"layers_0_2", 0, 2},
-                                 std::tuple<std::string, int, int>{"layers_2_6", 2, 6}}) {
-    const std::string slice = out + "/pli_" + id + ".npy";
-    save_npy(slice, slice_layers(pli, a, b));
-    r = cli("run-stage " + bundle() + " " + id + " --in hidden_states=" + hidden +
-                " --in per_layer_inputs=" + slice + " --in positions=" + p +
-                (past.empty() ? "" : " --past " + past + "/" + id) + " --cache-out " + out +
-                "/cache/" + id + " --out " + out + "/" + id,
-            out + "/" + id + ".log");
-    EXPECT_EQ(r.code, 0) << r.log;
-    hidden = out + "/" + id + "/hidden_states.npy";
-  }
-  r = cli(
-      "run-stage " + bundle() + " head --in hidden_states=" + hidden + " --out " + out + "/head",
-      out + "/head.log");
-  EXPECT_EQ(r.code, 0) << r.log;
-  return out + "/head/logits.npy";
-}
-
-}  // namespace
 
 // A decode step and a second prefill chunk of the middle stages, each run alone from the caches
 // the calls before it saved, give what `dump` computes in one run (f32: within 1e-6), and the

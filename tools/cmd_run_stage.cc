@@ -165,9 +165,10 @@ void add_run_stage_command(CLI::App& app, Registry& reg) {
   sub->add_option("--out", a->out, "directory for the outputs, one NAME.npy each")->required();
   sub->add_option(
       "--past", a->past,
-      "transformer stage: start from this saved KV cache (a directory written by "
-      "dump --cache-out DIR, as DIR/<stage id>, or by run-stage --cache-out); positions "
-      "then continue from the positions it holds");
+      "a transformer stage: start from this saved KV cache (a directory written by "
+      "dump --cache-out DIR, as DIR/<stage id>, or by run-stage --cache-out), positions "
+      "continuing from those it holds; the drafter: the saved caches of the stage it is "
+      "placed with");
   sub->add_option("--cache-out", a->cache_out,
                   "transformer stage: write the KV cache the call leaves to this directory");
   sub->add_option("-c,--ctx-size", a->ctx,
