@@ -238,6 +238,12 @@ TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
   EXPECT_EQ(native["tokens_evaluated"], chat["usage"]["prompt_tokens"]);
   // llama-server's timings on the OpenAI reply too.
   EXPECT_EQ(chat["timings"]["predicted_n"], chat["usage"]["completion_tokens"]);
+  // The prompt's token count without running it, under both spellings of the route (a stream
+  // flag changes nothing: nothing is generated).
+  for (const char* path : {"/chat/completions/input_tokens", "/v1/chat/completions/input_tokens"})
+    EXPECT_EQ(post_ok(*s, path, {{"messages", messages}, {"stream", true}}),
+              json({{"input_tokens", chat["usage"]["prompt_tokens"]}}))
+        << path;
 
   ServerOptions so = options();
   so.slots_endpoint = true;
@@ -250,9 +256,15 @@ TEST(LlamaServer, PropsSlotsAliasesAndApplyTemplate) {
   EXPECT_EQ(sj[1]["id"], 1);
   EXPECT_EQ(sj[0]["is_processing"], false);
   EXPECT_EQ(sj[0]["next_token"][0]["has_next_token"], false);
+  EXPECT_EQ(sj[0]["next_token"][0]["n_remain"], -1);  // idle
+  EXPECT_EQ(sj[0]["next_token"][0]["n_decoded"], 0);
   // The Responses API without its /v1, as llama-server serves it.
   const json resp = post_ok(*s2, "/responses", {{"input", "Hi"}, {"max_output_tokens", 4}});
   EXPECT_EQ(resp["object"], "response");
+  // OpenAI's input token count of a Responses request.
+  EXPECT_EQ(
+      post_ok(*s2, "/v1/responses/input_tokens", {{"input", "Hi"}}),
+      json({{"object", "response.input_tokens"}, {"input_tokens", resp["usage"]["input_tokens"]}}));
 }
 
 // The template controls of vLLM and llama-server: no generation prompt, and continuing the last

@@ -159,8 +159,8 @@ void Generation::fail(EngineError e) {
 // Slots and calls.
 
 // A slot is one conversation at a time on the shared model: its own sequence (KV caches). Only
-// the stepping thread touches a slot's sequence and generation state; `gen`, `state`, `rows` and
-// `reserved` change under q_mu_ (stats() and the KV budget read them).
+// the stepping thread touches a slot's sequence and generation state; `gen`, `state`, `rows`,
+// `reserved` and `decoded` change under q_mu_ (stats() and the KV budget read them).
 struct Engine::Slot {
   int id = 0;
   std::unique_ptr<Sequence> sequence;
@@ -178,6 +178,7 @@ struct Engine::Slot {
   SlotState state = SlotState::kIdle;
   int64_t rows = 0;        // KV rows the sequence holds
   int64_t reserved = 0;    // budget rows counted for it: capacity while running, rows when idle
+  int64_t decoded = 0;     // tokens generated for the running request, as of the last step
   bool in_flight = false;  // in a call the pipeline has not finished
   // Speculative decoding: the request's draft control and options, the target's
   // post-final-norm hidden of the row before next_id (the drafter's h; empty when not known),
@@ -480,6 +481,7 @@ void Engine::start(Slot& s, Queued q) {
   s.state = SlotState::kPrefill;
   s.rows = seq.n_past();
   s.reserved = s.capacity;
+  s.decoded = 0;
   ++busy_;
   prompt_tokens_ += static_cast<int64_t>(s.prompt.size());
   cached_tokens_ += static_cast<int64_t>(common);
@@ -509,6 +511,7 @@ void Engine::end(Slot& s, const std::string& reason, const std::optional<EngineE
     s.gen.reset();
     s.state = SlotState::kIdle;
     s.rows = s.reserved = s.sequence->n_past();
+    s.decoded = 0;
     --busy_;
   }
   idle_cv_.notify_all();
@@ -720,7 +723,11 @@ void Engine::run_step() {
   }
   const double secs = seconds_between(t0, Clock::now());
   std::lock_guard<std::mutex> lk(q_mu_);
-  for (auto& s : slots_) s->rows = s->gen ? s->sequence->n_past() : s->rows;
+  for (auto& s : slots_)
+    if (s->gen) {
+      s->rows = s->sequence->n_past();
+      s->decoded = s->stream->steps();
+    }
   size_t b = 0;
   while (b < kStepBuckets.size() && secs > kStepBuckets[b]) ++b;
   ++step_counts_[b];
@@ -874,7 +881,8 @@ Engine::Stats Engine::stats() const {
   for (const auto& s : slots_) {
     st.kv_rows_used += s->rows;
     st.kv_rows_reserved += s->reserved;
-    st.slot_info.push_back({s->id, s->state, s->rows, s->reserved});
+    st.slot_info.push_back({s->id, s->state, s->rows, s->reserved, s->decoded,
+                            s->gen ? s->max_tokens - s->decoded : -1});
   }
   st.step_counts.assign(step_counts_.begin(), step_counts_.end());
   st.step_seconds_sum = step_seconds_sum_;

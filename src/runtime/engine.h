@@ -220,8 +220,10 @@ class Engine {
   struct SlotInfo {
     int id = 0;
     SlotState state = SlotState::kIdle;
-    int64_t rows = 0;      // KV rows the sequence holds
-    int64_t reserved = 0;  // budget rows counted for it
+    int64_t rows = 0;        // KV rows the sequence holds
+    int64_t reserved = 0;    // budget rows counted for it
+    int64_t decoded = 0;     // tokens generated for the running request (0 when idle)
+    int64_t remaining = -1;  // tokens it may still generate (max_tokens - decoded); -1 when idle
   };
   struct Stats {
     int slots = 0, busy = 0, queued = 0;

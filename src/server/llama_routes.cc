@@ -281,7 +281,9 @@ void Server::Impl::setup_llama_routes() {
                        {"state", Engine::slot_state_name(s.state)},
                        {"n_tokens", s.rows},
                        {"params", generation_settings_json(defaults)},
-                       {"next_token", json::array({{{"has_next_token", busy}}})}});
+                       {"next_token", json::array({{{"has_next_token", busy},
+                                                    {"n_remain", s.remaining},
+                                                    {"n_decoded", s.decoded}}})}});
       }
       res.set_content(wire_json(out), "application/json");
     });
@@ -291,6 +293,7 @@ void Server::Impl::setup_llama_routes() {
   http.Post("/completion", generation_handler(Route::kNative));
   http.Post("/completions", generation_handler(Route::kNative));
   http.Post("/chat/completions", generation_handler(Route::kChat));
+  http.Post("/chat/completions/input_tokens", generation_handler(Route::kChat));
   http.Get("/models", [this](const Request&, Response& res) {
     res.set_content(models_reply(), "application/json");
   });

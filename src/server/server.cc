@@ -828,14 +828,20 @@ std::shared_ptr<Job> Server::Impl::parse_job(const json& body, Route route,
   return job;
 }
 
-void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res) {
+void Server::Impl::handle_count_tokens(const httplib::Request& req, httplib::Response& res,
+                                       Route route) {
   json body = parse_json_body(req.body);
   // Counting needs no max_tokens; give the Messages parser its required field.
-  if (!body.contains("max_tokens")) body["max_tokens"] = 1;
+  if (route == Route::kMessages && !body.contains("max_tokens")) body["max_tokens"] = 1;
+  // Nothing is generated, so nothing streams.
+  if (body.contains("stream")) body.erase("stream");
   GenerationRequest common;
-  const std::shared_ptr<Job> job = parse_job(body, Route::kMessages, common);
+  const std::shared_ptr<Job> job = parse_job(body, route, common);
   prepare(*job);
-  res.set_content(wire_json({{"input_tokens", job->prompt.ids.size()}}), "application/json");
+  json out = {{"input_tokens", job->prompt.ids.size()}};
+  if (route == Route::kResponses)
+    out = {{"object", "response.input_tokens"}, {"input_tokens", job->prompt.ids.size()}};
+  res.set_content(wire_json(out), "application/json");
 }
 
 void Server::Impl::handle_generation(const httplib::Request& req, httplib::Response& res,
@@ -1069,8 +1075,8 @@ httplib::Server::Handler Server::Impl::generation_handler(Route route) {
   return [this, route](const httplib::Request& req, httplib::Response& res) {
     answer(req, res, [&] {
       ensure_model_files_intact();
-      if (route == Route::kMessages && req.path != "/v1/messages")
-        handle_count_tokens(req, res);
+      if (req.path.ends_with("/count_tokens") || req.path.ends_with("/input_tokens"))
+        handle_count_tokens(req, res, route);
       else
         handle_generation(req, res, route);
     });
@@ -1127,8 +1133,11 @@ void Server::Impl::setup_routes() {
                    {"/v1/responses", "POST"},
                    {"/v1/messages", "POST"},
                    {"/v1/messages/count_tokens", "POST"},
+                   {"/v1/chat/completions/input_tokens", "POST"},
+                   {"/v1/responses/input_tokens", "POST"},
                    {"/models", "GET"},
                    {"/chat/completions", "POST"},
+                   {"/chat/completions/input_tokens", "POST"},
                    {"/responses", "POST"},
                    {"/completions", "POST"},
                    {"/completion", "POST"},
@@ -1208,7 +1217,9 @@ void Server::Impl::setup_routes() {
   http.Post("/v1/completions", generation_handler(Route::kCompletion));
   http.Post("/v1/messages", generation_handler(Route::kMessages));
   http.Post("/v1/messages/count_tokens", generation_handler(Route::kMessages));
+  http.Post("/v1/chat/completions/input_tokens", generation_handler(Route::kChat));
   http.Post("/v1/responses", generation_handler(Route::kResponses));
+  http.Post("/v1/responses/input_tokens", generation_handler(Route::kResponses));
   http.Get("/v1/models", [this](const Request&, Response& res) {
     res.set_content(models_reply(), "application/json");
   });

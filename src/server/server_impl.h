@@ -179,7 +179,10 @@ struct Server::Impl {
   void handle_generation(const httplib::Request& req, httplib::Response& res, Route route);
   void answer_completions(const httplib::Request& req, httplib::Response& res, Route route,
                           const Job& job, int n, const std::function<bool()>& client_alive);
-  void handle_count_tokens(const httplib::Request& req, httplib::Response& res);
+  // The prompt tokens a request would take, without running it: Anthropic's
+  // /v1/messages/count_tokens, OpenAI's /v1/responses/input_tokens and llama-server's
+  // /chat/completions/input_tokens.
+  void handle_count_tokens(const httplib::Request& req, httplib::Response& res, Route route);
   std::shared_ptr<Job> parse_job(const nlohmann::json& body, Route route,
                                  GenerationRequest& common);
   void shutdown();
