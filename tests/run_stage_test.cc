@@ -80,6 +80,17 @@ std::string positions(const std::string& dir, int64_t S, int64_t first = 0) {
   return path;
 }
 
+// `run-stage BUNDLE ARGS` must fail, and its output hold every one of `needles` (what names the
+// stage, the tensor or the file, and what was expected).
+void expect_refused(const std::string& bundle_dir, const std::string& dir, const std::string& args,
+                    const std::vector<std::string>& needles) {
+  const Result x =
+      cli("run-stage " + bundle_dir + " " + args + " --out " + dir + "/x", dir + "/x.log");
+  EXPECT_NE(x.code, 0) << args << "\n" << x.log;
+  for (const std::string& n : needles)
+    EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+}
+
 // The values of rows [a, b) of an [S, ...] array.
 std::vector<float> rows_of(const NpyArray& x, int64_t a, int64_t b) {
   const int64_t row = x.numel() / x.shape[0];
@@ -186,11 +197,7 @@ TEST(RunStage, ContractViolationsAreRefusedByName) {
   const std::string good = " --in hidden_states=" + h + " --in per_layer_inputs=" + slice;
 
   auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
-    const Result x =
-        cli("run-stage " + bundle() + " " + args + " --out " + dir + "/x", dir + "/x.log");
-    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
-    for (const std::string& n : needles)
-      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+    expect_refused(bundle(), dir, args, needles);
   };
   // Token ids given to a transformer stage: not in its contract.
   refused("layers_0_2" + good + " --in positions=" + p + " --in input_ids=" + ids,
@@ -311,11 +318,7 @@ TEST(RunStage, SavedCachesLetADecodeStepAndALaterPrefillChunkRunAlone) {
   const std::string pli = dir + "/step/pli_layers_0_2.npy";
   const std::string pos = dir + "/step/positions.npy";
   auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
-    const Result x =
-        cli("run-stage " + bundle() + " " + args + " --out " + dir + "/x", dir + "/x.log");
-    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
-    for (const std::string& n : needles)
-      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+    expect_refused(bundle(), dir, args, needles);
   };
   const std::string in0 = " --in hidden_states=" + emb + " --in per_layer_inputs=" + pli;
   refused(
@@ -450,10 +453,7 @@ TEST(RunStage, TheDrafterRunsADraftStepFromTheSavedCachesOfItsStage) {
   }
 
   auto refused = [&](const std::string& args, const std::vector<std::string>& needles) {
-    const Result x = cli("run-stage " + b + " " + args + " --out " + dir + "/x", dir + "/x.log");
-    EXPECT_NE(x.code, 0) << args << "\n" << x.log;
-    for (const std::string& n : needles)
-      EXPECT_NE(x.log.find(n), std::string::npos) << "'" << n << "' not in: " << x.log;
+    expect_refused(b, dir, args, needles);
   };
   const std::string in = " --in input_token=" + dir + "/token.npy --in target_hidden=" + dir +
                          "/hidden.npy --in position=" + dir + "/position.npy";
