@@ -140,7 +140,7 @@ struct RemoteFile {
   std::string path;
   std::string etag;  // the blob's name: sha256 for LFS files, else the git blob sha1
   uint64_t size = 0;
-  std::string url;  // where the content is: the CDN's signed URL, or the resolve URL itself
+  std::string url;          // where the content is: the CDN's signed URL, or the resolve URL itself
   std::string resolve_url;  // the Hub's URL for it, which redirects to a freshly signed one
 };
 
