@@ -55,7 +55,7 @@ void write_outputs(const TensorMap& outputs, const std::string& dir) {
 // cache group of the stage the drafter is placed with, and `position` must be the positions
 // they hold.
 int run_drafter_cmd(const RunStageArgs& a, const Model& model, const BundleManifest& m,
-                    TensorMap inputs) {
+                    TensorMap inputs, int64_t ctx) {
   const BundleDrafter& d = *m.drafter;
   if (!a.cache_out.empty())
     fail("stage '", d.id, "' is a drafter, which only reads KV caches; --cache-out is for ",
@@ -69,7 +69,6 @@ int run_drafter_cmd(const RunStageArgs& a, const Model& model, const BundleManif
     fail(a.model, ": the drafter is placed with stage '", d.placed_with, "', which this bundle ",
          "does not have");
   const auto drafter = open_bundle_drafter(a.model, m);
-  const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, model.max_context()) : model.max_context();
   const auto cache = load_stage_cache(*donor_stage, a.past, ctx);
   DraftContext dc;
   dc.target_embed = &model.embeddings_model().weights().embed_tokens;
@@ -112,23 +111,19 @@ int run_stage_cmd(const RunStageArgs& a) {
   const std::optional<BundleDrafter> no_drafter;
   const std::optional<BundleDrafter>& drafter = manifest ? manifest->drafter : no_drafter;
   const Stage* stage = model->find_stage(a.stage);
-  if (!stage && drafter && drafter->id == a.stage) {
-    TensorMap inputs;
-    for (const auto& [name, path] : files) inputs[name] = npy_to_host_tensor(load_npy(path), path);
-    return run_drafter_cmd(a, *model, *manifest, std::move(inputs));
-  }
-  if (!stage)
+  const bool is_drafter = !stage && drafter && drafter->id == a.stage;
+  if (!stage && !is_drafter)
     fail(a.model, ": no stage '", a.stage, "'; its stages are ", stage_list(*model, drafter));
-
-  const bool stateful = stage->role() == StageRole::TransformerLayers;
-  if (!stateful && (!a.past.empty() || !a.cache_out.empty()))
+  if (stage && stage->role() != StageRole::TransformerLayers &&
+      (!a.past.empty() || !a.cache_out.empty()))
     fail("stage '", a.stage, "' is a ", stage_role_name(stage->role()),
          " stage, which keeps no KV cache; --past and --cache-out are for transformer stages");
-
   TensorMap inputs;
   for (const auto& [name, path] : files) inputs[name] = npy_to_host_tensor(load_npy(path), path);
-  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const int64_t ctx = a.ctx > 0 ? std::min(a.ctx, model->max_context()) : model->max_context();
+  if (is_drafter) return run_drafter_cmd(a, *model, *manifest, std::move(inputs), ctx);
+
+  ThreadPool pool(a.threads > 0 ? a.threads : default_thread_count());
   const auto cache = !a.past.empty() ? load_stage_cache(*stage, a.past, ctx)
                                      : stage->new_cache(ctx, model->default_kv_type());
   // The rows this call appends to the cache: one per position.
